@@ -1,0 +1,43 @@
+"""sbpctl status: is the node up, what does it serve, and the metrics it keeps."""
+
+import json
+import socket
+
+from node.cli import CliError, split_endpoint
+
+
+def register(sub):
+    p = sub.add_parser("status", help="show a node's identity, listeners and metrics")
+    p.add_argument("--endpoint", default="127.0.0.1:7700", help="the node's SBP listener HOST:PORT (default 127.0.0.1:7700)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(func=run)
+
+
+def run(args):
+    host, port = split_endpoint(args.endpoint, 7700)
+    try:
+        from protocols.sbp.client import BlockingSbpClient
+    except ImportError:
+        BlockingSbpClient = None
+    if BlockingSbpClient is None or not hasattr(BlockingSbpClient, "status"):
+        try:
+            socket.create_connection((host, port), timeout=args.timeout).close()
+        except OSError as e:
+            raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
+        info = {"endpoint": "%s:%d" % (host, port), "reachable": True}
+    else:
+        try:
+            client = BlockingSbpClient(host, port, timeout=args.timeout)
+        except OSError as e:
+            raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
+        try:
+            info = client.status()
+        finally:
+            client.close()
+    if args.json:
+        print(json.dumps(info, sort_keys=True))
+    else:
+        for key in sorted(info):
+            print("%-20s %s" % (key, json.dumps(info[key]) if isinstance(info[key], (dict, list)) else info[key]))
+    return 0

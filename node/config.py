@@ -1,0 +1,110 @@
+"""The node's start options (CONTRACT §1), validated into one immutable NodeConfig."""
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from twisted.python import usage
+
+LISTENERS = ("sbp", "kv", "meta", "chunks", "swarm", "http")
+
+DEFAULT_ENDPOINTS = {
+    "sbp": "tcp:7700:interface=127.0.0.1",
+    "kv": "tcp:7701:interface=127.0.0.1",
+    "meta": "tcp:7702:interface=127.0.0.1",
+    "chunks": "tcp:7703:interface=127.0.0.1",
+    "swarm": "tcp:7704:interface=127.0.0.1",
+    "http": "tcp:7780:interface=127.0.0.1",
+}
+
+DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
+LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    data_dir: str = "./sbpnode-data"
+    node_id: Optional[int] = None  # None: random on first start, then persisted
+    sbp: Optional[str] = DEFAULT_ENDPOINTS["sbp"]
+    kv: Optional[str] = DEFAULT_ENDPOINTS["kv"]
+    meta: Optional[str] = DEFAULT_ENDPOINTS["meta"]
+    chunks: Optional[str] = DEFAULT_ENDPOINTS["chunks"]
+    swarm: Optional[str] = DEFAULT_ENDPOINTS["swarm"]
+    http: Optional[str] = DEFAULT_ENDPOINTS["http"]
+    peers: List[str] = field(default_factory=list)
+    fsync: object = None  # storage.FsyncPolicy
+    http_token: Optional[str] = None
+    http_tls_cert: Optional[str] = None
+    http_tls_key: Optional[str] = None
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+    ready_file: Optional[str] = None
+    log_level: str = "info"
+    replication_factor: int = 1
+    shutdown_timeout: float = 10.0
+
+    def endpoint(self, name: str) -> Optional[str]:
+        return getattr(self, name)
+
+
+def parse_endpoint(name: str, value: str) -> Optional[str]:
+    """CONTRACT §1: `none` turns a listener off; anything else must parse as a server endpoint."""
+    if value.strip().lower() == "none":
+        return None
+    from twisted.internet import endpoints, reactor
+
+    try:
+        endpoints.serverFromString(reactor, value)
+    except Exception as e:
+        raise usage.UsageError("--%s: %r is not a server endpoint string (%s)" % (name, value, e))
+    return value
+
+
+def parse_fsync(value: str):
+    from storage import FsyncPolicy
+
+    try:
+        return FsyncPolicy.parse(value)
+    except ValueError:
+        raise usage.UsageError(
+            "--fsync: %r is not a policy; allowed: always, interval:MS (MS a positive integer), never"
+            % value
+        )
+
+
+def parse_positive_int(option: str, value, upper: int = None) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise usage.UsageError("--%s: %r is not an integer" % (option, value))
+    if n < 1 or (upper is not None and n > upper):
+        bound = "1..%d" % upper if upper is not None else ">= 1"
+        raise usage.UsageError("--%s: %d is out of range (%s)" % (option, n, bound))
+    return n
+
+
+def from_options(opts) -> NodeConfig:
+    """Build a NodeConfig from validated twistd Options (node/tap.py)."""
+    node_id = opts["node-id"]
+    if node_id is not None:
+        node_id = parse_positive_int("node-id", node_id, 2**31 - 1)
+    level = opts["log-level"].lower()
+    if level not in LOG_LEVELS:
+        raise usage.UsageError("--log-level: %r is not one of %s" % (level, ", ".join(LOG_LEVELS)))
+    cert, key = opts["http-tls-cert"], opts["http-tls-key"]
+    if bool(cert) != bool(key):
+        raise usage.UsageError("--http-tls-cert and --http-tls-key go together")
+    return NodeConfig(
+        data_dir=os.path.abspath(opts["data-dir"]),
+        node_id=node_id,
+        peers=list(opts["peers"]),
+        fsync=parse_fsync(opts["fsync"]),
+        http_token=opts["http-token"],
+        http_tls_cert=cert,
+        http_tls_key=key,
+        max_batch_bytes=parse_positive_int("max-batch-bytes", opts["max-batch-bytes"], 16 * 1024 * 1024 - 64),
+        ready_file=os.path.abspath(opts["ready-file"]) if opts["ready-file"] else None,
+        log_level=level,
+        replication_factor=parse_positive_int("replication-factor", opts["replication-factor"], 16),
+        shutdown_timeout=float(opts["shutdown-timeout"]),
+        **{name: parse_endpoint(name, opts[name]) for name in LISTENERS},
+    )

@@ -1,0 +1,197 @@
+"""The node: one MultiService holding the store, one listener per protocol and one syncer per peer.
+
+Start-up order (privilegedStartService, before the reactor runs): lock the data dir, open the store,
+bind every listener (a bind failure exits non-zero with a one-line message). Once running, the
+ready file is written atomically. Shutdown (SIGTERM/SIGINT): stop accepting, run the protocols'
+shutdown hooks (SBP GOAWAY, parked FETCHes answered) with a bounded wait, stop peer syncers, close
+the store, remove the ready file.
+"""
+
+import json
+import os
+import sys
+
+from twisted.application import service
+from twisted.internet import defer, endpoints
+from twisted.logger import Logger
+
+from node import listeners
+from node.config import LISTENERS, NodeConfig
+from node.identity import NodeIdMismatch, load_or_create_node_id
+from node.lockfile import DataDirLock, DataDirLocked
+
+
+class NodeContext:
+    """What protocol code may see of the node: store, config, identity, addresses, hooks."""
+
+    def __init__(self, config: NodeConfig, reactor):
+        self.config = config
+        self.reactor = reactor
+        self.node_id = None
+        self.store = None
+        self.ports = {}  # listener name -> IListeningPort
+        self.metrics = {}
+        self._shutdown_hooks = []
+
+    def advertised(self, name: str):
+        port = self.ports.get(name)
+        if port is None:
+            return None
+        addr = port.getHost()
+        host = getattr(addr, "host", None)
+        if host in (None, "", "0.0.0.0", "::"):
+            host = "127.0.0.1"
+        return "%s:%d" % (host, addr.port) if ":" not in host else "[%s]:%d" % (host, addr.port)
+
+    def bound_port(self, name: str):
+        port = self.ports.get(name)
+        return port.getHost().port if port is not None else None
+
+    def on_shutdown(self, fn) -> None:
+        self._shutdown_hooks.append(fn)
+
+    def run_shutdown_hooks(self):
+        return defer.DeferredList(
+            [defer.maybeDeferred(fn) for fn in self._shutdown_hooks], consumeErrors=True
+        )
+
+
+class NodeService(service.MultiService):
+    log = Logger()
+
+    def __init__(self, config: NodeConfig, reactor=None):
+        super().__init__()
+        if reactor is None:
+            from twisted.internet import reactor
+        self.node = NodeContext(config, reactor)
+        self._lock = DataDirLock(config.data_dir) if config.data_dir else None
+        self._ready_written = False
+
+    @property
+    def config(self) -> NodeConfig:
+        return self.node.config
+
+    def prepare(self) -> None:
+        """Create and lock the data dir and learn the node id (called from makeService)."""
+        os.makedirs(self.config.data_dir, exist_ok=True)
+        try:
+            self._lock.acquire()
+            self.node.node_id = load_or_create_node_id(self.config.data_dir, self.config.node_id)
+        except (DataDirLocked, NodeIdMismatch) as e:
+            self._lock.release()
+            raise SystemExit("sbpnode: %s" % e)
+
+    def privilegedStartService(self):
+        from storage import Store
+
+        node = self.node
+        try:
+            node.store = Store.open(
+                os.path.join(self.config.data_dir, "store"),
+                fsync=self.config.fsync,
+                reactor=node.reactor,
+                node_id=node.node_id,
+            )
+        except Exception as e:
+            self.log.failure("could not open the store")
+            self._lock.release()
+            raise SystemExit("sbpnode: could not open the store in %s: %s" % (self.config.data_dir, e))
+        for name in LISTENERS:
+            description = self.config.endpoint(name)
+            if description is None:
+                continue
+            factory = listeners.build_factory(name, node)
+            result = endpoints.serverFromString(node.reactor, description).listen(factory)
+            failures = []
+            result.addCallbacks(lambda port, name=name: node.ports.__setitem__(name, port), failures.append)
+            if failures:
+                self._abort_start("cannot listen on --%s %s: %s" % (name, description, failures[0].value))
+            if name not in node.ports:
+                self._abort_start("listener --%s %s did not bind at start-up" % (name, description))
+        for peer in self.config.peers:
+            peer_service = listeners.build_peer_service(node, peer)
+            if peer_service is not None:
+                peer_service.setServiceParent(self)
+        super().privilegedStartService()
+
+    def _abort_start(self, message: str):
+        for port in self.node.ports.values():
+            port.stopListening()
+        self._lock.release()
+        raise SystemExit("sbpnode: " + message)
+
+    def startService(self):
+        super().startService()
+        for name in LISTENERS:
+            port = self.node.ports.get(name)
+            self.log.info(
+                "{listener} listening on {address}",
+                listener=name,
+                address=self.node.advertised(name) if port else "none (off)",
+            )
+        self._write_ready_file()
+        self.log.info("node {node_id} ready (data dir {data_dir})", node_id=self.node.node_id, data_dir=self.config.data_dir)
+
+    def _write_ready_file(self):
+        path = self.config.ready_file
+        if not path:
+            return
+        ready = {name: self.node.bound_port(name) for name in LISTENERS}
+        ready["node_id"] = self.node.node_id
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(ready, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._ready_written = True
+
+    @defer.inlineCallbacks
+    def stopService(self):
+        node = self.node
+        self.log.info("shutting down: no new connections")
+        yield defer.DeferredList([defer.maybeDeferred(p.stopListening) for p in node.ports.values()])
+        hooks = node.run_shutdown_hooks()
+        timeout = node.reactor.callLater(self.config.shutdown_timeout, hooks.cancel)
+        try:
+            yield hooks
+        except defer.CancelledError:
+            self.log.warn("shutdown hooks still running after {t}s; closing anyway", t=self.config.shutdown_timeout)
+        finally:
+            if timeout.active():
+                timeout.cancel()
+        yield super().stopService()
+        if node.store is not None:
+            yield node.store.close()
+            self.log.info("store closed cleanly")
+        if self._ready_written:
+            try:
+                os.remove(self.config.ready_file)
+            except FileNotFoundError:
+                pass
+        self._lock.release()
+
+
+def attach_log_level(node_service: NodeService, application, twistd_options) -> None:
+    """Honour --log-level by giving twistd's Application a filtering observer (twistd asks for an
+    ILogObserver component before building its own; we build the same file target it would)."""
+    from twisted.logger import (
+        FilteringLogObserver,
+        ILogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        textFileLogObserver,
+    )
+    from twisted.python import logfile
+
+    logfilename = (twistd_options or {}).get("logfile") if twistd_options is not None else None
+    nodaemon = bool((twistd_options or {}).get("nodaemon")) if twistd_options is not None else True
+    if logfilename == "-" or (nodaemon and not logfilename):
+        out = sys.stdout
+    else:
+        out = logfile.LogFile.fromFullPath(logfilename or "twistd.log")
+    level = LogLevel.levelWithName(node_service.config.log_level)
+    observer = FilteringLogObserver(
+        textFileLogObserver(out), [LogLevelFilterPredicate(defaultLogLevel=level)]
+    )
+    application.setComponent(ILogObserver, observer)

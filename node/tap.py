@@ -1,0 +1,66 @@
+"""`twistd sbpnode`: the start options of CONTRACT §1 and the service they build."""
+
+from twisted.python import usage
+
+from node import config as nodeconfig
+
+
+class Options(usage.Options):
+    synopsis = "[twistd options] sbpnode [options]"
+    longdesc = (
+        "Run one sbpnode: a storage node keeping one store in --data-dir and serving it over SBP, "
+        "key-value, Toasty metadata + chunks, swarm peer sync and the S2-compatible HTTP API. "
+        "Each listener takes a Twisted server endpoint string (tcp:0:interface=127.0.0.1 picks a "
+        "free port) or `none` to turn it off."
+    )
+    optParameters = [
+        ["data-dir", None, "./sbpnode-data", "All durable state of the node lives here."],
+        ["node-id", None, None, "This node's numeric id (positive int32). Default: random on first start, then persisted."],
+        ["sbp", None, nodeconfig.DEFAULT_ENDPOINTS["sbp"], "SBP listener (range server + placement driver)."],
+        ["kv", None, nodeconfig.DEFAULT_ENDPOINTS["kv"], "Primary_Partition key-value listener."],
+        ["meta", None, nodeconfig.DEFAULT_ENDPOINTS["meta"], "Toasty metadata-server listener."],
+        ["chunks", None, nodeconfig.DEFAULT_ENDPOINTS["chunks"], "Toasty chunk-server listener."],
+        ["swarm", None, nodeconfig.DEFAULT_ENDPOINTS["swarm"], "swarm stream! peer-sync listener."],
+        ["http", None, nodeconfig.DEFAULT_ENDPOINTS["http"], "S2-compatible records API (HTTP/1.1 and cleartext HTTP/2)."],
+        ["fsync", None, "always", "always (ack after fdatasync), interval:MS, or never."],
+        ["http-token", None, None, "Require 'Authorization: Bearer TOKEN' on the HTTP API."],
+        ["http-tls-cert", None, None, "PEM certificate: serve the HTTP API over TLS (HTTP/2 via ALPN)."],
+        ["http-tls-key", None, None, "PEM private key for --http-tls-cert."],
+        ["max-batch-bytes", None, str(nodeconfig.DEFAULT_MAX_BATCH_BYTES), "Largest record batch an APPEND entry may carry (1413 above it)."],
+        ["ready-file", None, None, "Write a JSON object of the bound ports here (atomically) once every listener is bound."],
+        ["log-level", None, "info", "Lowest log level written: debug, info, warn, error or critical."],
+        ["replication-factor", None, "1", "Copies of each Toasty chunk to ask for across chunk servers."],
+        ["shutdown-timeout", None, "10", "Seconds to let in-flight work finish on SIGTERM/SIGINT."],
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self["peers"] = []
+
+    def opt_peer(self, endpoint):
+        """Another node's swarm listener (client endpoint string, e.g.
+        tcp:host=127.0.0.1:port=7704) to sync from; repeatable."""
+        from twisted.internet import endpoints, reactor
+
+        try:
+            endpoints.clientFromString(reactor, endpoint)
+        except Exception as e:
+            raise usage.UsageError("--peer: %r is not a client endpoint string (%s)" % (endpoint, e))
+        self["peers"].append(endpoint)
+
+    def postOptions(self):
+        self.config = nodeconfig.from_options(self)
+
+
+def makeService(options):
+    from node.service import NodeService, attach_log_level
+
+    class _TwistdNodeService(NodeService):
+        def setServiceParent(self, parent):
+            super().setServiceParent(parent)
+            if hasattr(parent, "setComponent"):
+                attach_log_level(self, parent, getattr(options, "parent", None))
+
+    node_service = _TwistdNodeService(options.config)
+    node_service.prepare()
+    return node_service
