@@ -6,7 +6,7 @@ from node import config as nodeconfig
 
 
 class Options(usage.Options):
-    synopsis = "[twistd options] sbpnode [options]"
+    synopsis = "[options]"
     longdesc = (
         "Run one sbpnode: a storage node keeping one store in --data-dir and serving it over SBP, "
         "key-value, Toasty metadata + chunks, swarm peer sync and the S2-compatible HTTP API. "

@@ -1,0 +1,5 @@
+import sys
+
+from node.cli import main
+
+sys.exit(main())
