@@ -9,6 +9,7 @@ the store, remove the ready file.
 
 import json
 import os
+import signal
 import sys
 
 from twisted.application import service
@@ -122,6 +123,7 @@ class NodeService(service.MultiService):
 
     def startService(self):
         super().startService()
+        self.node.reactor.callWhenRunning(self._install_signal_handlers)
         for name in LISTENERS:
             port = self.node.ports.get(name)
             self.log.info(
@@ -131,6 +133,17 @@ class NodeService(service.MultiService):
             )
         self._write_ready_file()
         self.log.info("node {node_id} ready (data dir {data_dir})", node_id=self.node.node_id, data_dir=self.config.data_dir)
+
+    def _install_signal_handlers(self):
+        # CONTRACT §1: SIGTERM/SIGINT mean a clean shutdown that exits 0. twistd's own handlers
+        # re-raise the signal after stopping (exit status -15), so ours replace them once the
+        # reactor runs.
+        def stop(signum, frame):
+            self.log.info("received {signal}; stopping", signal=signal.Signals(signum).name)
+            self.node.reactor.callFromThread(self.node.reactor.stop)
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
 
     def _write_ready_file(self):
         path = self.config.ready_file

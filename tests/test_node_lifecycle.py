@@ -15,7 +15,7 @@ READY_KEYS = set(LISTENERS) | {"node_id"}
 
 
 def run_twistd(args, cwd, timeout=60):
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         twistd_command() + ["-n", "--pidfile=", "sbpnode"] + args,
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
