@@ -1,0 +1,521 @@
+"""The Primary_Partition key-value server (CONTRACT §4) over the node's store (``store.kv``).
+
+One ``KvServerProtocol`` per connection. It frames with a bytearray and a read offset, decodes
+each message with the codec, runs it against the store and queues the encoded reply. Replies leave
+in request order even though SET and REMOVE complete later (when durable): every executed request
+owns a slot in an ordered queue and the head of the queue is written as soon as it is ready.
+
+Per-connection sequential consistency: a read (GET, a scan, a cursor command) that arrives behind
+an un-acked write of the same connection waits until that write is durable, and a write behind such
+a waiting read waits too, so a pipelined ``SET k; GET k`` always sees its own write.
+"""
+
+import struct
+from collections import deque
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Factory, Protocol
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from protocols.partition import codec
+from protocols.partition.codec import (
+    CREATE_CURSOR,
+    DATA_NOT_FOUND,
+    DELETE_CURSOR,
+    E_CURSOR_NOT_FOUND,
+    E_MSG_TOO_SHORT,
+    E_UNKNOWN,
+    GET,
+    GET_FB,
+    GET_FF,
+    GET_KEYS,
+    GET_KEYS_PREFIX,
+    HEADER_LEN,
+    INVALID_COMMAND,
+    MAX_MESSAGE,
+    MIN_TOTAL_LEN,
+    OK,
+    REMOVE,
+    SET,
+)
+
+_U16 = struct.Struct(">H")
+_U64 = struct.Struct(">Q")
+_HEADER = codec.HEADER
+_GET_NOT_FOUND_TAIL = _U64.pack(0) + _U16.pack(DATA_NOT_FOUND)
+
+
+class _Position:
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+# CONTRACT §4: a cursor's position is BEGIN, a key, or END.
+BEGIN = _Position("BEGIN")
+END = _Position("END")
+
+# Elements of one scan reply stay under this many bytes so a reply is never larger than the
+# largest request (32 MiB); the first element always fits (a key <= 64 KiB, a value <= 16 MiB).
+SCAN_REPLY_BUDGET = MAX_MESSAGE - 70 * 1024
+# The first store fetch of a value scan is small so a page of huge values is not materialised
+# 1025 at a time; the following fetch is sized from the bytes seen.
+FIRST_VALUE_FETCH = 16
+MAX_CURSORS = 4096
+
+
+def _pair_key(e):
+    return e[0]
+
+
+def _pair_size(e):
+    return len(e[0]) + len(e[1]) + 6
+
+
+def _key_key(e):
+    return e
+
+
+def _key_size(e):
+    return len(e) + 2
+
+
+def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=None):
+    """Gather one scan page from ``fetch(start, limit)`` (store order, ``start`` inclusive, None =
+    from the open end).
+
+    Returns ``(entries, next_entry)``: at most ``count`` entries whose sizes fit the reply budget
+    (the first always), and the first entry not returned (None when the scan ran out). With
+    ``prefix``, the page ends at the first key without it, which is then the next entry.
+    """
+    out = []
+    nbytes = 0
+    limit = count + 1 if first_fetch is None else min(count + 1, first_fetch)
+    skip = None
+    while True:
+        batch = fetch(start, limit)
+        for e in batch:
+            k = key_of(e)
+            if skip is not None:
+                matched = k == skip
+                skip = None
+                if matched:
+                    continue
+            if prefix is not None and not k.startswith(prefix):
+                return out, e
+            if len(out) == count:
+                return out, e
+            size = size_of(e)
+            if out and nbytes + size > SCAN_REPLY_BUDGET:
+                return out, e
+            out.append(e)
+            nbytes += size
+        if len(batch) < limit:
+            return out, None
+        # The fetch was full: continue from its last key (inclusive, so skip it once).
+        start = skip = key_of(batch[-1])
+        remaining = count - len(out)
+        avg = max(1, nbytes // max(1, len(out)))
+        limit = max(2, min(remaining + 2, (SCAN_REPLY_BUDGET - nbytes) // avg + 2))
+
+
+@implementer(IPushProducer)
+class KvServerProtocol(Protocol):
+    log = Logger()
+    # Backpressure: stop reading once this many requests wait for execution or for their reply.
+    max_pending = 1024
+
+    def __init__(self, kv, metrics=None):
+        self.kv = kv
+        self.metrics = metrics if metrics is not None else {}
+        self._buf = bytearray()
+        self._pos = 0
+        self._cursors = {}
+        self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
+        self._slots = deque()  # executed requests whose reply is not yet written: [bytes|None]
+        self._unacked = 0  # writes issued to the store and not yet durable
+        self._out = []  # replies ready to write at the end of this turn
+        self._busy = False  # inside _process/_drain: writes are batched until it ends
+        self._closing = False  # stop reading; close once every queued reply is written
+        self._lost = False
+        self._budget_paused = False
+        self._write_paused = False
+        self._reading_paused = False
+        self._idle_waiters = []
+        self.peer = "?"
+
+    # -- connection --------------------------------------------------------------------------
+
+    def connectionMade(self):
+        try:
+            self.transport.setTcpNoDelay(True)
+        except Exception:
+            pass
+        peer = self.transport.getPeer()
+        self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
+        self.transport.registerProducer(self, True)
+        self.metrics["connections"] = self.metrics.get("connections", 0) + 1
+
+    def connectionLost(self, reason=None):
+        self._lost = True
+        # CONTRACT §4: cursors belong to the connection and vanish with it.
+        self._cursors.clear()
+        self._blocked.clear()
+        self._buf = bytearray()
+        self._pos = 0
+        self.metrics["connections"] = self.metrics.get("connections", 1) - 1
+        if self._unacked == 0:
+            self._fire_idle()
+
+    def _fire_idle(self):
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for d in waiters:
+            d.callback(None)
+        factory = getattr(self, "factory", None)
+        if self._lost and factory is not None:
+            factory.forget(self)
+
+    # IPushProducer: the transport's send buffer is full (or drained again).
+    def pauseProducing(self):
+        self._write_paused = True
+        self._update_reading()
+
+    def resumeProducing(self):
+        self._write_paused = False
+        self._update_reading()
+        if not self._lost and not self._reading_paused:
+            self._process()
+
+    def stopProducing(self):
+        pass
+
+    def _update_reading(self):
+        want_pause = self._write_paused or self._budget_paused or self._closing
+        if want_pause != self._reading_paused and not self._lost:
+            self._reading_paused = want_pause
+            if want_pause:
+                self.transport.pauseProducing()
+            elif not self._closing:
+                self.transport.resumeProducing()
+
+    # -- framing -----------------------------------------------------------------------------
+
+    def dataReceived(self, data):
+        if self._closing or self._lost:
+            return
+        self._buf += data
+        self._process()
+
+    def _process(self):
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            self._process_frames()
+        except Exception:
+            # Never let a bug turn into an exception out of dataReceived: drop the connection.
+            self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
+            self._closing = True
+            self._out.clear()
+            self.transport.abortConnection()
+            return
+        finally:
+            self._busy = False
+        self._flush()
+
+    def _process_frames(self):
+        buf = self._buf
+        pos = self._pos
+        n = len(buf)
+        u64 = _U64.unpack_from
+        handled = 0
+        while not self._closing:
+            if self._write_paused or len(self._slots) + len(self._blocked) >= self.max_pending:
+                if not self._write_paused:
+                    self._budget_paused = True
+                    self._update_reading()
+                break
+            avail = n - pos
+            if avail < 8:
+                break
+            (total,) = u64(buf, pos)
+            if total > MAX_MESSAGE:
+                # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
+                if avail < 16:
+                    break
+                (cid,) = u64(buf, pos + 8)
+                self.log.warn("kv peer {peer} sent total_len {total} over 32 MiB; closing", peer=self.peer, total=total)
+                self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
+                self._close_when_flushed()
+                pos = n
+                break
+            if total < MIN_TOTAL_LEN:
+                # CONTRACT §4: total_len < 8 closes the connection.
+                self.log.warn("kv peer {peer} sent total_len {total} < 8; closing", peer=self.peer, total=total)
+                self._close_when_flushed()
+                pos = n
+                break
+            if avail < total:
+                break
+            handled += 1
+            if total < HEADER_LEN:
+                cid = u64(buf, pos + 8)[0] if total >= 16 else 0
+                self.log.warn("kv peer {peer} sent a {total}-byte message (header is 26)", peer=self.peer, total=total)
+                self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
+            else:
+                try:
+                    req = codec.decode_request(buf, pos)
+                except codec.DecodeError as e:
+                    cid = u64(buf, pos + 8)[0]
+                    self.log.warn("kv peer {peer}: {reason}; ERR {code}", peer=self.peer, reason=e.reason, code=e.code)
+                    self._submit(codec.encode_error(cid, e.code))
+                else:
+                    self._submit(req)
+            pos += total
+        self.metrics["requests"] = self.metrics.get("requests", 0) + handled
+        if pos >= n:
+            buf.clear()
+            pos = 0
+        elif pos > 65536 and pos * 2 > n:
+            del buf[:pos]
+            pos = 0
+        self._pos = pos
+
+    # -- ordering ----------------------------------------------------------------------------
+
+    def _submit(self, req):
+        """Execute ``req`` now if nothing it must follow is outstanding, else queue it."""
+        if self._blocked:
+            self._blocked.append(req)
+        elif self._unacked and not (req.__class__ is bytes or req.cmd in (SET, REMOVE)):
+            self._blocked.append(req)
+        else:
+            self._execute(req)
+
+    def _push(self, reply: bytes):
+        if self._slots:
+            self._slots.append([reply])
+        else:
+            self._out.append(reply)
+
+    def _execute(self, req):
+        if req.__class__ is bytes:
+            self._push(req)
+            return
+        cmd = req.cmd
+        if cmd == GET:
+            self._push(self._get(req))
+        elif cmd == SET or cmd == REMOVE:
+            self._write(req)
+        elif cmd in codec.SCAN_COMMANDS:
+            self._push(self._scan(req))
+        elif cmd == CREATE_CURSOR:
+            self._push(self._create_cursor(req))
+        elif cmd == DELETE_CURSOR:
+            if self._cursors.pop(req.name, None) is None:
+                self._push(codec.encode_error(req.client_id, E_CURSOR_NOT_FOUND))
+            else:
+                self._push(codec.encode_status(req.client_id, OK))
+        else:
+            self.log.warn("kv peer {peer} sent unknown cmd {cmd}", peer=self.peer, cmd=cmd)
+            self._push(codec.encode_status(req.client_id, INVALID_COMMAND))
+
+    def _write(self, req):
+        cid = req.client_id
+        if req.cmd == SET:
+            if not req.key:
+                # CONTRACT §4: SET with an empty key -> ERR 0.
+                self._push(codec.encode_error(cid, E_UNKNOWN))
+                return
+            try:
+                d = self.kv.put(req.key, req.value)
+            except Exception as e:
+                self._push(self._store_error(cid, e))
+                return
+            ok = _HEADER.pack(HEADER_LEN, cid, 0, OK)
+            on_done = lambda _r: ok  # noqa: E731
+        else:
+            if not req.key:
+                # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
+                self._push(codec.encode_status(cid, DATA_NOT_FOUND))
+                return
+            try:
+                d = self.kv.delete(req.key)
+            except Exception as e:
+                self._push(self._store_error(cid, e))
+                return
+            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+            on_done = lambda existed: _HEADER.pack(HEADER_LEN, cid, 0, OK if existed else DATA_NOT_FOUND)  # noqa: E731
+        slot = [None]
+        self._slots.append(slot)
+        self._unacked += 1
+        d.addCallbacks(on_done, self._store_error_failure, errbackArgs=(cid,))
+        d.addCallback(self._write_done, slot)
+
+    def _store_error_failure(self, failure, cid):
+        return self._store_error(cid, failure.value)
+
+    def _store_error(self, cid, exc):
+        self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
+        return codec.encode_error(cid, E_UNKNOWN)
+
+    def _write_done(self, reply, slot):
+        slot[0] = reply
+        self._unacked -= 1
+        self._drain()
+
+    def _drain(self):
+        if self._lost:
+            if self._unacked == 0:
+                self._fire_idle()
+            return
+        was_busy = self._busy
+        self._busy = True
+        try:
+            blocked = self._blocked
+            while blocked:
+                head = blocked[0]
+                if self._unacked and not (head.__class__ is bytes or head.cmd in (SET, REMOVE)):
+                    break
+                blocked.popleft()
+                self._execute(head)
+            slots = self._slots
+            while slots and slots[0][0] is not None:
+                self._out.append(slots.popleft()[0])
+        finally:
+            self._busy = was_busy
+        if self._unacked == 0:
+            self._fire_idle()
+        if not was_busy:
+            self._flush()
+            if self._budget_paused and len(self._slots) + len(self._blocked) < self.max_pending // 2:
+                self._budget_paused = False
+                self._update_reading()
+                if not self._reading_paused:
+                    self._process()
+
+    def _flush(self):
+        out = self._out
+        if out and not self._lost:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+        if self._closing and not self._slots and not self._blocked and not self._lost:
+            self.transport.unregisterProducer()
+            self.transport.loseConnection()
+
+    def _close_when_flushed(self):
+        self._closing = True
+        self._update_reading()
+
+    def whenIdle(self):
+        """A Deferred that fires once no write of this connection is waiting to be durable."""
+        if self._unacked == 0:
+            return defer.succeed(None)
+        d = defer.Deferred()
+        self._idle_waiters.append(d)
+        return d
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def _get(self, req):
+        cid = req.client_id
+        if not req.key:
+            return codec.encode_status(cid, DATA_NOT_FOUND)
+        try:
+            value = self.kv.get(req.key)
+        except Exception as e:
+            return self._store_error(cid, e)
+        if value is None:
+            return codec.encode_status(cid, DATA_NOT_FOUND)
+        return codec.encode_get_reply(cid, req.key, value)
+
+    def _create_cursor(self, req):
+        if req.name not in self._cursors and len(self._cursors) >= MAX_CURSORS:
+            self.log.warn("kv peer {peer} has {n} cursors; refusing another", peer=self.peer, n=len(self._cursors))
+            return codec.encode_error(req.client_id, E_UNKNOWN)
+        # CONTRACT §4: empty start key = BEGIN; creating an existing name resets it.
+        self._cursors[req.name] = req.start_key or BEGIN
+        return codec.encode_status(req.client_id, OK)
+
+    def _scan(self, req):
+        cid = req.client_id
+        name = req.name
+        position = self._cursors.get(name)
+        if position is None:
+            return codec.encode_error(cid, E_CURSOR_NOT_FOUND)
+        if req.next_key:
+            position = req.next_key  # CONTRACT §4: a non-empty NextKey says where to start
+        cmd = req.cmd
+        kv = self.kv
+        try:
+            if cmd == GET_FB:
+                if position is BEGIN:
+                    entries, nxt = [], None
+                else:
+                    entries, nxt = collect_page(
+                        kv.scan_backward, None if position is END else position, req.count,
+                        _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH,
+                    )
+                    entries.reverse()  # each page is returned in ascending order
+                new_position = BEGIN if nxt is None else nxt[0]
+                items = entries
+            elif position is END:
+                items, new_position = [], END
+            else:
+                start = None if position is BEGIN else position
+                if cmd == GET_FF:
+                    items, nxt = collect_page(
+                        kv.scan_forward, start, req.count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH
+                    )
+                    new_position = END if nxt is None else nxt[0]
+                else:
+                    prefix = None
+                    if cmd == GET_KEYS_PREFIX:
+                        prefix = req.prefix
+                        # CONTRACT §4: forward from max(position, prefix).
+                        if start is None or start < prefix:
+                            start = prefix or None
+                    keys, nxt = collect_page(kv.scan_keys, start, req.count, _key_key, _key_size, prefix=prefix or None)
+                    new_position = END if nxt is None else nxt
+                    items = [(k, None) for k in keys]
+        except Exception as e:
+            return self._store_error(cid, e)
+        self._cursors[name] = new_position
+        next_key = new_position if new_position.__class__ is bytes else b""
+        return codec.encode_scan_reply(cid, items, cmd in codec.VALUE_SCANS, next_key, name)
+
+
+class KvServerFactory(Factory):
+    protocol = KvServerProtocol
+    log = Logger()
+
+    def __init__(self, kv, metrics=None):
+        self.kv = kv
+        self.metrics = metrics if metrics is not None else {}
+        self.connections = set()
+
+    def buildProtocol(self, addr):
+        p = KvServerProtocol(self.kv, self.metrics)
+        p.factory = self
+        self.connections.add(p)
+        return p
+
+    def forget(self, p):
+        self.connections.discard(p)
+
+    def when_idle(self):
+        """Fires once every connection's in-flight writes are durable (the shutdown hook)."""
+        return defer.DeferredList([p.whenIdle() for p in list(self.connections)])
+
+
+def build_factory(node):
+    metrics = node.metrics.setdefault("kv", {})
+    factory = KvServerFactory(node.store.kv, metrics)
+    node.on_shutdown(factory.when_idle)
+    return factory

@@ -1,0 +1,452 @@
+"""KvServerProtocol units over StringTransport: framing, ordering, cursors, limits, backpressure.
+
+The store here is an in-memory double of ``store.kv``'s API whose writes complete when the test
+says so (the only way to make durable acks arrive out of order); the real store is exercised in
+tests/test_kv_integration.py.
+"""
+
+import bisect
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.internet import defer
+from twisted.internet.testing import StringTransport
+
+from protocols.partition import codec as c
+from protocols.partition.server import KvServerFactory
+
+
+class MemoryKv:
+    """store.kv's API over a sorted list. With ``manual=True`` writes wait in ``self.pending``."""
+
+    def __init__(self, manual=False):
+        self.keys = []
+        self.data = {}
+        self.manual = manual
+        self.pending = []  # (deferred, apply)
+
+    def get(self, key):
+        return self.data.get(key)
+
+    def _apply_put(self, key, value):
+        if key not in self.data:
+            bisect.insort(self.keys, key)
+        self.data[key] = value
+
+    def _apply_delete(self, key):
+        if key in self.data:
+            del self.data[key]
+            self.keys.remove(key)
+            return True
+        return False
+
+    def _later(self, apply):
+        if not self.manual:
+            return defer.succeed(apply())
+        d = defer.Deferred()
+        self.pending.append((d, apply))
+        return d
+
+    def put(self, key, value):
+        return self._later(lambda: self._apply_put(key, value))
+
+    def delete(self, key):
+        return self._later(lambda: self._apply_delete(key))
+
+    def complete(self, index=0):
+        d, apply = self.pending.pop(index)
+        d.callback(apply())
+
+    def complete_all_reversed(self):
+        # apply in call order (the store orders writes), acknowledge in reverse
+        results = [(d, apply()) for d, apply in self.pending]
+        self.pending = []
+        for d, r in reversed(results):
+            d.callback(r)
+
+    def scan_forward(self, start, limit):
+        i = 0 if start is None else bisect.bisect_left(self.keys, start)
+        return [(k, self.data[k]) for k in self.keys[i : i + limit]]
+
+    def scan_backward(self, start, limit):
+        i = len(self.keys) if start is None else bisect.bisect_right(self.keys, start)
+        return [(k, self.data[k]) for k in reversed(self.keys[max(0, i - limit) : i])]
+
+    def scan_keys(self, start, limit, prefix=None):
+        i = 0 if start is None else bisect.bisect_left(self.keys, start)
+        out = []
+        for k in self.keys[i:]:
+            if len(out) == limit:
+                break
+            if prefix is None or k.startswith(prefix):
+                out.append(k)
+        return out
+
+
+def connect(kv):
+    factory = KvServerFactory(kv)
+    proto = factory.buildProtocol(None)
+    tr = StringTransport()
+    proto.makeConnection(tr)
+    return proto, tr
+
+
+def replies(tr, request_cmds):
+    """Decode everything written so far as replies to ``request_cmds`` (in order)."""
+    data = tr.value()
+    tr.clear()
+    out = []
+    pos = 0
+    for cmd in request_cmds:
+        (total,) = struct.unpack_from(">Q", data, pos)
+        out.append(c.decode_reply(data, cmd, pos))
+        pos += total
+    assert pos == len(data), "unexpected extra bytes"
+    return out
+
+
+def feed(proto, data, step=None):
+    if step is None:
+        proto.dataReceived(data)
+    else:
+        for i in range(0, len(data), step):
+            proto.dataReceived(data[i : i + step])
+
+
+@pytest.mark.parametrize("step", [None, 1, 7])
+def test_set_get_remove(step):
+    kv = MemoryKv()
+    proto, tr = connect(kv)
+    wire = (
+        c.encode_set(1, b"k", b"v")
+        + c.encode_get(2, b"k")
+        + c.encode_remove(3, b"k")
+        + c.encode_get(4, b"k")
+        + c.encode_remove(5, b"k")
+    )
+    feed(proto, wire, step)
+    r = replies(tr, [c.SET, c.GET, c.REMOVE, c.GET, c.REMOVE])
+    assert [x.client_id for x in r] == [1, 2, 3, 4, 5]
+    assert [x.cmd for x in r] == [c.OK, c.OK, c.OK, c.DATA_NOT_FOUND, c.DATA_NOT_FOUND]
+    assert r[1].items == [(b"k", b"v")]
+    assert tr.value() == b"" and tr.connected
+
+
+def test_empty_key_rules():
+    proto, tr = connect(MemoryKv())
+    proto.dataReceived(c.encode_set(1, b"", b"v") + c.encode_get(2, b"") + c.encode_remove(3, b""))
+    r = replies(tr, [c.SET, c.GET, c.REMOVE])
+    assert (r[0].cmd, r[0].error_code) == (c.ERR, c.E_UNKNOWN)
+    assert r[1].cmd == r[2].cmd == c.DATA_NOT_FOUND
+
+
+def test_replies_in_order_when_acks_arrive_out_of_order():
+    kv = MemoryKv(manual=True)
+    proto, tr = connect(kv)
+    proto.dataReceived(
+        c.encode_set(1, b"a", b"1")
+        + c.encode_set(2, b"b", b"2")
+        + c.encode_get(3, b"a")  # must see its own connection's earlier SET
+        + c.encode_remove(4, b"a")
+        + c.encode_get(5, b"b")
+    )
+    assert tr.value() == b""
+    kv.complete_all_reversed()  # the two SETs, acked in reverse
+    # the GET ran once both were durable; the REMOVE went out after it
+    assert len(kv.pending) == 1
+    r = replies(tr, [c.SET, c.SET, c.GET])
+    assert [x.client_id for x in r] == [1, 2, 3] and r[2].items == [(b"a", b"1")]
+    kv.complete()
+    r = replies(tr, [c.REMOVE, c.GET])
+    assert [(x.client_id, x.cmd) for x in r] == [(4, c.OK), (5, c.OK)]
+
+
+def test_sync_replies_before_a_pending_write_are_sent_at_once():
+    kv = MemoryKv(manual=True)
+    kv._apply_put(b"x", b"1")
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_get(1, b"x") + c.encode_set(2, b"y", b"2") + c.encode_get(3, b"y"))
+    assert [x.client_id for x in replies(tr, [c.GET])] == [1]
+    kv.complete()
+    r = replies(tr, [c.SET, c.GET])
+    assert r[1].items == [(b"y", b"2")]
+
+
+def test_invalid_command_and_short_messages_keep_the_connection_in_sync():
+    proto, tr = connect(MemoryKv())
+    wire = (
+        struct.pack(">QQQH", 26, 1, 0, 0)  # OK is not a request
+        + struct.pack(">QQQH", 26, 2, 0, 99)
+        + struct.pack(">QQQH", 29, 3, 1, 2) + b"\x00\x05k"  # key runs past total_len
+        + struct.pack(">QQ", 20, 4) + b"\x00" * 4  # total_len 20 < 26: ERR 3, client_id echoed
+        + struct.pack(">Q", 12) + b"\x00" * 4  # total_len 12: ERR 3 with client_id 0
+        + c.encode_scan(c.GET_FF, 5, 0, b"c")  # count 0
+        + c.encode_scan(c.GET_FF, 6, 2000, b"c")  # count 2000
+        + c.encode_scan(c.GET_FF, 7, 10, b"nope")  # unknown cursor
+        + c.encode_delete_cursor(8, b"nope")
+        + struct.pack(">QQQH", 34, 9, 1, 2) + b"\x00\x01k" + b"trailer"  # trailing bytes ignored
+    )
+    feed(proto, wire, 3)
+    r = replies(tr, [0, 99, c.GET, c.GET, c.GET, c.GET_FF, c.GET_FF, c.GET_FF, c.DELETE_CURSOR, c.GET])
+    got = [(x.client_id, x.cmd, x.error_code) for x in r]
+    assert got == [
+        (1, c.INVALID_COMMAND, None),
+        (2, c.INVALID_COMMAND, None),
+        (3, c.ERR, c.E_MSG_TOO_SHORT),
+        (4, c.ERR, c.E_MSG_TOO_SHORT),
+        (0, c.ERR, c.E_MSG_TOO_SHORT),
+        (5, c.ERR, c.E_TOO_MANY_ELEMENTS),
+        (6, c.ERR, c.E_TOO_MANY_ELEMENTS),
+        (7, c.ERR, c.E_CURSOR_NOT_FOUND),
+        (8, c.ERR, c.E_CURSOR_NOT_FOUND),
+        (9, c.DATA_NOT_FOUND, None),
+    ]
+    assert tr.connected
+
+
+def test_huge_total_len_is_refused_before_buffering_and_closes():
+    proto, tr = connect(MemoryKv())
+    proto.dataReceived(c.encode_get(1, b"k"))
+    # a claimed 1 TB message: ERR 3 echoing client_id as soon as 16 bytes are in, then close
+    proto.dataReceived(struct.pack(">Q", 10**12))
+    proto.dataReceived(struct.pack(">Q", 42)[:4])
+    assert replies(tr, [c.GET])[0].client_id == 1
+    proto.dataReceived(struct.pack(">Q", 42)[4:] + b"\x00" * 100)
+    r = replies(tr, [c.GET])
+    assert (r[0].client_id, r[0].cmd, r[0].error_code) == (42, c.ERR, c.E_MSG_TOO_SHORT)
+    assert tr.disconnecting
+    proto.dataReceived(c.encode_get(2, b"k"))  # ignored after the refusal
+    assert tr.value() == b""
+
+
+def test_limit_is_32_mib_exactly():
+    proto, tr = connect(MemoryKv())
+    # total_len of exactly 32 MiB is accepted (buffered), one byte more is refused
+    proto.dataReceived(struct.pack(">QQ", 32 * 1024 * 1024, 1))
+    assert tr.value() == b"" and not tr.disconnecting
+    proto2, tr2 = connect(MemoryKv())
+    proto2.dataReceived(struct.pack(">QQ", 32 * 1024 * 1024 + 1, 1))
+    assert replies(tr2, [c.GET])[0].error_code == c.E_MSG_TOO_SHORT and tr2.disconnecting
+
+
+def test_total_len_below_8_closes_after_earlier_replies():
+    kv = MemoryKv(manual=True)
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_set(1, b"a", b"1") + struct.pack(">Q", 3) + b"zzzzz")
+    assert not tr.disconnecting
+    kv.complete()
+    assert replies(tr, [c.SET])[0].client_id == 1
+    assert tr.disconnecting
+
+
+def test_values_up_to_16_mib():
+    proto, tr = connect(MemoryKv())
+    big = b"v" * (16 * 1024 * 1024)
+    feed(proto, c.encode_set(1, b"big", big) + c.encode_get(2, b"big"), 1 << 20)
+    r = replies(tr, [c.SET, c.GET])
+    assert r[0].cmd == c.OK and r[1].items == [(b"big", big)]
+    proto.dataReceived(c.encode_set(3, b"big2", big + b"x"))
+    r = replies(tr, [c.SET])
+    assert (r[0].cmd, r[0].error_code) == (c.ERR, c.E_UNKNOWN)
+
+
+# -- cursors and scans --------------------------------------------------------------------------
+
+
+def fill(kv, keys):
+    for k in keys:
+        kv._apply_put(k, b"v" + k)
+
+
+def scan_all(proto, tr, cmd, name=b"c", count=3, prefix=b""):
+    pages = []
+    while True:
+        proto.dataReceived(c.encode_scan(cmd, 1, count, name, b"", prefix))
+        (r,) = replies(tr, [cmd])
+        assert r.cmd == c.OK, r
+        if not r.items:
+            return pages
+        pages.append(r)
+
+
+KEYS = sorted({bytes([b]) + s for b in (0x00, 0x1F, 0x20, 0x41, 0x7F, 0x80, 0xC0, 0xFF) for s in (b"", b"a", b"b\x00", b"zz")})
+
+
+def test_full_forward_scan_each_key_once_and_jump_bit():
+    kv = MemoryKv()
+    fill(kv, KEYS)
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_create_cursor(1, b"c"))
+    assert replies(tr, [c.CREATE_CURSOR])[0].cmd == c.OK
+    pages = scan_all(proto, tr, c.GET_FF, count=5)
+    got = [k for p in pages for k, _ in p.items]
+    assert got == KEYS
+    for p in pages:
+        assert [v for _, v in p.items] == [b"v" + k for k, _ in p.items]
+        parts = {c.partition_of(k) for k, _ in p.items}
+        assert p.jumped == (len(parts) > 1)
+        assert p.count == len(p.items)
+    assert any(p.jumped for p in pages) and not all(p.jumped for p in pages)
+    # the footer is the next position: the first key of the next page, empty at the end
+    for a, b in zip(pages, pages[1:]):
+        assert a.next_key == b.items[0][0]
+    assert pages[-1].next_key == b""
+    # repeated FF at END returns nothing
+    assert scan_all(proto, tr, c.GET_FF) == []
+
+
+def test_full_backward_scan_pages_ascending():
+    kv = MemoryKv()
+    fill(kv, KEYS)
+    proto, tr = connect(kv)
+    # FB from BEGIN gives nothing; from END (after a full forward scan) starts at the last key
+    proto.dataReceived(c.encode_create_cursor(1, b"c"))
+    replies(tr, [c.CREATE_CURSOR])
+    assert scan_all(proto, tr, c.GET_FB) == []
+    scan_all(proto, tr, c.GET_FF, count=1024)
+    pages = scan_all(proto, tr, c.GET_FB, count=4)
+    for p in pages:
+        assert [k for k, _ in p.items] == sorted(k for k, _ in p.items)
+    got = [k for p in reversed(pages) for k, _ in p.items]
+    assert got == KEYS
+    assert pages[0].items[-1][0] == KEYS[-1]
+    assert pages[-1].next_key == b""
+
+
+def test_boundary_is_inclusive_and_next_key_overrides():
+    kv = MemoryKv()
+    fill(kv, [b"a", b"b", b"c", b"d"])
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_create_cursor(1, b"x", b"b"))
+    proto.dataReceived(c.encode_scan(c.GET_FF, 2, 2, b"x"))
+    proto.dataReceived(c.encode_scan(c.GET_FB, 3, 1, b"x"))  # FB from "d" inclusive
+    proto.dataReceived(c.encode_scan(c.GET_KEYS, 4, 10, b"x", b"bb"))  # start at "bb"
+    proto.dataReceived(c.encode_scan(c.GET_FB, 5, 10, b"x", b"b"))
+    r = replies(tr, [c.CREATE_CURSOR, c.GET_FF, c.GET_FB, c.GET_KEYS, c.GET_FB])
+    assert r[1].items == [(b"b", b"vb"), (b"c", b"vc")] and r[1].next_key == b"d"
+    assert r[2].items == [(b"d", b"vd")] and r[2].next_key == b"c"
+    assert r[3].items == [(b"c", None), (b"d", None)] and r[3].next_key == b""
+    assert r[4].items == [(b"a", b"va"), (b"b", b"vb")] and r[4].next_key == b""
+
+
+def test_prefix_scan():
+    kv = MemoryKv()
+    fill(kv, [b"a", b"pa", b"pb", b"pc", b"pd", b"q", b"r"])
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_create_cursor(1, b"c"))
+    replies(tr, [c.CREATE_CURSOR])
+    pages = scan_all(proto, tr, c.GET_KEYS_PREFIX, count=3, prefix=b"p")
+    assert [[k for k, _ in p.items] for p in pages] == [[b"pa", b"pb", b"pc"], [b"pd"]]
+    assert pages[0].next_key == b"pd" and pages[1].next_key == b"q"  # stopped at the first non-match
+
+
+def test_cursors_are_independent_reset_and_deleted():
+    kv = MemoryKv()
+    fill(kv, [b"a", b"b", b"c"])
+    proto, tr = connect(kv)
+    proto.dataReceived(
+        c.encode_create_cursor(1, b"x")
+        + c.encode_create_cursor(2, b"y", b"c")
+        + c.encode_scan(c.GET_KEYS, 3, 1, b"x")
+        + c.encode_scan(c.GET_KEYS, 4, 1, b"y")
+        + c.encode_scan(c.GET_KEYS, 5, 1, b"x")
+        + c.encode_create_cursor(6, b"x")  # re-create resets
+        + c.encode_scan(c.GET_KEYS, 7, 1, b"x")
+        + c.encode_delete_cursor(8, b"x")
+        + c.encode_scan(c.GET_KEYS, 9, 1, b"x")
+    )
+    r = replies(tr, [9, 9, 4, 4, 4, 9, 4, 10, 4])
+    assert [x.items for x in (r[2], r[3], r[4], r[6])] == [[(b"a", None)], [(b"c", None)], [(b"b", None)], [(b"a", None)]]
+    assert r[7].cmd == c.OK and (r[8].cmd, r[8].error_code) == (c.ERR, c.E_CURSOR_NOT_FOUND)
+    # a new connection does not see the first one's cursors
+    proto2, tr2 = connect(kv)
+    proto2.dataReceived(c.encode_scan(c.GET_KEYS, 1, 1, b"y"))
+    assert replies(tr2, [4])[0].error_code == c.E_CURSOR_NOT_FOUND
+
+
+def test_scan_reply_is_bounded_by_bytes():
+    kv = MemoryKv()
+    big = b"x" * (8 * 1024 * 1024)
+    for i in range(6):
+        kv._apply_put(bytes([0x40 + i]), big)
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_create_cursor(1, b"c"))
+    replies(tr, [9])
+    pages = scan_all(proto, tr, c.GET_FF, count=1024)
+    assert [len(p.items) for p in pages] == [3, 3]
+    assert sum(len(p.items) for p in pages) == 6
+
+
+# -- backpressure ----------------------------------------------------------------------------
+
+
+def test_pending_budget_pauses_and_resumes_reading():
+    kv = MemoryKv(manual=True)
+    proto, tr = connect(kv)
+    proto.max_pending = 4
+    proto.dataReceived(b"".join(c.encode_set(i, b"k%d" % i, b"v") for i in range(10)))
+    assert tr.producerState == "paused"
+    assert len(kv.pending) == 4  # the rest stays in the buffer, unparsed
+    while kv.pending:
+        kv.complete()
+        assert len(kv.pending) <= 4
+    assert tr.producerState == "producing"
+    r = replies(tr, [c.SET] * 10)
+    assert [x.client_id for x in r] == list(range(10))
+
+
+def test_write_side_backpressure_stops_processing():
+    proto, tr = connect(MemoryKv())
+    proto.pauseProducing()  # the transport's send buffer is full
+    proto.dataReceived(c.encode_get(1, b"k"))
+    assert tr.value() == b"" and tr.producerState == "paused"
+    proto.resumeProducing()
+    assert replies(tr, [c.GET])[0].client_id == 1
+
+
+# -- fuzz -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=60), max_size=20), st.integers(1, 17))
+def test_garbage_never_crashes(chunks, step):
+    kv = MemoryKv()
+    fill(kv, [b"a", b"b"])
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_create_cursor(0, b""))
+    data = b"".join(chunks)
+    for i in range(0, len(data), step):
+        proto.dataReceived(data[i : i + step])
+    # whatever was written parses as a sequence of whole messages
+    out = tr.value()
+    pos = 0
+    while pos < len(out):
+        (total,) = struct.unpack_from(">Q", out, pos)
+        assert total >= 26
+        pos += total
+    assert pos == len(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([c.GET_FF, c.GET_FB, c.GET_KEYS]), st.integers(1, 6)), max_size=12))
+def test_scan_sequences_never_skip_or_repeat_in_one_direction(ops):
+    kv = MemoryKv()
+    fill(kv, KEYS)
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_create_cursor(0, b"c"))
+    replies(tr, [9])
+    last_dir = None
+    prev_next = None
+    for cmd, count in ops:
+        proto.dataReceived(c.encode_scan(cmd, 1, count, b"c"))
+        (r,) = replies(tr, [cmd])
+        keys = [k for k, _ in r.items]
+        assert keys == sorted(keys) and len(keys) <= count
+        direction = "b" if cmd == c.GET_FB else "f"
+        if keys and prev_next and direction == last_dir:
+            # consecutive pages in one direction continue exactly at the previous footer
+            assert (keys[0] if direction == "f" else keys[-1]) == prev_next
+        prev_next = r.next_key
+        last_dir = direction
