@@ -1,0 +1,381 @@
+"""Swarm stream! server and syncer units: StringTransport + task.Clock over an in-memory store."""
+
+import hashlib
+
+import pytest
+from twisted.internet import task
+from twisted.internet.testing import StringTransport
+
+from protocols.swarm import codec, server, syncer
+from protocols.swarm.codec import (
+    ID,
+    BatchDone,
+    ChunkDelivery,
+    GetRange,
+    OfferedHashes,
+    StreamDescriptor,
+    StreamInfoReq,
+    StreamInfoRes,
+    StreamState,
+    WantedHashes,
+)
+from storage import record_batch
+from tests.swarm_memstore import FakeNode
+
+C = codec.CHUNKS_ID
+
+
+def sha(b):
+    return hashlib.sha256(b).digest()
+
+
+class Wire:
+    """One protocol instance on a StringTransport; decodes what it wrote."""
+
+    def __init__(self, proto):
+        self.proto = proto
+        self.t = StringTransport()
+        self.reader = codec.FrameReader()
+        proto.makeConnection(self.t)
+
+    def feed(self, *msgs):
+        self.proto.dataReceived(b"".join(codec.encode(m) for m in msgs))
+
+    def out(self):
+        data = self.t.value()
+        self.t.clear()
+        return [codec.decode_body(b) for b in self.reader.feed(data)]
+
+
+@pytest.fixture
+def clock():
+    return task.Clock()
+
+
+@pytest.fixture
+def node(clock):
+    return FakeNode(clock, node_id=1)
+
+
+@pytest.fixture
+def srv(node, clock):
+    factory = server.build_factory(node)
+    factory.clock = clock
+    return Wire(factory.buildProtocol(None))
+
+
+def put_chunks(node, n, size=64, tag=b"c"):
+    out = []
+    for i in range(n):
+        data = (tag + b"%d-" % i) * (size // 4)
+        node.store.chunks.put(data)
+        out.append(sha(data))
+    return out
+
+
+def make_batch(i, n=1):
+    return record_batch.encode([(1000 + i, [(b"h", b"v")], b"body-%d-%d" % (i, j)) for j in range(n)])
+
+
+# ---------------------------------------------------------------------------------------------
+# server
+
+
+def test_stream_info(node, srv):
+    put_chunks(node, 3)
+    sid = node.store.log.create_stream().result.stream_id
+    node.store.log.append(sid, make_batch(0, 3))
+    node.store.log.append(sid, make_batch(1, 2))
+    srv.feed(StreamInfoReq([C, codec.ALL_LOGS_ID, ID("LOG", "77"), ID("NOPE", ""), ID("LOG", "x")]))
+    [res] = srv.out()
+    # LOG index = base offset + 1: batches at 0 and 3 -> cursor 4; unknown IDs are left out
+    assert res == StreamInfoRes([StreamDescriptor(C, 3, False), StreamDescriptor(ID("LOG", str(sid)), 4, False)])
+
+
+def test_bounded_roundtrip(node, srv):
+    addrs = put_chunks(node, 5)
+    srv.feed(GetRange(7, C, 2, 4, 100, True))
+    [offer] = srv.out()
+    assert offer == OfferedHashes(7, 4, b"".join(addrs[1:4]))
+    srv.feed(WantedHashes(7, codec.bitvector_encode([True, False, True])))
+    msgs = srv.out()
+    assert msgs[-1] == BatchDone(7, 4)
+    delivered = [c for m in msgs[:-1] for c in m.chunks]
+    assert delivered == [(addrs[1], node.store.chunks.data[addrs[1]]), (addrs[3], node.store.chunks.data[addrs[3]])]
+    assert msgs[0].last_index == 4
+
+
+def test_empty_want_answered_at_once_and_no_stuck_stream(node, srv):
+    put_chunks(node, 3)
+    srv.feed(GetRange(1, C, 1, 3, 10, True))
+    srv.out()
+    srv.feed(WantedHashes(1, b""))
+    assert srv.out() == [BatchDone(1, 3)]
+    # the swarm bug: an empty batch left the stream's key set; ours accepts the next request
+    srv.feed(GetRange(2, C, 10, 20, 10, True))
+    assert srv.out() == [BatchDone(2, 20)]  # CONTRACT §6: bounded and empty -> last = to at once
+    srv.feed(GetRange(3, C, 1, 2, 10, True))
+    assert isinstance(srv.out()[0], OfferedHashes)
+
+
+def test_batch_size_clamped_and_last_is_top_index(node, srv):
+    addrs = put_chunks(node, 1030, size=8)
+    srv.feed(GetRange(1, C, 1, None, 0, False))  # 0 -> 1
+    msgs = srv.out()
+    assert msgs == [ChunkDelivery(1, 1, [(addrs[0], node.store.chunks.data[addrs[0]])]), BatchDone(1, 1)]
+    srv.feed(GetRange(2, C, 1, None, 5000, True))  # 5000 -> 1024
+    [offer] = srv.out()
+    assert len(offer.hashes) == 32 * 1024 and offer.last_index == 1024
+    srv.feed(WantedHashes(2, b""))
+    assert srv.out() == [BatchDone(2, 1024)]
+    # bounded, batch full: last = the last item's index, not `to`
+    srv.feed(GetRange(3, C, 1, 1030, 10, True))
+    assert srv.out()[0].last_index == 10
+
+
+def test_no_roundtrip_in_index_order(node, srv):
+    addrs = put_chunks(node, 40)
+    srv.feed(GetRange(5, C, 3, 30, 1024, False))
+    msgs = srv.out()
+    assert msgs[-1] == BatchDone(5, 30)
+    got = [a for m in msgs[:-1] for a, _ in m.chunks]
+    assert got == addrs[2:30]
+
+
+def test_unbounded_waits_at_head(node, srv, clock):
+    put_chunks(node, 2)
+    srv.feed(GetRange(1, C, 3, None, 10, True))
+    assert srv.out() == []  # parked, no timeout
+    addrs = put_chunks(node, 2, tag=b"new")
+    clock.advance(0)
+    [offer] = srv.out()
+    assert offer == OfferedHashes(1, 4, b"".join(addrs))
+
+
+def test_stream_state_codes(node, srv):
+    put_chunks(node, 2)
+    srv.feed(GetRange(1, C, 0, 5, 10, True))
+    srv.feed(GetRange(2, C, 6, 5, 10, True))
+    srv.feed(GetRange(3, ID("LOG", "12345"), 1, None, 10, True))
+    srv.feed(GetRange(4, ID("FOO", ""), 1, None, 10, True))
+    assert [m.code_ for m in srv.out()] == [3, 3, 2, 2]
+    srv.feed(GetRange(5, C, 1, 2, 10, True))
+    srv.feed(GetRange(6, C, 1, 2, 10, True))  # same stream, batch open
+    msgs = srv.out()
+    assert isinstance(msgs[0], OfferedHashes)
+    assert msgs[1] == StreamState(C, 4, "batch in progress")
+
+
+def test_offer_expires(node, srv, clock):
+    put_chunks(node, 2)
+    srv.feed(GetRange(1, C, 1, 2, 10, True))
+    srv.out()
+    clock.advance(server.OFFER_TIMEOUT + 1)
+    srv.feed(WantedHashes(1, b"\x03"))
+    assert srv.out() == [BatchDone(1, 0)]  # unknown/expired offer: answered, nothing covered
+    srv.feed(GetRange(2, C, 1, 2, 10, True))
+    assert isinstance(srv.out()[0], OfferedHashes)
+
+
+def test_log_provider(node, srv, clock):
+    sid = node.store.log.create_stream().result.stream_id
+    for i in range(4):
+        node.store.log.append(sid, make_batch(i, 2))  # bases 0, 2, 4, 6 -> indexes 1, 3, 5, 7
+    stored = [b for _, _, b in node.store.log.s[sid].batches]
+    lid = ID("LOG", str(sid))
+    srv.feed(GetRange(1, lid, 2, None, 2, True))  # from index 2: batches at 2 and 4
+    [offer] = srv.out()
+    assert offer == OfferedHashes(1, 5, sha(stored[1]) + sha(stored[2]))
+    srv.feed(WantedHashes(1, b"\x02"))
+    assert srv.out() == [ChunkDelivery(1, 5, [(sha(stored[2]), stored[2])]), BatchDone(1, 5)]
+    srv.feed(GetRange(2, lid, 8, None, 10, False))
+    assert srv.out() == []
+    node.store.log.append(sid, make_batch(9))
+    clock.advance(0)
+    [d, done] = srv.out()
+    assert d.chunks[0][1][1:9] == (8).to_bytes(8, "big") and done == BatchDone(2, 9)
+
+
+def test_bad_frames_close(node, srv):
+    srv.proto.dataReceived(b"\x00\x00\x00\x02\xc1\xc1")
+    assert srv.t.disconnecting
+    w = Wire(srv.proto.factory.buildProtocol(None))
+    w.proto.dataReceived((16 * 1024 * 1024 + 1).to_bytes(4, "big"))
+    assert w.t.disconnecting or getattr(w.t, "disconnected", False)
+
+
+def test_shutdown_answers_parked(node, srv):
+    srv.feed(GetRange(1, C, 1, None, 10, True))
+    assert srv.out() == []
+    for hook in node.hooks:
+        hook()
+    assert srv.out() == [StreamState(C, 1, "stream became bounded")]
+
+
+# ---------------------------------------------------------------------------------------------
+# syncer (client)
+
+
+def client(node, clock, **kw):
+    svc = syncer.PeerSyncService(node, "tcp:host=10.0.0.9:port=7704", clock=clock, endpoint=object(), **kw)
+    return svc, Wire(syncer.SyncFactory(svc).buildProtocol(None))
+
+
+def chunk(i):
+    data = b"chunk-%d" % i * 10
+    return sha(data), data
+
+
+def test_client_pulls_only_wanted_and_persists(node, clock):
+    svc, w = client(node, clock)
+    assert w.out() == [StreamInfoReq([C, codec.ALL_LOGS_ID])]
+    held = chunk(1)
+    node.store.chunks.put(held[1])
+    w.feed(StreamInfoRes([StreamDescriptor(C, 3, False)]))
+    [req] = w.out()
+    assert (req.stream, req.from_, req.to, req.roundtrip) == (C, 1, 3, True)
+    items = [chunk(0), held, chunk(2)]
+    w.feed(OfferedHashes(req.ruid, 3, b"".join(a for a, _ in items)))
+    assert w.out() == [WantedHashes(req.ruid, b"\x05")]
+    w.feed(ChunkDelivery(req.ruid, 3, [items[0], items[2]]), BatchDone(req.ruid, 3))
+    [nxt] = w.out()
+    assert (nxt.from_, nxt.to) == (4, None)  # caught up: unbounded at the head
+    for a, _ in items:
+        assert node.store.chunks.has(a)
+    assert {items[0][0], items[2][0]} <= node.store.chunks.pinned
+    key = b"10.0.0.9:7704|CHUNKS|"
+    assert node.store.meta.tables["swarm_iv"][key] == [[1, 3]]
+    assert node.metrics["peers"]["10.0.0.9:7704"]["items"] == 2
+
+    # a new connection (restart) resumes from the persisted intervals
+    svc2, w2 = client(node, clock)
+    w2.out()
+    w2.feed(StreamInfoRes([StreamDescriptor(C, 5, False)]))
+    [req2] = w2.out()
+    assert (req2.from_, req2.to) == (4, 5)
+
+
+@pytest.mark.parametrize("bad", ["hash", "unsolicited"])
+def test_client_drops_bad_peer_and_stores_nothing(node, clock, bad):
+    svc, w = client(node, clock)
+    w.out()
+    w.feed(StreamInfoRes([StreamDescriptor(C, 2, False)]))
+    [req] = w.out()
+    a0, d0 = chunk(0)
+    a1, d1 = chunk(1)
+    w.feed(OfferedHashes(req.ruid, 2, a0 + a1))
+    assert w.out() == [WantedHashes(req.ruid, b"\x03")]
+    if bad == "hash":
+        w.feed(ChunkDelivery(req.ruid, 2, [(a0, d0 + b"x")]))
+    else:
+        other = chunk(9)
+        w.feed(ChunkDelivery(req.ruid, 2, [other]))
+    assert w.t.disconnecting or w.proto.dead
+    assert node.store.chunks.last_seq() == 0
+    assert "swarm_iv" not in node.store.meta.tables
+
+
+def test_client_drops_silent_peer(node, clock):
+    svc, w = client(node, clock, timeout=5.0, info_interval=1.0)
+    w.out()
+    for _ in range(4):
+        clock.advance(1.0)
+    assert not w.proto.dead
+    clock.advance(2.0)
+    assert w.proto.dead  # StreamInfoReq unanswered past the timeout
+
+
+def test_client_idle_at_head_is_not_silent(node, clock):
+    svc, w = client(node, clock, timeout=5.0, info_interval=1.0)
+    w.out()
+    for _ in range(20):
+        w.feed(StreamInfoRes([StreamDescriptor(C, 0, False)]))
+        clock.advance(1.0)
+    assert not w.proto.dead
+    msgs = w.out()
+    reqs = [m for m in msgs if isinstance(m, GetRange)]
+    assert len(reqs) == 1 and reqs[0].to is None  # one parked unbounded request, never duplicated
+
+
+def test_client_replicates_log_and_skips_own_streams(node, clock):
+    svc, w = client(node, clock)
+    w.out()
+    foreign = (2 << 32) | 1
+    own = (1 << 32) | 5
+    w.feed(StreamInfoRes([StreamDescriptor(ID("LOG", str(own)), 3, False), StreamDescriptor(ID("LOG", str(foreign)), 3, False)]))
+    [req] = w.out()
+    assert req.stream == ID("LOG", str(foreign)) and (req.from_, req.to) == (1, 3)
+    b0 = record_batch.with_base_offset(make_batch(0, 2), 0)
+    b1 = record_batch.with_base_offset(make_batch(1, 1), 2)
+    w.feed(OfferedHashes(req.ruid, 3, sha(b0) + sha(b1)))
+    assert w.out() == [WantedHashes(req.ruid, b"\x03")]
+    # out of order delivery is reordered before appending
+    w.feed(ChunkDelivery(req.ruid, 3, [(sha(b1), b1)]), ChunkDelivery(req.ruid, 1, [(sha(b0), b0)]), BatchDone(req.ruid, 3))
+    meta = node.store.log.stream(foreign)
+    assert meta.origin == "10.0.0.9:7704" and meta.next_offset == 3
+    assert [b for _, _, b in meta.batches] == [b0, b1]
+    [nxt] = w.out()
+    assert (nxt.from_, nxt.to) == (4, None)
+
+
+def test_client_drops_peer_sending_non_batch_on_log(node, clock):
+    svc, w = client(node, clock)
+    w.out()
+    sid = (2 << 32) | 1
+    w.feed(StreamInfoRes([StreamDescriptor(ID("LOG", str(sid)), 1, False)]))
+    [req] = w.out()
+    junk = b"not a batch"
+    w.feed(OfferedHashes(req.ruid, 1, sha(junk)))
+    w.out()
+    w.feed(ChunkDelivery(req.ruid, 1, [(sha(junk), junk)]))
+    assert w.proto.dead
+    assert sid not in node.store.log.s
+
+
+def test_client_retries_after_batch_in_progress(node, clock):
+    svc, w = client(node, clock)
+    w.out()
+    w.feed(StreamInfoRes([StreamDescriptor(C, 2, False)]))
+    [req] = w.out()
+    w.feed(StreamState(C, 4, "batch in progress"))
+    assert w.out() == []
+    clock.advance(syncer.RETRY_DELAY)
+    msgs = [m for m in w.out() if isinstance(m, GetRange)]
+    assert len(msgs) == 1 and msgs[0].from_ == 1
+
+
+def test_server_and_client_end_to_end_in_memory(clock):
+    """A syncer against a server over two StringTransports: 3000 chunks, then live ones."""
+    a = FakeNode(clock, node_id=1)
+    b = FakeNode(clock, node_id=2)
+    put_chunks(a, 3000, size=32)
+    factory = server.build_factory(a)
+    factory.clock = clock
+    s = Wire(factory.buildProtocol(None))
+    svc, c = client(b, clock)
+
+    def pump():
+        for _ in range(1000):
+            x, y = c.t.value(), s.t.value()
+            if not x and not y:
+                return
+            c.t.clear()
+            s.t.clear()
+            if x:
+                s.proto.dataReceived(x)
+            if y:
+                c.proto.dataReceived(y)
+
+    pump()
+    assert b.store.chunks.last_seq() == 3000
+    put_chunks(a, 5, tag=b"live")
+    clock.advance(0)
+    pump()
+    assert b.store.chunks.last_seq() == 3005
+    assert set(b.store.chunks.data) == set(a.store.chunks.data)
+    assert node_lag(b) == 0
+
+
+def node_lag(node):
+    clockless = node.metrics["peers"]["10.0.0.9:7704"]
+    return clockless["lag"]
