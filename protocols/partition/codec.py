@@ -379,17 +379,51 @@ def decode_reply(buf, request_cmd: int, pos: int = 0) -> Reply:
             return reply
         if request_cmd in SCAN_COMMANDS:
             n = num_elems & 0xFFFFFFFF & ~JUMP_FLAG
-            with_values = request_cmd in VALUE_SCANS
-            items = reply.items
-            for _ in range(n):
-                key = r.u16_bytes("key")
-                items.append((key, _read_value(r) if with_values else None))
+            p = pos + HEADER_LEN
+            if n * 2 > end - p:
+                raise ReplyError("%d elements cannot fit in total_len %d" % (n, total_len))
+            reply.items, r.pos = _scan_elements(buf, p, end, n, request_cmd in VALUE_SCANS)
             reply.next_key = r.u16_bytes("next key")
             reply.cursor = r.u8_bytes("cursor name")
             return reply
         return reply
     except DecodeError as e:
         raise ReplyError(e.reason)
+
+
+def _scan_elements(buf, p, end, n, with_values):
+    """The ``n`` elements of a scan reply from ``buf[p:end]`` -> (items, position after them)."""
+    items = []
+    append = items.append
+    u16 = _U16.unpack_from
+    u32 = _U32.unpack_from
+    with memoryview(buf) as mv:
+        try:
+            if with_values:
+                for _ in range(n):
+                    (kl,) = u16(mv, p)
+                    p += 2
+                    k = bytes(mv[p : p + kl])
+                    p += kl
+                    (vl,) = u32(mv, p)
+                    p += 4
+                    append((k, bytes(mv[p : p + vl])))
+                    p += vl
+                    if p > end:
+                        break
+            else:
+                for _ in range(n):
+                    (kl,) = u16(mv, p)
+                    p += 2
+                    append((bytes(mv[p : p + kl]), None))
+                    p += kl
+                    if p > end:
+                        break
+        except struct.error:
+            p = end + 1
+    if p > end:
+        raise ReplyError("scan elements run past total_len")
+    return items, p
 
 
 def _read_value(r: _Reader) -> bytes:

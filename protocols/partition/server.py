@@ -17,6 +17,7 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from protocols.partition import codec
@@ -30,7 +31,6 @@ from protocols.partition.codec import (
     GET,
     GET_FB,
     GET_FF,
-    GET_KEYS,
     GET_KEYS_PREFIX,
     HEADER_LEN,
     INVALID_COMMAND,
@@ -44,7 +44,11 @@ from protocols.partition.codec import (
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _HEADER = codec.HEADER
-_GET_NOT_FOUND_TAIL = _U64.pack(0) + _U16.pack(DATA_NOT_FOUND)
+_HEADER_KEYLEN = struct.Struct(">QQQHH").unpack_from
+_GET_REPLY_HEAD = struct.Struct(">QQQHH").pack
+_U32_PACK = struct.Struct(">I").pack
+_U32_FROM = struct.Struct(">I").unpack_from
+MAX_VALUE = codec.MAX_VALUE
 
 
 class _Position:
@@ -235,6 +239,9 @@ class KvServerProtocol(Protocol):
         n = len(buf)
         u64 = _U64.unpack_from
         handled = 0
+        kv_get = self.kv.get
+        slots = self._slots
+        out_append = self._out.append
         while not self._closing:
             if self._write_paused or len(self._slots) + len(self._blocked) >= self.max_pending:
                 if not self._write_paused:
@@ -264,6 +271,33 @@ class KvServerProtocol(Protocol):
             if avail < total:
                 break
             handled += 1
+            if total >= 28:
+                # Fast paths for the hot commands (same rules as the codec, no request object).
+                _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
+                if cmd == GET and klen and 28 + klen <= total and not self._blocked and not self._unacked:
+                    key = bytes(buf[pos + 28 : pos + 28 + klen])
+                    try:
+                        value = kv_get(key)
+                    except Exception as e:
+                        reply = self._store_error(cid, e)
+                    else:
+                        if value is None:
+                            reply = _HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND)
+                        else:
+                            reply = b"".join((_GET_REPLY_HEAD(32 + klen + len(value), cid, 1, OK, klen), key, _U32_PACK(len(value)), value))
+                    if slots:
+                        slots.append([reply])
+                    else:
+                        out_append(reply)
+                    pos += total
+                    continue
+                if cmd == SET and klen and 32 + klen <= total and not self._blocked:
+                    (vlen,) = _U32_FROM(buf, pos + 28 + klen)
+                    vstart = pos + 32 + klen
+                    if vlen <= MAX_VALUE and vstart + vlen <= pos + total:
+                        self._put(cid, bytes(buf[pos + 28 : pos + 28 + klen]), bytes(buf[vstart : vstart + vlen]))
+                        pos += total
+                        continue
             if total < HEADER_LEN:
                 cid = u64(buf, pos + 8)[0] if total >= 16 else 0
                 self.log.warn("kv peer {peer} sent a {total}-byte message (header is 26)", peer=self.peer, total=total)
@@ -329,46 +363,57 @@ class KvServerProtocol(Protocol):
     def _write(self, req):
         cid = req.client_id
         if req.cmd == SET:
-            if not req.key:
-                # CONTRACT §4: SET with an empty key -> ERR 0.
-                self._push(codec.encode_error(cid, E_UNKNOWN))
-                return
-            try:
-                d = self.kv.put(req.key, req.value)
-            except Exception as e:
-                self._push(self._store_error(cid, e))
-                return
-            ok = _HEADER.pack(HEADER_LEN, cid, 0, OK)
-            on_done = lambda _r: ok  # noqa: E731
-        else:
-            if not req.key:
-                # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
-                self._push(codec.encode_status(cid, DATA_NOT_FOUND))
-                return
-            try:
-                d = self.kv.delete(req.key)
-            except Exception as e:
-                self._push(self._store_error(cid, e))
-                return
-            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
-            on_done = lambda existed: _HEADER.pack(HEADER_LEN, cid, 0, OK if existed else DATA_NOT_FOUND)  # noqa: E731
+            self._put(cid, req.key, req.value)
+            return
+        if not req.key:
+            # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
+            self._push(codec.encode_status(cid, DATA_NOT_FOUND))
+            return
+        try:
+            d = self.kv.delete(req.key)
+        except Exception as e:
+            self._push(self._store_error(cid, e))
+            return
         slot = [None]
         self._slots.append(slot)
         self._unacked += 1
-        d.addCallbacks(on_done, self._store_error_failure, errbackArgs=(cid,))
-        d.addCallback(self._write_done, slot)
+        d.addBoth(self._remove_done, slot, cid)
 
-    def _store_error_failure(self, failure, cid):
-        return self._store_error(cid, failure.value)
+    def _put(self, cid, key, value):
+        if not key:
+            # CONTRACT §4: SET with an empty key -> ERR 0.
+            self._push(codec.encode_error(cid, E_UNKNOWN))
+            return
+        try:
+            d = self.kv.put(key, value)
+        except Exception as e:
+            self._push(self._store_error(cid, e))
+            return
+        slot = [None]
+        self._slots.append(slot)
+        self._unacked += 1
+        d.addBoth(self._set_done, slot, cid)
+
+    def _set_done(self, result, slot, cid):
+        if isinstance(result, Failure):
+            slot[0] = self._store_error(cid, result.value)
+        else:
+            slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK)
+        self._unacked -= 1
+        self._drain()
+
+    def _remove_done(self, result, slot, cid):
+        if isinstance(result, Failure):
+            slot[0] = self._store_error(cid, result.value)
+        else:
+            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+            slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK if result else DATA_NOT_FOUND)
+        self._unacked -= 1
+        self._drain()
 
     def _store_error(self, cid, exc):
         self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
         return codec.encode_error(cid, E_UNKNOWN)
-
-    def _write_done(self, reply, slot):
-        slot[0] = reply
-        self._unacked -= 1
-        self._drain()
 
     def _drain(self):
         if self._lost:

@@ -1,0 +1,356 @@
+"""Key-value benchmark: sbpnode's Primary_Partition protocol side by side with Redis, in one run.
+
+    python bench/kv_bench.py [--keys 1000000] [--depth 64] [--value-size 100] [--fsync never]
+
+Starts a node (only the kv listener, on a free loopback port) and Debian's redis-server (on a free
+loopback port, no persistence unless --durable), then for each side with one pre-encoded,
+pipelined load generator on one connection (``--depth`` requests in flight):
+
+  SET   every key once (100-byte values)       ops/s and latency percentiles
+  GET   every key once                          ops/s and latency percentiles
+  SCAN  a full scan: GET_FF pages of 1024 vs Redis SCAN COUNT 1024 + MGET; keys/s
+
+and prints both sides and the ratios (sbpnode / Redis). ``--durable`` runs the node with
+``--fsync always`` and Redis with ``appendonly yes, appendfsync always``.
+
+Keys are 8 bytes, a bijective scramble of the index, so they spread over all 8 partitions.
+"""
+
+import argparse
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from protocols.partition import codec  # noqa: E402
+from tests.nodeproc import NodeProcess  # noqa: E402
+
+MASK = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # odd, so i -> i * GOLDEN mod 2**64 is a bijection
+
+
+def make_keys(n):
+    pack = struct.Struct(">Q").pack
+    return [pack((i * GOLDEN) & MASK) for i in range(n)]
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def connect(port):
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def percentile(samples, q):
+    """samples: sorted list of (latency, weight)."""
+    total = sum(w for _, w in samples)
+    acc = 0
+    for lat, w in samples:
+        acc += w
+        if acc >= q * total:
+            return lat
+    return samples[-1][0] if samples else 0.0
+
+
+def pipelined(sock, requests, reply_len, depth, chunk=16):
+    """Send pre-encoded ``requests`` keeping ``depth`` in flight; every reply is ``reply_len``
+    bytes. Returns (seconds, latency samples). Requests go out in groups of ``chunk``; each
+    group's latency (send -> its last reply) is one sample weighted by its size."""
+    n = len(requests)
+    target = n * reply_len
+    got = 0
+    sent = 0
+    inflight = []  # (end index, t_sent)
+    head = 0
+    samples = []
+    recv = sock.recv
+    perf = time.perf_counter
+    t0 = perf()
+    while sent < min(depth, n):
+        end = min(sent + chunk, depth, n)
+        sock.sendall(b"".join(requests[sent:end]))
+        inflight.append((end, perf()))
+        sent = end
+    last_tail = b""
+    while got < target:
+        data = recv(1 << 20)
+        if not data:
+            raise RuntimeError("server closed the connection")
+        got += len(data)
+        last_tail = (last_tail + data)[-reply_len:]
+        done = got // reply_len
+        now = perf()
+        while head < len(inflight) and inflight[head][0] <= done:
+            end, ts = inflight[head]
+            prev = inflight[head - 1][0] if head else 0
+            samples.append((now - ts, end - prev))
+            head += 1
+        while sent < n and sent - done < depth:
+            end = min(sent + chunk, done + depth, n)
+            sock.sendall(b"".join(requests[sent:end]))
+            inflight.append((end, perf()))
+            sent = end
+    elapsed = perf() - t0
+    if got != target:
+        raise RuntimeError("reply bytes %d != expected %d (an error reply?)" % (got, target))
+    samples.sort()
+    return elapsed, samples, last_tail
+
+
+# -- sbpnode side ---------------------------------------------------------------------------------
+
+
+def kv_requests_set(keys, value):
+    enc = codec.encode_set
+    return [enc(i, k, value) for i, k in enumerate(keys)]
+
+
+def kv_requests_get(keys):
+    enc = codec.encode_get
+    return [enc(i, k) for i, k in enumerate(keys)]
+
+
+def kv_full_scan(port, page):
+    sock = connect(port)
+    buf = bytearray()
+
+    def call(cmd, req):
+        nonlocal buf
+        sock.sendall(req)
+        while True:
+            if len(buf) >= 8:
+                (total,) = struct.unpack_from(">Q", buf)
+                if len(buf) >= total:
+                    reply = codec.decode_reply(buf, cmd)
+                    del buf[:total]
+                    return reply
+            buf += sock.recv(1 << 20)
+
+    t0 = time.perf_counter()
+    r = call(codec.CREATE_CURSOR, codec.encode_create_cursor(1, b"bench"))
+    assert r.cmd == codec.OK
+    req = codec.encode_scan(codec.GET_FF, 2, page, b"bench")
+    n = 0
+    pages = 0
+    jumps = 0
+    last = None
+    while True:
+        r = call(codec.GET_FF, req)
+        assert r.cmd == codec.OK, r
+        items = r.items
+        if items:
+            if last is not None:
+                assert items[0][0] > last
+            last = items[-1][0]
+            n += len(items)
+            pages += 1
+            jumps += r.jumped
+        if not items or not r.next_key:
+            break
+    elapsed = time.perf_counter() - t0
+    sock.close()
+    return n, elapsed, pages, jumps
+
+
+# -- Redis side -----------------------------------------------------------------------------------
+
+
+def resp(*args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+class RespReader:
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()
+        self.pos = 0
+
+    def _fill(self):
+        data = self.sock.recv(1 << 20)
+        if not data:
+            raise RuntimeError("redis closed the connection")
+        if self.pos:
+            del self.buf[: self.pos]
+            self.pos = 0
+        self.buf += data
+
+    def _line(self):
+        while True:
+            i = self.buf.find(b"\r\n", self.pos)
+            if i >= 0:
+                line = bytes(self.buf[self.pos : i])
+                self.pos = i + 2
+                return line
+            self._fill()
+
+    def read(self):
+        line = self._line()
+        t = line[:1]
+        if t == b"+":
+            return line[1:]
+        if t == b"-":
+            raise RuntimeError(line.decode())
+        if t == b":":
+            return int(line[1:])
+        if t == b"$":
+            n = int(line[1:])
+            if n < 0:
+                return None
+            while len(self.buf) - self.pos < n + 2:
+                self._fill()
+            v = bytes(self.buf[self.pos : self.pos + n])
+            self.pos += n + 2
+            return v
+        if t == b"*":
+            return [self.read() for _ in range(int(line[1:]))]
+        raise RuntimeError("bad RESP line %r" % line)
+
+
+def redis_full_scan(port, page):
+    sock = connect(port)
+    rd = RespReader(sock)
+    t0 = time.perf_counter()
+    cursor = b"0"
+    n = 0
+    pages = 0
+    count = str(page).encode()
+    while True:
+        sock.sendall(resp(b"SCAN", cursor, b"COUNT", count))
+        cursor, keys = rd.read()
+        if keys:
+            sock.sendall(resp(b"MGET", *keys))
+            values = rd.read()
+            items = list(zip(keys, values))
+            n += len(items)
+            pages += 1
+        if cursor == b"0":
+            break
+    elapsed = time.perf_counter() - t0
+    sock.close()
+    return n, elapsed, pages
+
+
+def start_redis(workdir, durable):
+    port = free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "", "--daemonize", "no", "--protected-mode", "no"]
+    if durable:
+        args += ["--appendonly", "yes", "--appendfsync", "always"]
+    else:
+        args += ["--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            s = connect(port)
+            s.sendall(resp(b"PING"))
+            if RespReader(s).read() == b"PONG":
+                s.close()
+                return proc, port
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.05)
+
+
+def fmt_lat(samples):
+    return "p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms" % tuple(percentile(samples, q) * 1000 for q in (0.5, 0.99, 0.999))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--depth", type=int, default=64)
+    ap.add_argument("--value-size", type=int, default=100)
+    ap.add_argument("--page", type=int, default=1024)
+    ap.add_argument("--durable", action="store_true", help="node --fsync always vs redis appendfsync always")
+    ap.add_argument("--fsync", default=None, help="node fsync policy (default: never, or always with --durable)")
+    ap.add_argument("--only", choices=["kv", "redis"], default=None, help="run one side only")
+    args = ap.parse_args(argv)
+    fsync = args.fsync or ("always" if args.durable else "never")
+
+    value = os.urandom(args.value_size)
+    keys = make_keys(args.keys)
+    print("kv_bench: %d keys, %d-byte values, depth %d, page %d, node fsync=%s, redis %s"
+          % (args.keys, args.value_size, args.depth, args.page, fsync, "appendfsync always" if args.durable else "no persistence"))
+    results = {}
+    tmp = tempfile.mkdtemp(prefix="kv-bench-")
+    node = redis = None
+    try:
+        if args.only != "redis":
+            node = NodeProcess(tmp, name="bench", fsync=fsync, sbp="none", meta="none", chunks="none", swarm="none", http="none").start()
+            port = node.ports["kv"]
+            sets = kv_requests_set(keys, value)
+            sock = connect(port)
+            el, lat, tail = pipelined(sock, sets, codec.HEADER_LEN, args.depth)
+            assert tail == codec.encode_status(len(keys) - 1, codec.OK), tail
+            del sets
+            results[("kv", "set")] = (args.keys / el, lat)
+            print("sbpnode SET  %10.0f ops/s  %s" % (args.keys / el, fmt_lat(lat)))
+            gets = kv_requests_get(keys)
+            reply_len = codec.HEADER_LEN + 6 + 8 + args.value_size
+            el, lat, tail = pipelined(sock, gets, reply_len, args.depth)
+            assert tail == codec.encode_get_reply(len(keys) - 1, keys[-1], value), tail
+            del gets
+            sock.close()
+            results[("kv", "get")] = (args.keys / el, lat)
+            print("sbpnode GET  %10.0f ops/s  %s" % (args.keys / el, fmt_lat(lat)))
+            n, el, pages, jumps = kv_full_scan(port, args.page)
+            assert n == args.keys, (n, args.keys)
+            results[("kv", "scan")] = (n / el, None)
+            print("sbpnode SCAN %10.0f keys/s (%d keys, %d GET_FF pages, %d with the jump bit, %.2f s)" % (n / el, n, pages, jumps, el))
+            node.terminate()
+            node = None
+        if args.only != "kv":
+            redis, rport = start_redis(tmp, args.durable)
+            sets = [resp(b"SET", k, value) for k in keys]
+            sock = connect(rport)
+            el, lat, tail = pipelined(sock, sets, 5, args.depth)
+            assert tail == b"+OK\r\n"
+            del sets
+            results[("redis", "set")] = (args.keys / el, lat)
+            print("redis   SET  %10.0f ops/s  %s" % (args.keys / el, fmt_lat(lat)))
+            gets = [resp(b"GET", k) for k in keys]
+            el, lat, tail = pipelined(sock, gets, len(b"$%d\r\n" % args.value_size) + args.value_size + 2, args.depth)
+            assert tail.endswith(value + b"\r\n")
+            del gets
+            sock.close()
+            results[("redis", "get")] = (args.keys / el, lat)
+            print("redis   GET  %10.0f ops/s  %s" % (args.keys / el, fmt_lat(lat)))
+            n, el, pages = redis_full_scan(rport, args.page)
+            results[("redis", "scan")] = (n / el, None)
+            print("redis   SCAN %10.0f keys/s (%d keys, %d SCAN+MGET pages, %.2f s)" % (n / el, n, pages, el))
+    finally:
+        if node is not None:
+            node.kill9()
+        if redis is not None:
+            redis.kill()
+            redis.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.only is None:
+        print()
+        print("ratio sbpnode/redis:  SET %.2fx (target >= 0.5)  GET %.2fx (target >= 0.5)  SCAN %.2fx (target >= 1)" % tuple(
+            results[("kv", op)][0] / results[("redis", op)][0] for op in ("set", "get", "scan")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
