@@ -1,0 +1,217 @@
+"""Swarm peer-sync benchmark: an empty node pulls everything from a full one over loopback.
+
+    python bench/swarm_bench.py                      # 10,000 chunks of 4 KiB, then 100 MiB of log
+    python bench/swarm_bench.py --chunks 2000 --log-mib 10
+
+Node A is filled offline (the store opened directly on its data dir, before A starts), then A
+starts, then B starts with ``--peer`` A. Timed: from B's start (process spawn included: "end to
+end") and from B's ready file, until B's swarm listener reports A's cursors (CHUNKS cursor, and
+each LOG stream's cursor). Prints chunks/s and MB/s.
+
+Also a helper for tests: ``python bench/swarm_bench.py preload DATA_DIR NODE_ID --chunks N
+--streams S --batches B --records R --body BYTES`` fills a data dir (JSON summary on stdout).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+# ---------------------------------------------------------------------------------------------
+# filling a data dir offline
+
+
+def preload_subprocess(data_dir, node_id, **kw):
+    """Run preload in a child interpreter (task.react owns its reactor); returns the summary."""
+    import subprocess
+
+    args = [sys.executable, os.path.abspath(__file__), "preload", data_dir, str(node_id)]
+    for k, v in kw.items():
+        args += ["--" + k.replace("_", "-"), str(v)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run(args, check=True, capture_output=True, env=env, timeout=600)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
+def _preload_main(argv):
+    p = argparse.ArgumentParser(prog="swarm_bench.py preload")
+    p.add_argument("data_dir")
+    p.add_argument("node_id", type=int)
+    p.add_argument("--chunks", type=int, default=0)
+    p.add_argument("--chunk-size", type=int, default=4096)
+    p.add_argument("--streams", type=int, default=0)
+    p.add_argument("--batches", type=int, default=0)
+    p.add_argument("--records", type=int, default=1)
+    p.add_argument("--body", type=int, default=100)
+    p.add_argument("--seed", default="x")
+    a = p.parse_args(argv)
+    result = {}
+    kw = dict(chunks=a.chunks, chunk_size=a.chunk_size, streams=a.streams, batches=a.batches, records=a.records, body=a.body, seed=a.seed)
+    import atexit
+
+    atexit.register(lambda: print(json.dumps(result)))  # task.react exits the process
+    _preload_into(result, a.data_dir, a.node_id, **kw)
+
+
+def _preload_into(result, data_dir, node_id, **kw):
+    from twisted.internet import defer, task
+
+    from node.identity import load_or_create_node_id
+    from storage import FsyncPolicy, Store, record_batch
+
+    os.makedirs(data_dir, exist_ok=True)
+    load_or_create_node_id(data_dir, node_id)
+    result.update({"chunks": 0, "streams": {}})
+
+    @defer.inlineCallbacks
+    def fill(reactor):
+        store = Store.open(os.path.join(data_dir, "store"), fsync=FsyncPolicy.parse("never"), reactor=reactor, node_id=node_id)
+        try:
+            n = kw.get("chunks", 0)
+            size = kw.get("chunk_size", 4096)
+            for start in range(0, n, 512):
+                ds = [store.chunks.put(os.urandom(size)) for _ in range(start, min(n, start + 512))]
+                yield defer.gatherResults(ds)
+                result["chunks"] += len(ds)
+            for _ in range(kw.get("streams", 0)):
+                meta = yield store.log.create_stream()
+                sid = meta.stream_id
+                now = int(time.time() * 1000)
+                seed = kw.get("seed", "x").encode()
+                for b in range(kw.get("batches", 0)):
+                    batch = record_batch.encode(
+                        [(now + b, [(b"seed", seed)], os.urandom(kw.get("body", 100))) for _ in range(kw.get("records", 1))]
+                    )
+                    yield store.log.append(sid, batch)
+                result["streams"][str(sid)] = store.log.stream(sid).next_offset
+            result["chunk_seq"] = store.chunks.last_seq()
+        finally:
+            yield store.close()
+
+    task.react(lambda reactor: fill(reactor))
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_synced(port, want_chunks, want_logs, timeout=300.0):
+    """Poll a node's swarm listener until its CHUNKS cursor and LOG cursors reach the targets."""
+    from protocols.swarm import codec
+    from protocols.swarm.client import BlockingSwarmClient
+
+    deadline = time.monotonic() + timeout
+    with BlockingSwarmClient("127.0.0.1", port) as c:
+        while True:
+            info = c.stream_info()
+            ok = info.get(codec.CHUNKS_ID, 0) >= want_chunks
+            for sid, cursor in want_logs.items():
+                ok = ok and info.get(codec.log_id(int(sid)), 0) >= cursor
+            if ok:
+                return time.monotonic()
+            if time.monotonic() > deadline:
+                raise RuntimeError("not synced after %ss: %r" % (timeout, info))
+            time.sleep(0.005)
+
+
+def run_case(base, label, chunks=0, streams=0, batches=0, records=1, body=100):
+    from protocols.swarm import codec
+    from protocols.swarm.client import BlockingSwarmClient
+    from tests.nodeproc import NodeProcess
+
+    a_dir = os.path.join(base, label)
+    os.makedirs(a_dir, exist_ok=True)
+    t = time.monotonic()
+    summary = preload_subprocess(
+        os.path.join(a_dir, "a-data"), 101, chunks=chunks, streams=streams, batches=batches, records=records, body=body
+    )
+    print("  preloaded node A in %.1fs: %s" % (time.monotonic() - t, json.dumps({k: v for k, v in summary.items() if k != "streams"})))
+    off = dict(sbp="none", kv="none", meta="none", chunks="none", http="none")
+    a = NodeProcess(a_dir, name="a", node_id=101, fsync="never", **off).start()
+    b = None
+    try:
+        with BlockingSwarmClient("127.0.0.1", a.ports["swarm"]) as c:
+            info = c.stream_info()
+        want_chunks = info.get(codec.CHUNKS_ID, 0)
+        want_logs = {k.key: v for k, v in info.items() if k.name == codec.LOG}
+        total_bytes = chunks * 4096 + sum(streams and [batches * (29 + records * (body + 20))] or [0])
+        b = NodeProcess(a_dir, name="b", node_id=102, fsync="never", peer=a.peer_endpoint(), **off)
+        t0 = time.monotonic()
+        b.start()
+        t_ready = time.monotonic()
+        t_done = wait_synced(b.ports["swarm"], want_chunks, want_logs)
+        e2e = t_done - t0
+        sync = t_done - t_ready
+        with open(os.path.join(b.data_dir, "swarm-peers.json")) as f:
+            peers = json.load(f)["peers"]
+        got_bytes = sum(p.get("bytes", 0) for p in peers.values())
+        return {
+            "label": label,
+            "items": want_chunks + sum(batches for _ in range(streams)),
+            "bytes": got_bytes or total_bytes,
+            "end_to_end_s": e2e,
+            "sync_s": sync,
+            "b_start_s": t_ready - t0,
+        }
+    finally:
+        if b is not None:
+            b.terminate()
+        a.terminate()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "preload":
+        return _preload_main(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunks", type=int, default=10000)
+    p.add_argument("--log-mib", type=int, default=100)
+    p.add_argument("--batch-kib", type=int, default=256, help="record batch size for the log case")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    a = p.parse_args(argv)
+    base = tempfile.mkdtemp(prefix="swarm-bench-")
+    try:
+        results = []
+        if a.chunks:
+            print("case 1: %d chunks of 4 KiB, node A -> empty node B (loopback, fsync never)" % a.chunks)
+            r = run_case(base, "chunks", chunks=a.chunks)
+            results.append(r)
+            print("  end to end (B process start -> synced): %.3f s  = %.0f chunks/s, %.1f MB/s" % (r["end_to_end_s"], a.chunks / r["end_to_end_s"], r["bytes"] / r["end_to_end_s"] / 1e6))
+            print("  sync only  (B ready -> synced):         %.3f s  = %.0f chunks/s, %.1f MB/s" % (r["sync_s"], a.chunks / r["sync_s"], r["bytes"] / r["sync_s"] / 1e6))
+            print("  (B's own start-up: %.3f s)" % r["b_start_s"])
+        if a.log_mib:
+            body = 4096
+            records = max(1, a.batch_kib * 1024 // (body + 40))
+            batch_bytes = records * (body + 40)
+            batches = max(1, a.log_mib * 1024 * 1024 // batch_bytes)
+            print("case 2: %d MiB of stream log (%d batches of %d records x %d B) in one stream" % (a.log_mib, batches, records, body))
+            r = run_case(base, "log", streams=1, batches=batches, records=records, body=body)
+            results.append(r)
+            print("  end to end: %.3f s = %.1f MB/s (%.0f batches/s)" % (r["end_to_end_s"], r["bytes"] / r["end_to_end_s"] / 1e6, batches / r["end_to_end_s"]))
+            print("  sync only:  %.3f s = %.1f MB/s (%.0f batches/s)" % (r["sync_s"], r["bytes"] / r["sync_s"] / 1e6, batches / r["sync_s"]))
+        print(json.dumps(results))
+    finally:
+        if not a.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
