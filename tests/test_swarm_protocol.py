@@ -379,3 +379,38 @@ def test_server_and_client_end_to_end_in_memory(clock):
 def node_lag(node):
     clockless = node.metrics["peers"]["10.0.0.9:7704"]
     return clockless["lag"]
+
+
+def test_server_bytes_one_at_a_time(node, clock):
+    addrs = put_chunks(node, 3)
+    factory = server.build_factory(node)
+    w = Wire(factory.buildProtocol(None))
+    for b in codec.encode(GetRange(1, C, 1, 3, 10, False)) + codec.encode(StreamInfoReq([C])):
+        w.proto.dataReceived(bytes([b]))
+    msgs = w.out()
+    assert [a for a, _ in msgs[0].chunks] == addrs and msgs[1] == BatchDone(1, 3)
+    assert msgs[2] == StreamInfoRes([StreamDescriptor(C, 3, False)])
+
+
+import msgpack  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_field = st.integers(0, 8) | st.binary(max_size=33) | st.none() | st.booleans() | st.text(max_size=6)
+_arrays = st.lists(_field, max_size=8).map(lambda v: msgpack.packb(v, use_bin_type=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=40) | _arrays, max_size=6))
+def test_fuzzed_frames_never_raise(bodies):
+    clock = task.Clock()
+    n = FakeNode(clock)
+    put_chunks(n, 2)
+    factory = server.build_factory(n)
+    factory.clock = clock
+    s = Wire(factory.buildProtocol(None))
+    svc, c = client(FakeNode(clock, node_id=2), clock)
+    data = b"".join(len(b).to_bytes(4, "big") + b for b in bodies)
+    s.proto.dataReceived(data)  # must answer or close cleanly, never raise
+    c.proto.dataReceived(data)
+    clock.advance(100)
