@@ -38,6 +38,7 @@ OFFER_TIMEOUT = 60.0  # seconds an offer waits for its WantedHashes before it is
 FRAME_BYTES = 4 * 1024 * 1024  # aim for ChunkDelivery frames about this big (a single item may exceed it)
 FRAME_ITEMS = 256
 FETCH_GROUP = 64  # store reads issued at once while delivering
+FETCH_BYTES = 16 * 1024 * 1024
 HASH_CACHE = 65536  # (stream, base offset) -> (length, sha256) of stored LOG batches
 LOG_HASH_WINDOW = 8 * 1024 * 1024  # bytes read at once while hashing LOG batches for an offer
 
@@ -177,12 +178,11 @@ class LogSource:
 
     @defer.inlineCallbacks
     def fetch(self, items):
+        results = yield defer.DeferredList([self.store.log.read(self.sid, item.locator, 1) for item in items], consumeErrors=True)
         out = []
-        for item in items:
-            try:
-                got = yield self.store.log.read(self.sid, item.locator, 1)
-            except Exception as e:
-                out.append((item, None, e))
+        for item, (ok, got) in zip(items, results):
+            if not ok:
+                out.append((item, None, got.value))
                 continue
             data = got[0] if got else None
             if data is None or int.from_bytes(data[1:9], "big", signed=True) != item.locator:
@@ -205,6 +205,19 @@ def last_log_index(store, sid) -> int:
     # batches() starting strictly after from_offset: fall back to a short forward scan.
     rows = store.log.batches(sid, meta.trim_offset, 1 << 30)
     return rows[-1][0] + 1 if rows else 0
+
+
+def _groups(items):
+    """Items in fetch groups: at most FETCH_GROUP items or about FETCH_BYTES of known length."""
+    group, size = [], 0
+    for item in items:
+        if group and (len(group) >= FETCH_GROUP or size + (item.length or 0) > FETCH_BYTES):
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += item.length or 0
+    if group:
+        yield group
 
 
 class Batch:
@@ -459,11 +472,11 @@ class SwarmServerProtocol(Protocol):
         frame = []
         frame_bytes = 0
         frame_last = 0
-        for start in range(0, len(items), FETCH_GROUP):
+        for group in _groups(items):
             yield self._writable()
             if batch.closed or self.dead:
                 return
-            fetched = yield batch.source.fetch(items[start : start + FETCH_GROUP])
+            fetched = yield batch.source.fetch(group)
             if batch.closed or self.dead:
                 return
             for item, digest, data in fetched:
