@@ -1,0 +1,166 @@
+"""The kv protocol against real node processes: scans across partitions, limits, kill -9, sbpctl."""
+
+import json
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from protocols.partition import codec as c
+from protocols.partition.client import BlockingKvClient, KvError
+from tests.nodeproc import REPO
+
+OFF = dict(sbp="none", meta="none", chunks="none", swarm="none", http="none")
+
+
+def spread_keys(n, seed=1):
+    """Distinct keys over all 8 partitions, of varied lengths (including 1-byte keys)."""
+    rnd = random.Random(seed)
+    keys = {bytes([b]) for b in range(0, 256, 7)}
+    while len(keys) < n:
+        keys.add(bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 12))))
+    return sorted(keys)
+
+
+def fill(kv, keys):
+    results = kv.pipeline([(c.SET, lambda cid, k=k: c.encode_set(cid, k, b"v:" + k)) for k in keys])
+    assert results == [None] * len(keys)
+
+
+def test_full_scans_across_partitions(node_factory):
+    node = node_factory(fsync="never", **OFF)
+    keys = spread_keys(3000)
+    assert {c.partition_of(k) for k in keys} == set(range(8))
+    with BlockingKvClient(*node.address("kv")) as kv:
+        fill(kv, keys)
+        for page_size in (7, 1024):
+            pages = list(kv.iter_scan(c.GET_FF, page=page_size))
+            got = [k for p in pages for k, _ in p.items]
+            assert got == keys  # each key exactly once, in order
+            assert all(v == b"v:" + k for p in pages for k, v in p.items)
+            for p in pages:
+                assert p.jumped == (len({c.partition_of(k) for k, _ in p.items}) > 1)
+        pages = list(kv.iter_scan(c.GET_FB, page=100))
+        assert [k for p in reversed(pages) for k, _ in p.items] == keys
+        assert all(p.keys == sorted(p.keys) for p in pages)
+        pages = list(kv.iter_scan(c.GET_KEYS, page=999))
+        assert [k for p in pages for k in p.keys] == keys
+        prefix = keys[len(keys) // 2][:1]
+        pages = list(kv.iter_scan(c.GET_KEYS_PREFIX, page=5, prefix=prefix))
+        assert [k for p in pages for k in p.keys] == [k for k in keys if k.startswith(prefix)]
+
+        # a page that fills exactly at a partition's end: the next page starts in the next one
+        part0 = [k for k in keys if c.partition_of(k) == 0]
+        kv.create_cursor(b"x")
+        p = kv.scan(c.GET_KEYS, b"x", len(part0))
+        assert p.keys == part0 and not p.jumped and c.partition_of(p.next_key) == 1
+        p = kv.scan(c.GET_KEYS, b"x", 1)
+        assert c.partition_of(p.keys[0]) == 1 and not p.jumped
+
+        # removes: gone from scans and GETs; REMOVE of a missing key is DATA_NOT_FOUND
+        gone = keys[::3]
+        assert kv.pipeline([(c.REMOVE, lambda cid, k=k: c.encode_remove(cid, k)) for k in gone]) == [True] * len(gone)
+        assert kv.remove(gone[0]) is False
+        assert kv.get(gone[1]) is None
+        left = [k for k in keys if k not in set(gone)]
+        assert [k for p in kv.iter_scan(c.GET_FF, page=1024) for k, _ in p.items] == left
+
+        # errors keep the connection in sync
+        with pytest.raises(KvError) as ei:
+            kv.scan(c.GET_FF, b"x", 1025)
+        assert ei.value.code == c.E_TOO_MANY_ELEMENTS
+        with pytest.raises(KvError) as ei:
+            kv.scan(c.GET_FF, b"nope", 1)
+        assert ei.value.code == c.E_CURSOR_NOT_FOUND
+        assert kv.get(left[0]) == b"v:" + left[0]
+
+
+def test_big_values_and_length_limits(node_factory):
+    node = node_factory(fsync="never", **OFF)
+    big = os.urandom(16 * 1024 * 1024)
+    with BlockingKvClient(*node.address("kv")) as kv:
+        kv.set(b"big", big)
+        assert kv.get(b"big") == big
+        kv.set(b"max", b"m")
+        with pytest.raises(KvError) as ei:
+            kv.set(b"big", big + b"x")
+        assert ei.value.code == c.E_UNKNOWN
+        kv.set(b"\xff" * 65535, b"longest key")
+        assert kv.get(b"\xff" * 65535) == b"longest key"
+        pages = list(kv.iter_scan(c.GET_FF, page=1024))
+        assert [k for p in pages for k, _ in p.items] == [b"big", b"max", b"\xff" * 65535]
+    # a claimed 1 TB message: ERR 3 echoing client_id, then the server closes
+    s = socket.create_connection(node.address("kv"), timeout=10)
+    s.sendall(struct.pack(">QQ", 10**12, 77))
+    data = b""
+    while True:
+        chunk = s.recv(100)
+        if not chunk:
+            break
+        data += chunk
+    assert data == c.encode_error(77, c.E_MSG_TOO_SHORT)
+    s.close()
+    # garbage on a connection does not hurt the node
+    s = socket.create_connection(node.address("kv"), timeout=10)
+    s.sendall(os.urandom(5000))
+    s.close()
+    with BlockingKvClient(*node.address("kv")) as kv:
+        assert kv.get(b"max") == b"m"
+
+
+def test_durable_across_kill9(node_factory):
+    node = node_factory(fsync="always", **OFF)
+    keys = spread_keys(500, seed=2)
+    with BlockingKvClient(*node.address("kv")) as kv:
+        fill(kv, keys)
+        kv.pipeline([(c.REMOVE, lambda cid, k=k: c.encode_remove(cid, k)) for k in keys[:50]])
+        kv.set(keys[60], b"overwritten")
+    node.kill9()
+    node.start()
+    with BlockingKvClient(*node.address("kv")) as kv:
+        got = dict(item for p in kv.iter_scan(c.GET_FF) for item in p.items)
+        expected = {k: b"v:" + k for k in keys[50:]}
+        expected[keys[60]] = b"overwritten"
+        assert got == expected
+        assert kv.get(keys[0]) is None
+
+
+def sbpctl(*args, stdin=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "node.cli", "kv", *args], input=stdin, capture_output=True, env=env, timeout=60)
+
+
+def test_sbpctl_kv(node_factory):
+    node = node_factory(fsync="never", **OFF)
+    ep = ["--endpoint", node.endpoint("kv")]
+    assert sbpctl("set", "alpha", "one", *ep).returncode == 0
+    assert sbpctl("set", "beta", *ep, stdin=b"two\x00bytes").returncode == 0
+    assert sbpctl("set", "--hex", "ff00", "c0ffee", *ep).returncode == 0
+    r = sbpctl("get", "alpha", *ep)
+    assert (r.returncode, r.stdout) == (0, b"one\n")
+    r = sbpctl("get", "--base64", "YmV0YQ==", *ep)
+    assert r.stdout.strip() == b"dHdvAGJ5dGVz"
+    r = sbpctl("scan", "--hex", "--json", *ep)
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines == [{"key": "616c706861", "value": "6f6e65"}, {"key": "62657461", "value": "74776f006279746573"}, {"key": "ff00", "value": "c0ffee"}]
+    r = sbpctl("scan", "--reverse", "--limit", "2", *ep)
+    assert r.stdout.splitlines()[0] == b"\\xff\\x00\t\\xc0\\xff\\xee"
+    assert len(r.stdout.splitlines()) == 2
+    r = sbpctl("keys", "--prefix", "b", *ep)
+    assert r.stdout == b"beta\n"
+    r = sbpctl("rm", "alpha", *ep)
+    assert r.returncode == 0
+    r = sbpctl("rm", "alpha", *ep)
+    assert r.returncode == 1 and b"not found" in r.stderr and b"Traceback" not in r.stderr
+    r = sbpctl("get", "alpha", *ep)
+    assert r.returncode == 1 and r.stderr.startswith(b"sbpctl: error:") and b"Traceback" not in r.stderr
+    r = sbpctl("get", "--hex", "zz", *ep)
+    assert r.returncode == 1 and b"not valid hex" in r.stderr
+    node.kill9()
+    r = sbpctl("get", "x", *ep)
+    assert r.returncode == 1 and b"not reachable" in r.stderr and b"Traceback" not in r.stderr
