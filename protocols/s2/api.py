@@ -1,0 +1,1069 @@
+"""S2 REST API v1 request handlers over the shared store (CONTRACT §2, §7; docs/protocols/s2.md).
+
+Transport-neutral: the HTTP/1.1 and HTTP/2 front ends hand ``dispatch`` a responder (see
+protocols/s2/http.py). An S2 stream IS a store stream: records are stored as record batches
+(one batch per S2 AppendInput), and basin, name, config and fencing token live in
+``StreamMeta.attrs`` (keys ``s2_basin``, ``s2_name``, ``s2_config``, ``s2_fence``). Streams created
+through SBP appear in the default basin under their decimal id. Basins live in the metadata table
+``s2_basins``.
+
+Ordering: every append for a stream is checked (fencing token, match_seq_num), timestamped and
+handed to ``store.log.append`` in one reactor turn, so the store assigns offsets in arrival order.
+The only wait before that is loading a stream's last timestamp once (``_StreamState``), and
+appends queued behind that load are released in arrival order.
+"""
+
+import hmac
+import random
+import time
+from collections import deque
+
+import msgpack
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from protocols.s2 import codec
+from protocols.s2.codec import S2Error
+from storage import record_batch
+
+DEFAULT_BASIN = "sbpnode-default"
+BASINS_TABLE = "s2_basins"
+PROTO_TYPES = ("application/protobuf", "application/x-protobuf", "application/proto")
+JSON = ("content-type", "application/json")
+PROTO = ("content-type", "application/protobuf")
+HEARTBEAT_MIN, HEARTBEAT_MAX = 5.0, 15.0
+READ_CHUNK_BYTES = 1024 * 1024
+SESSION_HIGH_WATER = 4 * 1024 * 1024
+MAX_FRAME_RECORDS = 1000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _media(value) -> str:
+    if not value:
+        return ""
+    return value.split(",")[0].split(";")[0].strip().lower()
+
+
+def _store_errors():
+    from storage import errors
+
+    return errors
+
+
+class _StreamState:
+    """Per-stream S2 state kept in memory: fencing token, last timestamp, next seq we know of."""
+
+    __slots__ = ("sid", "fence", "last_ts", "next_known", "ready", "waiters", "loading")
+
+    def __init__(self, sid, fence):
+        self.sid = sid
+        self.fence = fence
+        self.last_ts = 0
+        self.next_known = -1
+        self.ready = False
+        self.loading = False
+        self.waiters = []
+
+
+class S2Api:
+    log = Logger()
+
+    def __init__(self, node):
+        self.node = node
+        self.store = node.store
+        self.reactor = node.reactor
+        self.token = node.config.http_token
+        self.max_batch_bytes = node.config.max_batch_bytes
+        self.states = {}
+        self.index = {}  # (basin, name) -> stream id
+        self.creating = set()
+        self.sessions = set()
+        self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
+        self.errors = _store_errors()
+
+    # -----------------------------------------------------------------------------------------
+    # Start-up
+
+    def ensure_default_basin(self):
+        """CONTRACT §7: the basin ``sbpnode-default`` exists from first start."""
+        key = DEFAULT_BASIN.encode()
+
+        def fn(txn):
+            if txn.get(BASINS_TABLE, key) is None:
+                txn.put(BASINS_TABLE, key, {"created_ms": now_ms(), "config": codec.default_basin_config()})
+
+        return self.store.meta.transact(fn)
+
+    # -----------------------------------------------------------------------------------------
+    # Dispatch
+
+    def dispatch(self, responder):
+        req = responder.request
+        self.metrics["requests"] += 1
+        try:
+            handler = self._route(req, responder)
+        except S2Error as e:
+            responder.on_body = lambda body: self.send_error(responder, e)
+            return
+        if handler is None:
+            return
+        responder.body_too_large = lambda: self.send_error(
+            responder, S2Error(413, "invalid", "request body exceeds %d bytes" % req.max_body)
+        )
+        responder.on_body = lambda body: self._run(responder, handler(req, responder, body))
+
+    def _run(self, responder, coro):
+        d = defer.ensureDeferred(coro)
+        d.addErrback(self._failed, responder)
+
+    def _failed(self, failure, responder):
+        err = self.to_s2(failure)
+        if responder.started:
+            if not responder.closed:
+                responder.abort()
+            return
+        self.send_error(responder, err)
+
+    def to_s2(self, failure) -> S2Error:
+        e = failure.value
+        if isinstance(e, S2Error):
+            return e
+        errors = self.errors
+        if isinstance(e, errors.StreamNotFound):
+            return S2Error(404, "stream_not_found", "stream not found")
+        if isinstance(e, errors.ReadOnlyStream):
+            return S2Error(403, "permission_denied", "stream is a read-only replica of %s" % (e.args[0] if e.args else "a peer"))
+        if isinstance(e, errors.PayloadTooLarge):
+            return codec.invalid("batch too large")
+        if isinstance(e, errors.InvalidRequest):
+            return codec.invalid(str(e))
+        if isinstance(e, errors.OffsetOutOfRange):
+            return S2Error(416, "read_unwritten", "read position out of range")
+        if isinstance(e, defer.CancelledError):
+            return S2Error(503, "unavailable", "request cancelled")
+        self.log.failure("S2 request failed", failure)
+        return S2Error(500, "storage" if isinstance(e, errors.StoreError) else "other", str(e) or type(e).__name__)
+
+    def send_error(self, responder, err: S2Error):
+        if err.status >= 500 or err.status in (401, 403):
+            self.log.warn(
+                "S2 {method} {path} from {peer}: {status} {code} {message}",
+                method=responder.request.method, path=responder.request.raw_path,
+                peer=responder.request.peer, status=err.status, code=err.code, message=err.message,
+            )
+        responder.respond(err.status, [JSON], err.json_bytes())
+
+    def _route(self, req, responder):
+        seg = req.segments
+        m = req.method
+        if seg == ["health"] and m in ("GET", "HEAD"):
+            return self.h_health
+        if self.token is not None:
+            auth = req.header("authorization", "")
+            if not hmac.compare_digest(auth.encode(), ("Bearer " + self.token).encode()):
+                raise S2Error(401, "authn", "missing or wrong bearer token")
+        if len(seg) < 2 or seg[0] != "v1":
+            raise S2Error(404, "bad_path", "no such resource")
+        if seg[1] == "basins":
+            if len(seg) == 2:
+                return {"GET": self.h_list_basins, "POST": self.h_create_basin}.get(m) or _no_method()
+            if len(seg) == 3:
+                return {
+                    "GET": self.h_get_basin, "PUT": self.h_ensure_basin,
+                    "PATCH": self.h_reconfigure_basin, "DELETE": self.h_delete_basin,
+                }.get(m) or _no_method()
+        elif seg[1] == "streams":
+            if len(seg) == 2:
+                return {"GET": self.h_list_streams, "POST": self.h_create_stream}.get(m) or _no_method()
+            if len(seg) == 3:
+                return {
+                    "GET": self.h_get_stream, "PUT": self.h_ensure_stream,
+                    "PATCH": self.h_reconfigure_stream, "DELETE": self.h_delete_stream,
+                }.get(m) or _no_method()
+            if len(seg) == 4 and seg[3] == "records":
+                s2s = _media(req.header("content-type")) == "s2s/proto"
+                if m == "POST" and s2s:
+                    self._run(responder, self.open_append_session(req, responder))
+                    return None
+                if m == "GET":
+                    if s2s:
+                        return self.h_read_s2s
+                    if _media(req.header("accept")) == "text/event-stream":
+                        return self.h_read_sse
+                    return self.h_read
+                if m == "POST":
+                    return self.h_append
+                _no_method()
+            if len(seg) == 5 and seg[3] == "records" and seg[4] == "tail":
+                if m == "GET":
+                    return self.h_tail
+                _no_method()
+        elif seg[1] in ("access-tokens", "metrics", "locations"):
+            raise S2Error(501, "not_implemented", "/v1/%s is not implemented by sbpnode" % seg[1])
+        raise S2Error(404, "bad_path", "no such resource")
+
+    # -----------------------------------------------------------------------------------------
+    # Basins
+
+    def _basin(self, name):
+        rec = self.store.meta.read(lambda txn: txn.get(BASINS_TABLE, name.encode()))
+        if rec is None and name == DEFAULT_BASIN:
+            rec = {"created_ms": 0, "config": codec.default_basin_config()}
+        return rec
+
+    def _require_basin(self, name):
+        rec = self._basin(name)
+        if rec is None:
+            raise S2Error(404, "basin_not_found", "basin %s not found" % name)
+        return rec
+
+    def _basin_info(self, name, rec):
+        return {"name": name, "location": "local", "created_at": codec.rfc3339(rec.get("created_ms", 0)),
+                "deleted_at": None, "state": "active"}
+
+    async def h_health(self, req, responder, body):
+        responder.respond(200, [JSON], b'{"status":"ok"}')
+
+    async def h_list_basins(self, req, responder, body):
+        prefix = req.query.get("prefix", "")
+        start_after = req.query.get("start_after", "")
+        limit = _limit(req.query)
+        rows = self.store.meta.read(lambda txn: list(txn.scan(BASINS_TABLE, prefix=prefix.encode() or None)))
+        names = {k.decode(): v for k, v in rows}
+        if DEFAULT_BASIN not in names and DEFAULT_BASIN.startswith(prefix):
+            names[DEFAULT_BASIN] = self._basin(DEFAULT_BASIN)
+        ordered = [n for n in sorted(names) if n > start_after]
+        page = ordered[:limit]
+        out = {"basins": [self._basin_info(n, names[n]) for n in page], "has_more": len(ordered) > limit}
+        responder.respond(200, [JSON], codec.dumps(out))
+
+    async def h_create_basin(self, req, responder, body):
+        obj = codec.parse_json(body)
+        if not isinstance(obj, dict):
+            raise codec.bad("bad_json", "expected {\"basin\": name}")
+        name = codec.validate_basin_name(obj.get("basin"))
+        config = codec.merge_basin_config(codec.default_basin_config(), obj.get("config"))
+        rec = {"created_ms": now_ms(), "config": config}
+        key = name.encode()
+
+        def fn(txn):
+            if txn.get(BASINS_TABLE, key) is not None:
+                return False
+            txn.put(BASINS_TABLE, key, rec)
+            return True
+
+        if name == DEFAULT_BASIN or not await self.store.meta.transact(fn):
+            raise S2Error(409, "resource_already_exists", "basin %s already exists" % name)
+        responder.respond(201, [JSON], codec.dumps(self._basin_info(name, rec)))
+
+    async def h_ensure_basin(self, req, responder, body):
+        name = codec.validate_basin_name(req.segments[2])
+        obj = codec.parse_json(body) or {}
+        if not isinstance(obj, dict):
+            raise codec.bad("bad_json", "expected an object")
+        patch = obj.get("config")
+        key = name.encode()
+
+        def fn(txn):
+            rec = txn.get(BASINS_TABLE, key)
+            if rec is None:
+                rec = {"created_ms": now_ms(), "config": codec.merge_basin_config(codec.default_basin_config(), patch)}
+                txn.put(BASINS_TABLE, key, rec)
+                return "created", rec
+            new = codec.merge_basin_config(rec["config"], patch)
+            if new == rec["config"]:
+                return "noop", rec
+            rec = dict(rec, config=new)
+            txn.put(BASINS_TABLE, key, rec)
+            return "updated", rec
+
+        result, rec = await self.store.meta.transact(fn)
+        responder.respond(201 if result == "created" else 200, [JSON, ("s2-provision-result", result)],
+                          codec.dumps(self._basin_info(name, rec)))
+
+    async def h_get_basin(self, req, responder, body):
+        rec = self._require_basin(req.segments[2])
+        responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
+
+    async def h_reconfigure_basin(self, req, responder, body):
+        name = req.segments[2]
+        self._require_basin(name)
+        patch = codec.parse_json(body) or {}
+        key = name.encode()
+
+        def fn(txn):
+            rec = txn.get(BASINS_TABLE, key) or {"created_ms": 0, "config": codec.default_basin_config()}
+            rec = dict(rec, config=codec.merge_basin_config(rec["config"], patch))
+            txn.put(BASINS_TABLE, key, rec)
+            return rec
+
+        rec = await self.store.meta.transact(fn)
+        responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
+
+    async def h_delete_basin(self, req, responder, body):
+        name = req.segments[2]
+        self._require_basin(name)
+        if name == DEFAULT_BASIN:
+            raise S2Error(403, "permission_denied", "the default basin cannot be deleted")
+        for meta in self.store.log.streams():
+            if self._name_of(meta)[0] == name and meta.origin is None:
+                await self.store.log.delete_stream(meta.stream_id)
+                self.states.pop(meta.stream_id, None)
+        await self.store.meta.transact(lambda txn: txn.delete(BASINS_TABLE, name.encode()))
+        responder.respond(202, [JSON], b"{}")
+
+    # -----------------------------------------------------------------------------------------
+    # Streams: names and configuration
+
+    @staticmethod
+    def _name_of(meta):
+        attrs = meta.attrs or {}
+        name = attrs.get("s2_name")
+        if name is None:
+            return DEFAULT_BASIN, str(meta.stream_id)
+        return attrs.get("s2_basin", DEFAULT_BASIN), name
+
+    def _rebuild_index(self):
+        self.index = {self._name_of(m): m.stream_id for m in self.store.log.streams()}
+
+    def _find(self, basin, name):
+        sid = self.index.get((basin, name))
+        for attempt in (0, 1):
+            if sid is not None:
+                try:
+                    meta = self.store.log.stream(sid)
+                    if self._name_of(meta) == (basin, name):
+                        return meta
+                except self.errors.StreamNotFound:
+                    pass
+            if attempt == 0:
+                self._rebuild_index()
+                sid = self.index.get((basin, name))
+        return None
+
+    def _req_basin(self, req):
+        return req.header("s2-basin") or DEFAULT_BASIN
+
+    async def _stream(self, req, auto_create=None):
+        basin = self._req_basin(req)
+        rec = self._require_basin(basin)
+        name = req.segments[2]
+        meta = self._find(basin, name)
+        if meta is None:
+            if auto_create and rec["config"].get(auto_create):
+                config = self._initial_config(rec, req.header("s2-stream-config"))
+                meta = await self._create(basin, name, config)
+                if meta is not None:
+                    return meta
+                meta = self._find(basin, name)
+                if meta is not None:
+                    return meta
+            raise S2Error(404, "stream_not_found", "stream %s not found in basin %s" % (name, basin))
+        return meta
+
+    def _config_of(self, meta):
+        config = dict((meta.attrs or {}).get("s2_config") or codec.default_stream_config())
+        config["retention_policy"] = codec.retention_policy(meta.retention_period_ms)
+        return config
+
+    def _stream_info(self, meta):
+        return {"name": self._name_of(meta)[1], "created_at": codec.rfc3339(meta.created_ms or 0),
+                "deleted_at": None}
+
+    def _initial_config(self, basin_rec, patch):
+        base = basin_rec["config"].get("default_stream_config") or codec.default_stream_config()
+        if isinstance(patch, (str, bytes)):
+            try:
+                patch = codec.parse_json(patch.encode() if isinstance(patch, str) else patch)
+            except S2Error:
+                raise codec.bad("bad_header", "s2-stream-config is not JSON")
+        return codec.merge_stream_config(base, patch)
+
+    async def _create(self, basin, name, config):
+        """Create the store stream; None if the name is taken."""
+        key = (basin, name)
+        if self._find(basin, name) is not None or key in self.creating:
+            return None
+        self.creating.add(key)
+        try:
+            meta = await self.store.log.create_stream(
+                retention_period_ms=codec.retention_ms(config),
+                attrs={"s2_basin": basin, "s2_name": name, "s2_config": config, "s2_fence": ""},
+            )
+        finally:
+            self.creating.discard(key)
+        self.index[key] = meta.stream_id
+        return meta
+
+    async def h_create_stream(self, req, responder, body):
+        obj = codec.parse_json(body)
+        if not isinstance(obj, dict):
+            raise codec.bad("bad_json", "expected {\"stream\": name}")
+        basin = self._req_basin(req)
+        rec = self._require_basin(basin)
+        name = codec.validate_stream_name(obj.get("stream"))
+        config = self._initial_config(rec, obj.get("config"))
+        meta = await self._create(basin, name, config)
+        if meta is None:
+            raise S2Error(409, "resource_already_exists", "stream %s already exists" % name)
+        responder.respond(201, [JSON, ("sbp-stream-id", str(meta.stream_id))], codec.dumps(self._stream_info(meta)))
+
+    async def h_ensure_stream(self, req, responder, body):
+        basin = self._req_basin(req)
+        rec = self._require_basin(basin)
+        name = codec.validate_stream_name(req.segments[2])
+        patch = codec.parse_json(body)
+        meta = self._find(basin, name)
+        result = "noop"
+        if meta is None:
+            meta = await self._create(basin, name, self._initial_config(rec, patch))
+            if meta is None:
+                meta = self._find(basin, name)
+            else:
+                result = "created"
+        if result != "created" and patch:
+            old = self._config_of(meta)
+            new = codec.merge_stream_config(old, patch)
+            if new != old:
+                meta = await self._reconfigure(meta, new)
+                result = "updated"
+        responder.respond(201 if result == "created" else 200,
+                          [JSON, ("s2-provision-result", result), ("sbp-stream-id", str(meta.stream_id))],
+                          codec.dumps(self._stream_info(meta)))
+
+    async def h_list_streams(self, req, responder, body):
+        basin = self._req_basin(req)
+        self._require_basin(basin)
+        prefix = req.query.get("prefix", "")
+        start_after = req.query.get("start_after", "")
+        limit = _limit(req.query)
+        found = []
+        for meta in self.store.log.streams():
+            b, n = self._name_of(meta)
+            if b == basin and n.startswith(prefix) and n > start_after:
+                found.append((n, meta))
+        found.sort(key=lambda x: x[0])
+        out = {"streams": [self._stream_info(m) for _, m in found[:limit]], "has_more": len(found) > limit}
+        responder.respond(200, [JSON], codec.dumps(out))
+
+    async def h_get_stream(self, req, responder, body):
+        meta = await self._stream(req)
+        responder.respond(200, [JSON, ("sbp-stream-id", str(meta.stream_id))], codec.dumps(self._config_of(meta)))
+
+    async def _reconfigure(self, meta, config):
+        if meta.origin is not None:
+            raise S2Error(403, "permission_denied", "stream is a read-only replica of %s" % meta.origin)
+        return await self.store.log.update_stream(
+            meta.stream_id, retention_period_ms=codec.retention_ms(config), attrs={"s2_config": config}
+        )
+
+    async def h_reconfigure_stream(self, req, responder, body):
+        meta = await self._stream(req)
+        config = codec.merge_stream_config(self._config_of(meta), codec.parse_json(body) or {})
+        meta = await self._reconfigure(meta, config)
+        responder.respond(200, [JSON, ("sbp-stream-id", str(meta.stream_id))], codec.dumps(self._config_of(meta)))
+
+    async def h_delete_stream(self, req, responder, body):
+        meta = await self._stream(req)
+        await self.store.log.delete_stream(meta.stream_id)
+        self.states.pop(meta.stream_id, None)
+        self.index.pop(self._name_of(meta), None)
+        responder.respond(202, [JSON], b"{}")
+
+    # -----------------------------------------------------------------------------------------
+    # Stream state: fencing token and last timestamp
+
+    def _state_now(self, meta):
+        """The stream's state if usable without waiting, else None."""
+        st = self.states.get(meta.stream_id)
+        if st is not None and st.ready and st.next_known == meta.next_offset:
+            return st
+        return None
+
+    async def _state(self, meta):
+        sid = meta.stream_id
+        st = self.states.get(sid)
+        if st is None:
+            st = self.states[sid] = _StreamState(sid, (meta.attrs or {}).get("s2_fence", ""))
+        if st.ready and st.next_known == meta.next_offset:
+            return st
+        # Someone else (SBP, or a restart) moved the tail: reload the last timestamp. Waiters are
+        # released in arrival order, so queued appends keep their order.
+        st.ready = False
+        d = defer.Deferred()
+        st.waiters.append(d)
+        if not st.loading:
+            st.loading = True
+            self._run_load(st)
+        await d
+        return st
+
+    def _run_load(self, st):
+        d = defer.ensureDeferred(self._load(st))
+
+        def done(result):
+            st.loading = False
+            waiters, st.waiters = st.waiters, []
+            for w in waiters:
+                if isinstance(result, Failure):
+                    w.errback(result)
+                else:
+                    w.callback(st)
+            return None
+
+        d.addBoth(done)
+
+    async def _load(self, st):
+        while True:
+            meta = self.store.log.stream(st.sid)
+            nxt = meta.next_offset
+            last_ts = st.last_ts
+            if nxt > meta.trim_offset:
+                try:
+                    batches = await self.store.log.read(st.sid, nxt - 1, 1)
+                except self.errors.OffsetOutOfRange:
+                    batches = []
+                for b in batches[-1:]:
+                    header = record_batch.read_header(b)
+                    recs = msgpack.unpackb(memoryview(b)[record_batch.HEADER_SIZE:], use_list=False)
+                    last_ts = max(last_ts, header.base_timestamp_ms + recs[-1][1])
+            if self.store.log.stream(st.sid).next_offset == nxt:
+                st.last_ts = last_ts
+                st.next_known = nxt
+                st.ready = True
+                return
+
+    async def _tail(self, meta):
+        st = await self._state(meta)
+        return (self.store.log.stream(meta.stream_id).next_offset, st.last_ts)
+
+    # -----------------------------------------------------------------------------------------
+    # Append
+
+    def _decode_append(self, req, body):
+        if _media(req.header("content-type")) in PROTO_TYPES:
+            return codec.decode_append_input_proto(body)
+        return codec.decode_append_input_json(body, codec.parse_format(req.header("s2-format")))
+
+    async def append(self, sid, inp):
+        """Append one AppendInput; returns (start, end, tail) positions once durable."""
+        meta = self.store.log.stream(sid)
+        if meta.origin is not None:
+            raise S2Error(403, "permission_denied", "stream is a read-only replica of %s" % meta.origin)
+        codec.validate_append(inp.records)
+        if inp.fencing_token is not None and len(inp.fencing_token.encode()) > codec.MAX_FENCING_TOKEN:
+            raise codec.invalid("fencing token longer than 36 bytes")
+        st = self._state_now(meta)
+        if st is None:
+            st = await self._state(meta)
+            meta = self.store.log.stream(sid)
+        # From here to store.log.append: no waiting (the store assigns offsets at call time).
+        if inp.fencing_token is not None and inp.fencing_token != st.fence:
+            raise codec.fencing_token_mismatch(st.fence)
+        start = meta.next_offset
+        if inp.match_seq_num is not None and inp.match_seq_num != start:
+            raise codec.seq_num_mismatch(start)
+        config = (meta.attrs or {}).get("s2_config") or {}
+        ts_cfg = config.get("timestamping") or {}
+        mode = ts_cfg.get("mode") or "client-prefer"
+        uncapped = bool(ts_cfg.get("uncapped"))
+        now = now_ms()
+        last = st.last_ts
+        stamped = []
+        commands = None
+        for i, (ts, headers, body) in enumerate(inp.records):
+            if ts is None or mode == "arrival":
+                if ts is None and mode == "client-require":
+                    raise codec.invalid("timestamping mode client-require: record %d has no timestamp" % i)
+                t = now
+            else:
+                t = ts if uncapped or ts <= now else now
+            if t < last:
+                t = last  # S2: timestamps never decrease on a stream
+            last = t
+            stamped.append((t, headers, body))
+            if headers and len(headers) == 1 and headers[0][0] == b"":
+                if commands is None:
+                    commands = []
+                commands.append((start + i, headers[0][1], body))
+        batch = record_batch.encode(stamped)
+        if len(batch) > self.max_batch_bytes:
+            raise codec.invalid("batch of %d bytes exceeds --max-batch-bytes" % len(batch))
+        d = self.store.log.append(sid, batch, expect_offset=start)
+        n = len(stamped)
+        st.last_ts = last
+        st.next_known = start + n
+        if commands:
+            self._apply_fences(st, commands)
+        try:
+            base = await d
+        except self.errors.ExpectationFailed:
+            st.ready = False
+            raise codec.seq_num_mismatch(self.store.log.stream(sid).next_offset)
+        self.metrics["appended_records"] += n
+        if commands:
+            self._apply_trims(sid, commands)
+        tail_seq = max(self.store.log.stream(sid).next_offset, base + n)
+        return (base, stamped[0][0]), (base + n, stamped[-1][0]), (tail_seq, st.last_ts)
+
+    def _apply_fences(self, st, commands):
+        # Fencing is strongly consistent: appends after this one (even in the same session) are
+        # checked against the new token at once; the token is persisted in the stream attrs.
+        for _seq, op, body in commands:
+            if op == b"fence":
+                st.fence = body.decode("utf-8")
+                self.store.log.update_stream(st.sid, attrs={"s2_fence": st.fence}).addErrback(
+                    lambda f: self.log.failure("persisting a fencing token failed", f))
+
+    def _apply_trims(self, sid, commands):
+        for seq, op, body in commands:
+            if op == b"trim":
+                point = min(codec.command_payload(op, body), seq + 1)
+                try:
+                    current = self.store.log.stream(sid).trim_offset
+                except self.errors.StreamNotFound:
+                    return
+                if point > current:
+                    self.store.log.trim(sid, point).addErrback(
+                        lambda f: self.log.failure("trim command failed", f))
+
+    async def h_append(self, req, responder, body):
+        inp = self._decode_append(req, body)
+        meta = await self._stream(req, auto_create="create_stream_on_append")
+        start, end, tail = await self.append(meta.stream_id, inp)
+        if _media(req.header("accept")) in PROTO_TYPES:
+            responder.respond(200, [PROTO], codec.encode_append_ack_proto(start, end, tail))
+        else:
+            responder.respond(200, [JSON], codec.dumps(codec.append_ack_json(start, end, tail)))
+
+    async def open_append_session(self, req, responder):
+        meta = await self._stream(req, auto_create="create_stream_on_append")
+        if meta.origin is not None:
+            raise S2Error(403, "permission_denied", "stream is a read-only replica of %s" % meta.origin)
+        session = AppendSession(self, responder, meta.stream_id)
+        responder.start(200, [("content-type", "s2s/proto")])
+        responder.attach_sink(session)
+
+    # -----------------------------------------------------------------------------------------
+    # Read
+
+    async def h_tail(self, req, responder, body):
+        meta = await self._stream(req, auto_create="create_stream_on_read")
+        tail = await self._tail(meta)
+        responder.respond(200, [JSON], codec.dumps({"tail": codec.position(tail)}))
+
+    async def _resolve_start(self, meta, p, can_follow):
+        """(start seq, skip-until timestamp or None, tail) for read params; 416 as S2 defines."""
+        tail = await self._tail(meta)
+        meta = self.store.log.stream(meta.stream_id)
+        trim = meta.trim_offset
+        min_ts = None
+        if p.seq_num is not None:
+            if p.seq_num > tail[0]:
+                if not p.clamp:
+                    raise codec.read_unwritten(tail)
+                start = tail[0]
+            else:
+                start = max(p.seq_num, trim)
+        elif p.timestamp is not None:
+            if p.timestamp > tail[1] and not p.clamp:
+                raise codec.read_unwritten(tail)
+            start, min_ts = await self._seek_timestamp(meta, p.timestamp, tail)
+        elif p.tail_offset is not None:
+            start = max(tail[0] - p.tail_offset, trim, 0)
+        else:
+            start = tail[0]
+        if start >= tail[0] and not can_follow:
+            raise codec.read_unwritten(tail)
+        return start, min_ts, tail
+
+    async def _seek_timestamp(self, meta, ts, tail):
+        """Binary search the stored batches by their base timestamp, then scan by record."""
+        if ts > tail[1]:
+            return tail[0], None
+        sid = meta.stream_id
+        entries = self.store.log.batches(sid, meta.trim_offset, 1 << 30)
+        lo, hi = 0, len(entries)
+        while lo < hi:  # first batch whose base timestamp >= ts
+            mid = (lo + hi) // 2
+            try:
+                got = await self.store.log.read(sid, entries[mid][0], 1)
+            except self.errors.OffsetOutOfRange:
+                got = []
+            if got and record_batch.read_header(got[0]).base_timestamp_ms < ts:
+                lo = mid + 1
+            else:
+                hi = mid
+        start = entries[lo - 1][0] if lo > 0 else meta.trim_offset
+        return max(start, meta.trim_offset), ts
+
+    async def read_records(self, sid, pos, max_bytes, min_ts=None):
+        """Records at seq >= pos from one store read: [(seq, ts, headers, body)], next pos."""
+        try:
+            batches = await self.store.log.read(sid, pos, max_bytes)
+        except self.errors.OffsetOutOfRange:
+            meta = self.store.log.stream(sid)
+            if pos < meta.trim_offset:
+                pos = meta.trim_offset
+                batches = await self.store.log.read(sid, pos, max_bytes)
+            else:
+                raise
+        out = []
+        nxt = pos
+        unpackb = msgpack.unpackb
+        hsize = record_batch.HEADER_SIZE
+        for b in batches:
+            header = record_batch.read_header(b)
+            base = header.base_offset
+            bts = header.base_timestamp_ms
+            nxt = max(nxt, base + header.record_count)
+            recs = unpackb(memoryview(b)[hsize:], use_list=False)
+            if base >= pos and min_ts is None:
+                out.extend([(base + r[0], bts + r[1], r[2], r[3]) for r in recs])
+                continue
+            for r in recs:
+                seq = base + r[0]
+                if seq < pos:
+                    continue
+                t = bts + r[1]
+                if min_ts is not None:
+                    if t < min_ts:
+                        continue
+                    min_ts = None
+                out.append((seq, t, r[2], r[3]))
+        return out, nxt, min_ts
+
+    @staticmethod
+    def _limit_records(records, count, nbytes, until):
+        """Cut records at the count/bytes/until limits; returns (records, used bytes, hit limit)."""
+        used = 0
+        if count is not None and len(records) >= count:
+            records = records[:count]
+            hit = True
+        else:
+            hit = False
+        if nbytes is None and until is None:
+            return records, None, hit
+        for i, (seq, ts, headers, body) in enumerate(records):
+            if until is not None and ts >= until:
+                return records[:i], used, True
+            if nbytes is not None:
+                size = codec.metered_size(headers, body)
+                if used + size > nbytes:
+                    return records[:i], used, True
+                used += size
+        return records, used, hit
+
+    async def h_read(self, req, responder, body):
+        p = codec.parse_read_params(req.query)
+        fmt = codec.parse_format(req.header("s2-format"))
+        meta = await self._stream(req, auto_create="create_stream_on_read")
+        sid = meta.stream_id
+        count = min(p.count if p.count is not None else codec.UNARY_MAX_COUNT, codec.UNARY_MAX_COUNT)
+        nbytes = min(p.bytes if p.bytes is not None else codec.UNARY_MAX_BYTES, codec.UNARY_MAX_BYTES)
+        wait = min(p.wait or 0, codec.UNARY_MAX_WAIT)
+        start, min_ts, tail = await self._resolve_start(meta, p, wait > 0)
+        records = []
+        pos = start
+        deadline = time.monotonic() + wait
+        while True:
+            meta = self.store.log.stream(sid)
+            if pos < meta.next_offset and count > 0:
+                got, pos, min_ts = await self.read_records(sid, pos, min(nbytes, READ_CHUNK_BYTES), min_ts)
+                got, used, hit = self._limit_records(got, count - len(records), nbytes, p.until)
+                records.extend(got)
+                if used is not None:
+                    nbytes -= used
+                if hit or len(records) >= count:
+                    break
+                continue
+            if records or count <= 0:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            if not await self._wait_data(sid, pos, remaining, responder):
+                break
+        self.metrics["read_records"] += len(records)
+        tail = await self._tail(self.store.log.stream(sid))
+        if _media(req.header("accept")) in PROTO_TYPES:
+            responder.respond(200, [PROTO], codec.encode_read_batch_proto(records, tail))
+        else:
+            responder.respond(200, [JSON], codec.dumps(codec.read_batch_json(records, fmt, tail)))
+
+    def _wait_data(self, sid, pos, timeout, responder=None):
+        """Deferred[bool]: True once data exists past ``pos``, False on timeout or client close."""
+        result = defer.Deferred()
+        waiting = self.store.log.wait_for_data(sid, pos)
+
+        def fired(_):
+            if not result.called:
+                result.callback(True)
+
+        def failed(f):
+            if not result.called:
+                result.callback(False)
+
+        waiting.addCallbacks(fired, failed)
+        timer = self.reactor.callLater(timeout, waiting.cancel)
+        result.addBoth(lambda r: (timer.active() and timer.cancel(), r)[1])
+        if responder is not None:
+            responder.on_close.append(waiting.cancel)
+        return result
+
+    async def h_read_sse(self, req, responder, body):
+        await self._read_session(req, responder, "sse")
+
+    async def h_read_s2s(self, req, responder, body):
+        await self._read_session(req, responder, "s2s")
+
+    async def _read_session(self, req, responder, kind):
+        p = codec.parse_read_params(req.query)
+        fmt = codec.parse_format(req.header("s2-format"))
+        resume = codec.parse_last_event_id(req.header("last-event-id")) if kind == "sse" else None
+        seen_count = seen_bytes = 0
+        if resume is not None:
+            # Resume after the last event the client saw, with limits lowered by what it got.
+            p.seq_num, p.timestamp, p.tail_offset, p.clamp = resume[0] + 1, None, None, True
+            seen_count, seen_bytes = resume[1], resume[2]
+            if p.count is not None:
+                p.count = max(0, p.count - seen_count)
+            if p.bytes is not None:
+                p.bytes = max(0, p.bytes - seen_bytes)
+        meta = await self._stream(req, auto_create="create_stream_on_read")
+        wait = p.wait if p.wait is not None else (0 if p.bounded else None)
+        start, min_ts, tail = await self._resolve_start(meta, p, wait is None or wait > 0)
+        session = ReadSession(self, responder, kind, meta.stream_id, p, fmt, start, min_ts, wait,
+                              seen_count, seen_bytes)
+        if kind == "sse":
+            responder.start(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache, no-transform"),
+                                  ("x-accel-buffering", "no")])
+        else:
+            responder.start(200, [("content-type", "s2s/proto")])
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+
+    def shutdown(self):
+        for s in list(self.sessions):
+            s.stop()
+
+
+def _no_method():
+    raise S2Error(405, "bad_path", "method not allowed on this resource")
+
+
+def _limit(query):
+    try:
+        limit = int(query.get("limit", "1000"))
+    except ValueError:
+        raise codec.bad("bad_query", "limit must be an integer")
+    return max(1, min(limit, 1000))
+
+
+class ReadSession:
+    """An SSE or S2S read session: catch up, then follow the tail with heartbeats."""
+
+    log = Logger()
+
+    def __init__(self, api, responder, kind, sid, p, fmt, start, min_ts, wait, seen_count, seen_bytes):
+        self.api = api
+        self.responder = responder
+        self.kind = kind
+        self.sid = sid
+        self.p = p
+        self.fmt = fmt
+        self.pos = start
+        self.min_ts = min_ts
+        self.wait = wait  # seconds idle at the tail before ending; None = forever
+        self.count = p.count
+        self.nbytes = p.bytes
+        self.seen_count = seen_count
+        self.seen_bytes = seen_bytes
+        self.stopped = False
+        responder.on_close.append(self.stop)
+
+    def stop(self):
+        self.stopped = True
+        fn = self.responder.on_drain
+        if fn is not None:
+            self.responder.on_drain = None
+            fn()
+
+    def _drained(self):
+        d = defer.Deferred()
+        self.responder.when_drained(lambda: d.called or d.callback(None))
+        return d
+
+    async def run(self):
+        api = self.api
+        r = self.responder
+        following = False
+        idle_since = time.monotonic()
+        try:
+            while not self.stopped and not r.closed:
+                if r.pending() >= SESSION_HIGH_WATER:
+                    await self._drained()
+                    continue
+                meta = api.store.log.stream(self.sid)
+                if self.count is not None and self.count <= 0 or self.nbytes is not None and self.nbytes <= 0:
+                    break
+                if self.pos < meta.next_offset:
+                    got, self.pos, self.min_ts = await api.read_records(self.sid, self.pos, READ_CHUNK_BYTES, self.min_ts)
+                    got, used, hit = api._limit_records(got, self.count, self.nbytes, self.p.until)
+                    if got:
+                        self._emit(got, used)
+                        idle_since = time.monotonic()
+                        following = False
+                    if hit:
+                        break
+                    continue
+                if self.wait is not None and self.wait <= 0:
+                    break
+                if not following:
+                    following = True
+                    await self._heartbeat(meta)
+                    continue
+                timeout = random.uniform(HEARTBEAT_MIN, HEARTBEAT_MAX)
+                if self.wait is not None:
+                    left = self.wait - (time.monotonic() - idle_since)
+                    if left <= 0:
+                        break
+                    timeout = min(timeout, left)
+                if not await api._wait_data(self.sid, self.pos, timeout, r):
+                    if self.stopped or r.closed:
+                        return
+                    if self.wait is not None and time.monotonic() - idle_since >= self.wait:
+                        break
+                    await self._heartbeat(api.store.log.stream(self.sid))
+        except Exception as e:
+            self._error(api.to_s2(Failure(e)))
+            return
+        self._end()
+
+    def _emit(self, records, used):
+        n = len(records)
+        self.api.metrics["read_records"] += n
+        if self.count is not None:
+            self.count -= n
+        if self.kind == "s2s":
+            if used is None and self.nbytes is not None:
+                used = sum(codec.metered_size(h, b) for _, _, h, b in records)
+            if self.nbytes is not None:
+                self.nbytes -= used
+            write = self.responder.write
+            for i in range(0, n, MAX_FRAME_RECORDS):
+                write(codec.s2s_frame(codec.encode_read_batch_proto(records[i:i + MAX_FRAME_RECORDS])))
+            return
+        for i in range(0, n, MAX_FRAME_RECORDS):
+            part = records[i:i + MAX_FRAME_RECORDS]
+            size = sum(codec.metered_size(h, b) for _, _, h, b in part)
+            if self.nbytes is not None:
+                self.nbytes -= size
+            self.seen_count += len(part)
+            self.seen_bytes += size
+            event_id = "%d,%d,%d" % (part[-1][0], self.seen_count, self.seen_bytes)
+            self.responder.write(codec.sse_event("batch", codec.dumps(codec.read_batch_json(part, self.fmt)), event_id))
+
+    async def _heartbeat(self, meta):
+        tail = await self.api._tail(meta)
+        if self.kind == "s2s":
+            self.responder.write(codec.s2s_frame(codec.encode_read_batch_proto((), tail)))
+        else:
+            self.responder.write(codec.sse_event("ping", codec.dumps({"timestamp": now_ms(), "tail": codec.position(tail)})))
+
+    def _end(self):
+        if self.kind == "sse":
+            self.responder.write(codec.SSE_DONE)
+        self.responder.finish()
+
+    def _error(self, err):
+        if self.kind == "s2s":
+            self.responder.write(codec.s2s_terminal(err))
+        else:
+            self.responder.write(codec.sse_event("error", err.json_bytes()))
+        self.responder.finish()
+
+
+class AppendSession:
+    """An S2S append session: AppendInput frames in, one AppendAck frame per input, in order."""
+
+    log = Logger()
+
+    def __init__(self, api, responder, sid):
+        self.api = api
+        self.responder = responder
+        self.sid = sid
+        self.reader = codec.S2SReader()
+        self.pending = deque()  # [Deferred result slot]
+        self.failed = False
+        self.ended = False
+        responder.on_close.append(self._closed)
+
+    def _closed(self):
+        self.failed = True
+        self.pending.clear()
+
+    def data(self, data: bytes):
+        if self.failed:
+            return
+        try:
+            frames = self.reader.feed(data)
+            for terminal, payload in frames:
+                if terminal:
+                    raise codec.bad("bad_frame", "clients do not send terminal frames")
+                inp = codec.decode_append_input_proto(payload)
+                slot = [False, None]
+                self.pending.append(slot)
+                d = defer.ensureDeferred(self.api.append(self.sid, inp))
+                d.addBoth(self._done, slot)
+                if self.failed:
+                    return
+        except S2Error as e:
+            self.fail(e)
+
+    def _done(self, result, slot):
+        slot[0] = True
+        slot[1] = result
+        self._flush()
+
+    def _flush(self):
+        out = []
+        while self.pending and self.pending[0][0]:
+            _, result = self.pending.popleft()
+            if hasattr(result, "value"):  # Failure
+                if out:
+                    self.responder.write(b"".join(out))
+                self.fail(self.api.to_s2(result))
+                return
+            start, end, tail = result
+            out.append(codec.s2s_frame(codec.encode_append_ack_proto(start, end, tail)))
+        if out:
+            self.responder.write(b"".join(out))
+        if self.ended and not self.pending and not self.failed:
+            self.responder.finish()
+
+    def end(self):
+        self.ended = True
+        if not self.failed:
+            if self.reader.buffered:
+                self.fail(codec.bad("bad_frame", "request body ended inside an S2S frame"))
+                return
+            self._flush()
+
+    def fail(self, err):
+        if self.failed:
+            return
+        self.failed = True
+        for slot in self.pending:
+            if slot[0] and hasattr(slot[1], "value"):
+                slot[1].trap(Exception)
+        self.pending.clear()
+        self.responder.write(codec.s2s_terminal(err))
+        self.responder.finish()

@@ -1,0 +1,231 @@
+"""The ``--http`` listener: S2 REST API over HTTP/1.1 and HTTP/2 on one port (CONTRACT §7).
+
+Each connection starts in a sniffer: the 24-byte HTTP/2 client preface (cleartext "prior
+knowledge", as s2-sdk sends it; also after TLS+ALPN ``h2``) hands the connection to the `h2`-based
+``H2ServerProtocol``; anything else goes to twisted.web's HTTP/1.1 channel. With
+``http_tls_cert``/``http_tls_key`` configured the listener speaks TLS with ALPN h2 and http/1.1.
+"""
+
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Factory, Protocol
+from twisted.logger import Logger
+from twisted.web import resource, server
+from zope.interface import implementer
+
+from protocols.s2.api import S2Api
+from protocols.s2.h2conn import H2ServerProtocol
+from protocols.s2.http import BaseResponder, HttpRequest
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+MAX_BODY = 8 * 1024 * 1024
+
+
+@implementer(IPushProducer)
+class H1Responder(BaseResponder):
+    """A twisted.web request as seen by the handlers; a push producer so the channel's
+    backpressure reaches read sessions."""
+
+    def __init__(self, web_request, request: HttpRequest):
+        super().__init__(request)
+        self.web = web_request
+        self.paused = False
+        web_request.notifyFinish().addBoth(self._web_finished)
+
+    def _web_finished(self, result):
+        if not self.finished:
+            self._closed()
+        return None
+
+    def _send_headers(self, status, headers, end):
+        if self.closed:
+            return
+        self.web.setResponseCode(status)
+        for k, v in headers:
+            self.web.setHeader(k, v)
+        if not end and not any(k.lower() == "content-length" for k, _ in headers):
+            # A streamed reply (SSE, S2S): let the channel pause us when its buffer is full.
+            self.web.registerProducer(self, True)
+            self._producing = True
+        if end:
+            self._send_end()
+
+    def _send_data(self, data):
+        if not self.closed:
+            self.web.write(data)
+
+    def _send_end(self):
+        if self.closed:
+            return
+        self.finished = True
+        self.closed = True
+        if getattr(self, "_producing", False):
+            self.web.unregisterProducer()
+        self.web.finish()
+
+    def pending(self) -> int:
+        return 1 << 30 if self.paused else 0
+
+    def abort(self):
+        if not self.closed:
+            self.closed = True
+            self.web.channel.transport.abortConnection()
+
+    def pauseProducing(self):
+        self.paused = True
+
+    def resumeProducing(self):
+        self.paused = False
+        self.maybe_drained()
+
+    def stopProducing(self):
+        self._closed()
+
+
+class S2Request(server.Request):
+    """Refuses a declared body above the limit before buffering it."""
+
+    def gotLength(self, length):
+        limit = self.channel.site.max_body
+        if length is not None and length > limit:
+            body = b'{"code":"invalid","message":"request body exceeds %d bytes"}' % limit
+            self.channel.transport.write(
+                b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+            self.channel.transport.pauseProducing()
+            self.channel.transport.loseConnection()
+            length = 0
+        super().gotLength(length)
+
+
+class S2Resource(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, api: S2Api, max_body: int):
+        super().__init__()
+        self.api = api
+        self.max_body = max_body
+
+    def render(self, web):
+        headers = {}
+        for k, vs in web.requestHeaders.getAllRawHeaders():
+            headers[k.decode("latin-1").lower()] = ", ".join(v.decode("utf-8", "replace") for v in vs)
+        peer = web.getClientAddress()
+        try:
+            req = HttpRequest(web.method.decode("latin-1"), web.uri.decode("utf-8", "replace"), headers,
+                              peer=str(peer), http_version="1.1", max_body=self.max_body)
+        except UnicodeDecodeError:
+            web.setResponseCode(400)
+            web.setHeader("content-type", "application/json")
+            return b'{"code":"bad_path","message":"path is not UTF-8"}'
+        responder = H1Responder(web, req)
+        self.api.dispatch(responder)
+        web.content.seek(0)
+        body = web.content.read()
+        if body:
+            responder.body_received(body)
+        responder.body_ended()
+        return server.NOT_DONE_YET
+
+
+class S2Site(server.Site):
+    requestFactory = S2Request
+
+    def __init__(self, api, max_body):
+        super().__init__(S2Resource(api, max_body))
+        self.max_body = max_body
+        self.noisy = False
+
+    def log(self, request):
+        pass  # access logging off: one line per request would dominate the node log
+
+
+class SniffingProtocol(Protocol):
+    """Picks HTTP/2 (connection preface) or HTTP/1.1 from the first bytes."""
+
+    def __init__(self, factory):
+        self.factory = factory
+        self.buf = b""
+        self.inner = None
+
+    def connectionMade(self):
+        try:
+            self.transport.setTcpNoDelay(True)
+        except Exception:
+            pass
+        self.factory.connections.add(self)
+
+    def dataReceived(self, data):
+        if self.inner is not None:
+            self.inner.dataReceived(data)
+            return
+        self.buf += data
+        n = min(len(self.buf), len(PREFACE))
+        if self.buf[:n] != PREFACE[:n]:
+            self.inner = self.factory.site.buildProtocol(self.transport.getPeer())
+        elif n == len(PREFACE):
+            self.inner = H2ServerProtocol(self.factory.api, self.factory.max_body)
+            self.inner.factory = self.factory
+        else:
+            return
+        buf, self.buf = self.buf, b""
+        self.inner.makeConnection(self.transport)
+        self.inner.dataReceived(buf)
+
+    def connectionLost(self, reason):
+        self.factory.connections.discard(self)
+        if self.inner is not None:
+            self.inner.connectionLost(reason)
+
+    def goaway(self):
+        if isinstance(self.inner, H2ServerProtocol):
+            self.inner.goaway()
+
+
+class S2Factory(Factory):
+    log = Logger()
+    noisy = False
+
+    def __init__(self, node, max_body=MAX_BODY):
+        self.node = node
+        self.api = S2Api(node)
+        self.max_body = max_body
+        self.site = S2Site(self.api, max_body)
+        self.connections = set()
+
+    def buildProtocol(self, addr):
+        return SniffingProtocol(self)
+
+    def startFactory(self):
+        self.api.ensure_default_basin().addErrback(lambda f: self.log.failure("creating the default basin failed", f))
+
+    def shutdown(self):
+        self.api.shutdown()
+        for c in list(self.connections):
+            c.goaway()
+
+
+def _tls_wrap(factory, cert_path, key_path):
+    from twisted.internet import ssl
+    from twisted.protocols.tls import TLSMemoryBIOFactory
+
+    with open(cert_path, "rb") as f:
+        cert_pem = f.read()
+    with open(key_path, "rb") as f:
+        key_pem = f.read()
+    cert = ssl.PrivateCertificate.loadPEM(cert_pem + b"\n" + key_pem)
+    options = ssl.CertificateOptions(
+        privateKey=cert.privateKey.original,
+        certificate=cert.original,
+        acceptableProtocols=[b"h2", b"http/1.1"],
+    )
+    return TLSMemoryBIOFactory(options, False, factory)
+
+
+def build_factory(node):
+    factory = S2Factory(node)
+    node.on_shutdown(factory.shutdown)
+    cert = getattr(node.config, "http_tls_cert", None)
+    if cert:
+        return _tls_wrap(factory, cert, node.config.http_tls_key or cert)
+    return factory
