@@ -112,13 +112,13 @@ class H2ServerProtocol(Protocol):
             pass
         self.h2 = H2Connection(config=H2Configuration(client_side=False, header_encoding="utf-8",
                                                       validate_inbound_headers=False))
-        self.h2.local_settings.update({
+        self.h2.initiate_connection()
+        self.h2.update_settings({
             SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
             SettingCodes.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
             SettingCodes.MAX_FRAME_SIZE: MAX_FRAME_SIZE,
             SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_SIZE,
         })
-        self.h2.initiate_connection()
         self.h2.increment_flow_control_window(RECEIVE_WINDOW - 65535)
         self.transport.registerProducer(self, True)
         self.flush()
