@@ -1,0 +1,249 @@
+"""Record batches (CONTRACT §3) to and from Arrow columns in the CONTRACT §8 row schema.
+
+Pure functions, no I/O and no pyspark import, so they run in any Spark Python worker and unit-test
+without a session. The read path builds one ``pyarrow.RecordBatch`` per FETCH result (many record
+batches): each records block is msgpack-unpacked once and its four fields are transposed with
+``zip(*records)``, so no per-record Python object is built beyond what msgpack itself returns.
+"""
+
+import time
+import zlib
+from itertools import repeat
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+
+from storage.record_batch import HEADER, HEADER_SIZE, MAGIC, InvalidBatch, encode_block
+
+# CONTRACT §8, as Spark spells it; every column nullable, as a DDL string makes it.
+SCHEMA_DDL = (
+    "stream_id long, offset long, timestamp timestamp, "
+    "headers array<struct<name:binary,value:binary>>, body binary"
+)
+HEADER_TYPE = pa.struct([pa.field("name", pa.binary()), pa.field("value", pa.binary())])
+HEADERS_TYPE = pa.list_(pa.field("element", HEADER_TYPE))
+TIMESTAMP_TYPE = pa.timestamp("us", tz="UTC")
+# Must equal pyspark's to_arrow_schema(SCHEMA_DDL, timezone="UTC"): Spark refuses a RecordBatch
+# whose schema differs (DATA_SOURCE_RETURN_SCHEMA_MISMATCH); tests/test_spark_arrow.py checks it.
+ARROW_SCHEMA = pa.schema(
+    [
+        pa.field("stream_id", pa.int64()),
+        pa.field("offset", pa.int64()),
+        pa.field("timestamp", TIMESTAMP_TYPE),
+        pa.field("headers", HEADERS_TYPE),
+        pa.field("body", pa.binary()),
+    ]
+)
+
+_unpackb = msgpack.unpackb
+
+
+def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
+    """Decode one FETCH result (concatenated whole batches) into rows with ``lo <= offset < hi``.
+
+    Returns ``(record_batch or None, next_offset)``, where next_offset is one past the last record
+    of the last batch in ``buf`` (where the next FETCH starts). A batch may start before ``lo``
+    (FETCH returns the batch holding the fetch offset, whole) or run past ``hi``; only the rows in
+    ``[lo, hi)`` are kept. Raises InvalidBatch on a malformed batch or a CRC mismatch.
+    """
+    view = memoryview(buf)
+    size = len(view)
+    pos = 0
+    next_offset = lo
+    offset_parts = []
+    ts_parts = []
+    headers = []
+    bodies = []
+    while pos < size:
+        if size - pos < HEADER_SIZE:
+            raise InvalidBatch("truncated batch header at byte %d" % pos)
+        magic, base, count, base_ts, crc, rlen = HEADER.unpack_from(view, pos)
+        end = pos + HEADER_SIZE + rlen
+        if magic != MAGIC or rlen < 0 or end > size or count < 1:
+            raise InvalidBatch("malformed batch at byte %d" % pos)
+        block = view[pos + HEADER_SIZE : end]
+        pos = end
+        next_offset = base + count
+        first = max(lo - base, 0)
+        last = min(hi - base, count)
+        if first >= last:
+            continue
+        if zlib.crc32(block) != crc:
+            raise InvalidBatch("records block CRC mismatch in batch at offset %d" % base)
+        try:
+            records = _unpackb(block, raw=True, use_list=False)
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise InvalidBatch("records block is not msgpack: %s" % e) from None
+        if type(records) is not tuple or len(records) != count:
+            raise InvalidBatch("records block of batch at offset %d does not hold %d records" % (base, count))
+        if first or last != count:
+            records = records[first:last]
+        try:
+            deltas, ts_deltas, hdrs, body = zip(*records)
+        except (TypeError, ValueError):
+            raise InvalidBatch("malformed record in batch at offset %d" % base) from None
+        if deltas != tuple(range(first, last)):
+            raise InvalidBatch("offset_delta sequence broken in batch at offset %d" % base)
+        offset_parts.append(np.arange(base + first, base + last, dtype=np.int64))
+        ts_parts.append(np.array(ts_deltas, dtype=np.int64) + base_ts)
+        headers.extend(hdrs)
+        bodies.extend(body)
+    if not bodies:
+        return None, next_offset
+    n = len(bodies)
+    offsets = np.concatenate(offset_parts) if len(offset_parts) > 1 else offset_parts[0]
+    ts_ms = np.concatenate(ts_parts) if len(ts_parts) > 1 else ts_parts[0]
+    try:
+        body_arr = pa.array(bodies, type=pa.binary())
+    except (TypeError, pa.ArrowInvalid):
+        raise InvalidBatch("a record body is not bytes") from None
+    columns = [
+        pa.array(np.full(n, stream_id, dtype=np.int64)),
+        pa.array(offsets),
+        pa.array(ts_ms * 1000, type=TIMESTAMP_TYPE),
+        _headers_array(headers),
+        body_arr,
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA), next_offset
+
+
+def _headers_array(headers):
+    """``list<struct<name, value>>`` from per-record header sequences of [name, value] pairs."""
+    n = len(headers)
+    if not any(headers):
+        # The common case: no headers at all. Every list is empty: offsets all zero.
+        empty = pa.StructArray.from_arrays(
+            [pa.array([], pa.binary()), pa.array([], pa.binary())], fields=list(HEADER_TYPE)
+        )
+        return pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), empty, type=HEADERS_TYPE)
+    lengths = np.fromiter(map(len, headers), dtype=np.int32, count=n)
+    list_offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(lengths, out=list_offsets[1:])
+    names = []
+    values = []
+    for pairs in headers:
+        for pair in pairs:
+            if len(pair) != 2:
+                raise InvalidBatch("a header is not a [name, value] pair")
+            names.append(pair[0])
+            values.append(pair[1])
+    try:
+        structs = pa.StructArray.from_arrays(
+            [pa.array(names, pa.binary()), pa.array(values, pa.binary())], fields=list(HEADER_TYPE)
+        )
+    except (TypeError, pa.ArrowInvalid):
+        raise InvalidBatch("a header name or value is not bytes") from None
+    return pa.ListArray.from_arrays(pa.array(list_offsets), structs, type=HEADERS_TYPE)
+
+
+# --- write path --------------------------------------------------------------------------------
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def _as_bytes_list(column):
+    """A body/name/value column as a Python list of bytes (strings are UTF-8 encoded)."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return [None if v is None else v.encode() for v in column.to_pylist()]
+    if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        return column.to_pylist()
+    raise TypeError("column type %s is not binary or string" % column.type)
+
+
+def arrow_to_records(batch: "pa.RecordBatch", now_ms=None):
+    """Rows of an Arrow batch as ``(timestamp_ms, headers, body)`` triples for ``encode``.
+
+    Reads ``body`` (binary or string, required), and ``headers`` (list of struct<name, value>) and
+    ``timestamp`` if present; other columns (``stream_id``, ``offset``) are ignored. A null
+    timestamp becomes ``now_ms``; a null body or header list is written empty.
+    """
+    names = batch.schema.names
+    if "body" not in names:
+        raise ValueError("writing to sbp needs a 'body' column (binary or string); got %s" % names)
+    n = batch.num_rows
+    bodies = [b if b is not None else b"" for b in _as_bytes_list(batch.column(names.index("body")))]
+    if now_ms is None:
+        now_ms = int(time.time() * 1000)
+    if "timestamp" in names:
+        ts_col = batch.column(names.index("timestamp"))
+        if pa.types.is_timestamp(ts_col.type):
+            ts_col = ts_col.cast(pa.timestamp("ms", tz=ts_col.type.tz), safe=False).cast(pa.int64())
+        timestamps = [now_ms if t is None else t for t in ts_col.cast(pa.int64()).to_pylist()]
+    else:
+        timestamps = repeat(now_ms, n)
+    if "headers" in names:
+        headers = []
+        for pairs in batch.column(names.index("headers")).to_pylist():
+            if not pairs:
+                headers.append(())
+                continue
+            headers.append([(_to_bytes(p["name"]), _to_bytes(p["value"])) for p in pairs])
+    else:
+        headers = repeat((), n)
+    return list(zip(timestamps, headers, bodies))
+
+
+def _to_bytes(v):
+    if v is None:
+        return b""
+    return v.encode() if isinstance(v, str) else v
+
+
+def encode_records(records, max_batch_bytes: int = 1 << 20, max_records: int = 65536):
+    """Encode ``(timestamp_ms, headers, body)`` triples as record batches of bounded size.
+
+    Yields ``(batch_bytes, record_count)``; a single record larger than ``max_batch_bytes`` gets a
+    batch of its own (the server answers 1413 if it exceeds the node's --max-batch-bytes).
+    """
+    pending = []
+    size = 0
+    for rec in records:
+        rec_size = len(rec[2]) + 16 + sum(len(n) + len(v) + 8 for n, v in rec[1])
+        if pending and (size + rec_size > max_batch_bytes or len(pending) >= max_records):
+            yield _encode(pending), len(pending)
+            pending = []
+            size = 0
+        pending.append(rec)
+        size += rec_size
+    if pending:
+        yield _encode(pending), len(pending)
+
+
+def _encode(records):
+    base_ts = records[0][0]
+    block = _packb([[i, ts - base_ts, [[n, v] for n, v in hdrs], body] for i, (ts, hdrs, body) in enumerate(records)])
+    return encode_block(block, len(records), base_ts)
+
+
+def split_endpoint(endpoint: str):
+    """``host:port`` (or ``[v6addr]:port``) as ``(host, port)``."""
+    if not endpoint:
+        raise ValueError("the sbp data source needs option endpoint=host:port")
+    host, sep, port = endpoint.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError("endpoint must be host:port, got %r" % endpoint)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def parse_streams(value) -> list:
+    """The ``streams`` option: comma-separated stream ids, in the given order, without repeats."""
+    if value is None or not str(value).strip():
+        raise ValueError("the sbp data source needs option streams=<id>[,<id>...]")
+    out = []
+    for part in str(value).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            sid = int(part, 0)
+        except ValueError:
+            raise ValueError("stream id %r is not an integer" % part) from None
+        if sid not in out:
+            out.append(sid)
+    if not out:
+        raise ValueError("the streams option names no stream")
+    return out
+
