@@ -1,0 +1,798 @@
+"""Toasty clients: a Twisted one (``ToastyClient``) and a blocking one (``BlockingToastyClient``).
+
+Both implement the file protocol on top of the two wire protocols (CONTRACT §5):
+
+write: READ(path, offset, length) for the generation, chunk size, current hashes and their holders
+  and the write locations -> per chunk the range touches: CREATE_CHUNK to every write location (a
+  whole or a new chunk) or UPLOAD_CHUNK to every holder of the current chunk (a patch), several in
+  flight -> WRITE(expect_gen, hashes + locations). A generation conflict (someone wrote in between),
+  a file created or deleted meanwhile, or a chunk reclaimed meanwhile restarts from the READ. A
+  missing file is created by WRITE with CREATE_IF_MISSING and expect_gen 2^64-1 (4096-byte chunks),
+  or by CREATE first when another chunk size is asked for. Writes larger than 1024 chunks go as
+  several WRITEs (each atomic).
+read: READ (at most 1024 chunks at a time, the later pieces pinned to the first piece's generation)
+  -> DOWNLOAD_CHUNK from a holder, checked against its SHA-256 address; holes read as zeros.
+
+The planning (which chunk gets which message) is shared; only the I/O differs.
+"""
+
+import hashlib
+import socket
+from collections import deque
+
+from twisted.internet import defer, endpoints, protocol
+from twisted.logger import Logger
+
+from protocols.toasty import codec, paths
+from protocols.toasty.codec import HEADER, HEADER_LEN
+
+MISSING = codec.MISSING_GENERATION
+DEFAULT_CHUNK_SIZE = 4096
+UPLOADS_IN_FLIGHT = 16
+MAX_ATTEMPTS = 10
+MAX_PIECE_CHUNKS = 1024
+
+# The server's error texts (storage/files.py) a client reacts to.
+E_NOENT = "No such file or directory"
+_RETRY_PREFIXES = (
+    "Generation counter mismatch",
+    "File or directory already exists",
+    E_NOENT,
+    "Chunk not found",
+)
+
+
+class ToastyError(Exception):
+    """The server refused a request (``message`` is its text) or a check failed."""
+
+    def __init__(self, message, reply=None):
+        super().__init__(message)
+        self.message = message
+        self.reply = reply
+
+
+class NotFoundError(ToastyError):
+    pass
+
+
+def _error_of(reply):
+    if isinstance(reply, (codec.ErrorReply, codec.ReadError)):
+        cls = NotFoundError if reply.message.startswith(E_NOENT) else ToastyError
+        return cls(reply.message, reply)
+    return None
+
+
+def _raise_for(reply):
+    err = _error_of(reply)
+    if err is not None:
+        raise err
+    return reply
+
+
+def _path_bytes(path) -> bytes:
+    if isinstance(path, str):
+        path = path.encode("utf-8")
+    paths.normalize(path)  # the one rule; raises InvalidPath before anything is sent
+    return bytes(path)
+
+
+def _server_address(addr_list):
+    addresses = addr_list.addresses()
+    return addresses[0] if addresses else None
+
+
+# -- planning (shared by both clients) ----------------------------------------------------------
+
+
+class Upload:
+    __slots__ = ("index", "msg", "targets", "expected", "hash", "locations")
+
+    def __init__(self, index, msg, targets, expected):
+        self.index = index
+        self.msg = msg
+        self.targets = targets  # [(host, port)]
+        self.expected = expected  # sha256 of the whole new chunk when we know it
+        self.hash = None
+        self.locations = []
+
+
+class FileState:
+    """What a READ told us (or what a fresh CREATE implies)."""
+
+    __slots__ = ("gen", "chunk_size", "first", "hashes", "holders", "write_locations", "exists")
+
+    def __init__(self, gen, chunk_size, first=0, hashes=(), holders=(), write_locations=(), exists=True):
+        self.gen = gen
+        self.chunk_size = chunk_size
+        self.first = first
+        self.hashes = list(hashes)
+        self.holders = list(holders)
+        self.write_locations = list(write_locations)
+        self.exists = exists
+
+    @classmethod
+    def from_read(cls, offset, rs):
+        first = offset // rs.chunk_size if rs.chunk_size else 0
+        return cls(
+            rs.gen,
+            rs.chunk_size,
+            first,
+            [c.hash for c in rs.chunks],
+            [[a for a in (_server_address(h) for h in c.holders) if a] for c in rs.chunks],
+            [a for a in (_server_address(w) for w in rs.write_locations) if a],
+        )
+
+
+def plan_uploads(state, offset, data, truncate):
+    """The chunk messages that turn ``data`` at ``offset`` into new chunks (CONTRACT §5)."""
+    cs = state.chunk_size
+    first, count = codec.chunk_span(offset, len(data), cs)
+    end = offset + len(data)
+    view = memoryview(data)
+    uploads = []
+    for index in range(first, first + count):
+        start = index * cs
+        lo, hi = max(offset, start), min(end, start + cs)
+        piece = view[lo - offset : hi - offset]
+        in_off = lo - start
+        k = index - state.first
+        old = state.hashes[k] if 0 <= k < len(state.hashes) else codec.ZERO_HASH
+        whole = in_off == 0 and hi - lo == cs
+        if whole or old == codec.ZERO_HASH:
+            if not state.write_locations:
+                raise ToastyError("the metadata server offered no chunk server to write to")
+            chunk = b"".join((bytes(in_off), piece, bytes(cs - in_off - len(piece))))
+            msg = codec.CreateChunk(cs, in_off, chunk[in_off : in_off + len(piece)] if not whole else chunk)
+            uploads.append(Upload(index, msg, list(state.write_locations), hashlib.sha256(chunk).digest()))
+        else:
+            patch = bytes(piece)
+            if truncate and hi == end:
+                # Bytes past the new end must read as zeros later (CONTRACT §5).
+                patch += bytes(cs - in_off - len(piece))
+            holders = state.holders[k] if 0 <= k < len(state.holders) else []
+            if not holders:
+                raise ToastyError("chunk %d has no holder to patch" % index)
+            uploads.append(Upload(index, codec.UploadChunk(old, in_off, patch), list(holders), None))
+    return uploads
+
+
+def record_upload(up, target, reply):
+    """Check one upload's reply; remember the hash and the location."""
+    err = _error_of(reply)
+    if err is not None:
+        raise ToastyError("chunk server %s:%d refused chunk %d: %s" % (target[0], target[1], up.index, err.message), reply)
+    h = reply.hash
+    if up.expected is not None and h != up.expected:
+        raise ToastyError("chunk server %s:%d returned hash %s for chunk %d, expected %s" % (target[0], target[1], h.hex(), up.index, up.expected.hex()))
+    if up.hash is not None and up.hash != h:
+        raise ToastyError("replicas of chunk %d disagree on its hash" % up.index)
+    up.hash = h
+    up.locations.append(target)
+
+
+def write_message(state, path, offset, length, flags, uploads):
+    return codec.Write(state.gen, flags, path, offset, length, [codec.WriteChunk(u.hash, u.locations) for u in uploads])
+
+
+def should_retry(reply) -> bool:
+    return isinstance(reply, (codec.ErrorReply, codec.ReadError)) and reply.message.startswith(_RETRY_PREFIXES)
+
+
+def pieces(offset, length, chunk_size):
+    """Split [offset, offset+length) at chunk boundaries into ranges of <= 1024 chunks."""
+    span_bytes = MAX_PIECE_CHUNKS * chunk_size
+    pos, end = offset, offset + length
+    while pos < end:
+        piece_end = min(end, (pos // chunk_size) * chunk_size + span_bytes)
+        yield pos, piece_end - pos
+        pos = piece_end
+
+
+def verify_chunk(h, data):
+    if hashlib.sha256(data).digest() != h:
+        raise ToastyError("chunk %s failed its hash check" % h.hex())
+
+
+# -- Twisted client ----------------------------------------------------------------------------
+
+
+class ToastyClientProtocol(protocol.Protocol):
+    """One connection to either listener: ``request(msg) -> Deferred[reply]`` (replies in order)."""
+
+    log = Logger()
+
+    def __init__(self):
+        self._buf = bytearray()
+        self._pos = 0
+        self._pending = deque()
+        self._lost = None
+
+    def connectionMade(self):
+        try:
+            self.transport.setTcpNoDelay(True)
+        except Exception:
+            pass
+
+    def request(self, msg):
+        if self._lost is not None:
+            return defer.fail(ConnectionError("toasty connection lost: %s" % self._lost))
+        d = defer.Deferred()
+        self._pending.append((msg.TYPE, d))
+        self.transport.write(codec.encode(msg))
+        return d
+
+    def dataReceived(self, data):
+        self._buf += data
+        buf = self._buf
+        while True:
+            avail = len(buf) - self._pos
+            if avail < HEADER_LEN:
+                break
+            version, mtype, length = HEADER.unpack_from(buf, self._pos)
+            if not self._pending:
+                return self._fail("reply with no request outstanding")
+            req_type, d = self._pending[0]
+            try:
+                codec.check_header(version, mtype, length, codec.REPLIES[req_type])
+            except codec.CodecError as e:
+                return self._fail(str(e))
+            if avail < length:
+                break
+            body = bytes(buf[self._pos + HEADER_LEN : self._pos + length])
+            self._pos += length
+            try:
+                reply = codec.decode_reply(mtype, body)
+            except codec.CodecError as e:
+                return self._fail(str(e))
+            self._pending.popleft()
+            d.callback(reply)
+        if self._pos:
+            del buf[: self._pos]
+            self._pos = 0
+
+    def _fail(self, why):
+        self.log.warn("bad toasty reply: {why}", why=why)
+        self.transport.loseConnection()
+        self.connectionLost(ConnectionError(why))
+
+    def connectionLost(self, reason=None):
+        if self._lost is None:
+            self._lost = getattr(reason, "value", reason)
+        pending, self._pending = self._pending, deque()
+        for _, d in pending:
+            d.errback(ConnectionError("toasty connection lost: %s" % self._lost))
+
+
+class ToastyClient:
+    """The file protocol over Twisted: ``yield ToastyClient.connect(reactor, host, port)``."""
+
+    def __init__(self, reactor, meta, parallel=UPLOADS_IN_FLIGHT):
+        self.reactor = reactor
+        self.meta = meta
+        self.parallel = parallel
+        self._chunk_conns = {}
+        self._connecting = {}
+
+    @classmethod
+    @defer.inlineCallbacks
+    def connect(cls, reactor, host, port, **kw):
+        meta = yield _connect(reactor, host, port)
+        return cls(reactor, meta, **kw)
+
+    def close(self):
+        for p in self._chunk_conns.values():
+            p.transport.loseConnection()
+        self._chunk_conns.clear()
+        self.meta.transport.loseConnection()
+
+    def _chunk(self, address):
+        p = self._chunk_conns.get(address)
+        if p is not None and p._lost is None:
+            return defer.succeed(p)
+        d = defer.Deferred()
+        waiters = self._connecting.get(address)
+        if waiters is not None:
+            waiters.append(d)
+            return d
+        self._connecting[address] = [d]
+
+        def done(result):
+            for w in self._connecting.pop(address, []):
+                if isinstance(result, ToastyClientProtocol):
+                    w.callback(result)
+                else:
+                    w.errback(result)
+            if isinstance(result, ToastyClientProtocol):
+                self._chunk_conns[address] = result
+
+        _connect(self.reactor, *address).addBoth(done)
+        return d
+
+    @defer.inlineCallbacks
+    def chunk_request(self, address, msg):
+        p = yield self._chunk(address)
+        reply = yield p.request(msg)
+        return reply
+
+    # -- metadata operations --
+
+    @defer.inlineCallbacks
+    def create(self, path, is_dir=False, chunk_size=DEFAULT_CHUNK_SIZE):
+        reply = yield self.meta.request(codec.Create(_path_bytes(path), is_dir, 0 if is_dir else chunk_size))
+        return _raise_for(reply).gen
+
+    def mkdir(self, path):
+        return self.create(path, True)
+
+    @defer.inlineCallbacks
+    def delete(self, path, expect_gen=0):
+        reply = yield self.meta.request(codec.Delete(expect_gen, _path_bytes(path)))
+        _raise_for(reply)
+
+    @defer.inlineCallbacks
+    def list(self, path, expect_gen=0):
+        """-> (dir gen, [ListItem]) with LIST continuation followed to the end."""
+        base = _path_bytes(path)
+        items, after = [], None
+        while True:
+            wire = base if after is None else base.rstrip(b"/") + b"/\x00" + after
+            reply = _raise_for((yield self.meta.request(codec.List_(expect_gen, wire))))
+            items.extend(reply.items)
+            if not reply.truncated or not reply.items:
+                return reply.gen, items
+            after = reply.items[-1].name
+
+    @defer.inlineCallbacks
+    def read_raw(self, path, offset, length, expect_gen=0):
+        reply = yield self.meta.request(codec.Read(expect_gen, _path_bytes(path), offset, length))
+        return _raise_for(reply)
+
+    # -- file data --
+
+    @defer.inlineCallbacks
+    def write(self, path, data, offset=0, truncate=False, create=True, chunk_size=None):
+        """Write ``data`` at ``offset``; -> the file's new generation."""
+        path = _path_bytes(path)
+        data = bytes(data)
+        gen = None
+        first_piece = True
+        total = len(data)
+        cs = None
+        if total == 0:
+            gen = yield self._write_piece(path, b"", offset, truncate, create, chunk_size)
+            return gen
+        pos = 0
+        while pos < total:
+            if cs is None:
+                try:
+                    cs = (yield self.read_raw(path, offset, 0)).chunk_size
+                except NotFoundError:
+                    cs = chunk_size or DEFAULT_CHUNK_SIZE
+            piece_len = min(total - pos, MAX_PIECE_CHUNKS * cs - (offset + pos) % cs)
+            last = pos + piece_len == total
+            gen = yield self._write_piece(path, data[pos : pos + piece_len], offset + pos, truncate and (first_piece or last), create, chunk_size)
+            first_piece = False
+            pos += piece_len
+        return gen
+
+    @defer.inlineCallbacks
+    def _state(self, path, offset, length, create, chunk_size):
+        """READ -> FileState; a missing file (with ``create``) is created by CREATE when a chunk
+        size other than the default is asked for, else left to WRITE's CREATE_IF_MISSING."""
+        reply = yield self.meta.request(codec.Read(0, path, offset, length))
+        if isinstance(reply, codec.ReadSuccess):
+            return FileState.from_read(offset, reply)
+        if not (create and reply.message.startswith(E_NOENT)):
+            raise _error_of(reply)
+        locations = [a for a in (_server_address(w) for w in reply.write_locations) if a]
+        if chunk_size is None or chunk_size == DEFAULT_CHUNK_SIZE:
+            return FileState(MISSING, DEFAULT_CHUNK_SIZE, write_locations=locations, exists=False)
+        created = yield self.meta.request(codec.Create(path, False, chunk_size))
+        if isinstance(created, codec.ErrorReply):
+            if should_retry(created):
+                return None  # created by someone else meanwhile: READ again
+            raise _error_of(created)
+        return FileState(created.gen, chunk_size, write_locations=locations)
+
+    @defer.inlineCallbacks
+    def _write_piece(self, path, data, offset, truncate, create, chunk_size):
+        for attempt in range(MAX_ATTEMPTS):
+            state = yield self._state(path, offset, len(data), create, chunk_size)
+            if state is None:
+                continue
+            flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
+            uploads = plan_uploads(state, offset, data, truncate)
+            yield self._upload_all(uploads)
+            reply = yield self.meta.request(write_message(state, path, offset, len(data), flags, uploads))
+            if isinstance(reply, codec.WriteSuccess):
+                return reply.gen
+            if not should_retry(reply):
+                raise _error_of(reply)
+        raise ToastyError("WRITE of %r kept conflicting after %d attempts" % (path, MAX_ATTEMPTS))
+
+    def _upload_all(self, uploads):
+        sem = defer.DeferredSemaphore(self.parallel)
+        ds = []
+        for up in uploads:
+            for target in up.targets:
+                d = sem.run(self.chunk_request, target, up.msg)
+                d.addCallback(lambda reply, up=up, target=target: record_upload(up, target, reply))
+                ds.append(d)
+        return defer.gatherResults(ds, consumeErrors=True).addErrback(_first_error)
+
+    @defer.inlineCallbacks
+    def read(self, path, offset=0, length=None, verify=True):
+        """-> bytes of [offset, offset+length) (to the end of file when length is None)."""
+        out = []
+        yield self.read_into(path, out.append, offset, length, verify)
+        return b"".join(out)
+
+    @defer.inlineCallbacks
+    def read_into(self, path, sink, offset=0, length=None, verify=True):
+        path = _path_bytes(path)
+        first = yield self.read_raw(path, offset, 0)
+        gen, cs = first.gen, first.chunk_size
+        end = offset + length if length is not None else None
+        pos = offset
+        while end is None or pos < end:
+            want = MAX_PIECE_CHUNKS * cs - pos % cs
+            if end is not None:
+                want = min(want, end - pos)
+            rs = yield self.read_raw(path, pos, want, expect_gen=gen)
+            if rs.file_length == 0:
+                break
+            datas = yield self._download_all(rs, pos, verify)
+            for piece in datas:
+                sink(piece)
+            pos += rs.file_length
+            if rs.file_length < want:
+                break
+        return pos - offset
+
+    def _download_all(self, rs, offset, verify):
+        sem = defer.DeferredSemaphore(self.parallel)
+        ds = []
+        cs = rs.chunk_size
+        for i, c in enumerate(rs.chunks):
+            index = offset // cs + i
+            start = index * cs
+            lo = max(offset, start) - start
+            hi = min(offset + rs.file_length, start + cs) - start
+            if c.hash == codec.ZERO_HASH:
+                ds.append(defer.succeed(bytes(hi - lo)))
+                continue
+            holders = [a for a in (_server_address(h) for h in c.holders) if a]
+            ds.append(sem.run(self._download_one, c.hash, holders, lo, hi, verify))
+        return defer.gatherResults(ds, consumeErrors=True).addErrback(_first_error)
+
+    @defer.inlineCallbacks
+    def _download_one(self, h, holders, lo, hi, verify):
+        last = None
+        for address in holders:
+            try:
+                reply = yield self.chunk_request(address, codec.DownloadChunk(h, True))
+            except ConnectionError as e:
+                last = ToastyError(str(e))
+                continue
+            if isinstance(reply, codec.ErrorReply):
+                last = _error_of(reply)
+                continue
+            data = reply.data
+            if verify:
+                verify_chunk(h, data)
+            piece = data[lo:hi]
+            return piece + bytes(hi - lo - len(piece))
+        raise last or ToastyError("no holder for chunk %s" % h.hex())
+
+
+def _first_error(failure):
+    if isinstance(failure.value, defer.FirstError):
+        return failure.value.subFailure
+    return failure
+
+
+def _connect(reactor, host, port):
+    ep = endpoints.TCP4ClientEndpoint(reactor, host, port) if ":" not in host else endpoints.TCP6ClientEndpoint(reactor, host, port)
+    return endpoints.connectProtocol(ep, ToastyClientProtocol())
+
+
+# -- blocking client ---------------------------------------------------------------------------
+
+
+class BlockingConnection:
+    """One socket to either listener; ``send`` then ``recv`` replies in request order."""
+
+    def __init__(self, host, port, timeout=30.0):
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.pending = deque()
+        self.address = (host, port)
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def send(self, msg):
+        self.pending.append(msg.TYPE)
+        self.sock.sendall(codec.encode(msg))
+
+    def send_raw(self, mtype, data):
+        self.pending.append(mtype)
+        self.sock.sendall(data)
+
+    def _exact(self, n):
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
+            got += k
+        return buf
+
+    def recv(self):
+        req_type = self.pending.popleft()
+        version, mtype, length = HEADER.unpack(self._exact(HEADER_LEN))
+        try:
+            codec.check_header(version, mtype, length, codec.REPLIES[req_type])
+            return codec.decode_reply(mtype, self._exact(length - HEADER_LEN))
+        except codec.CodecError as e:
+            self.close()
+            raise ConnectionError("bad reply from toasty server %s:%d: %s" % (self.address + (e,)))
+
+    def call(self, msg):
+        self.send(msg)
+        return self.recv()
+
+    def pipeline(self, msgs, window=64):
+        """Send ``msgs`` keeping up to ``window`` outstanding; yield replies in order."""
+        outstanding = 0
+        for msg in msgs:
+            self.send(msg)
+            outstanding += 1
+            if outstanding >= window:
+                yield self.recv()
+                outstanding -= 1
+        for _ in range(outstanding):
+            yield self.recv()
+
+
+class BlockingToastyClient:
+    """The file protocol over plain sockets (for sbpctl, scripts and benchmarks)."""
+
+    def __init__(self, host, port, timeout=30.0, parallel=UPLOADS_IN_FLIGHT):
+        self.meta = BlockingConnection(host, port, timeout)
+        self.timeout = timeout
+        self.parallel = parallel
+        self._chunk_conns = {}
+
+    def close(self):
+        self.meta.close()
+        for c in self._chunk_conns.values():
+            c.close()
+        self._chunk_conns.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def chunk_conn(self, address):
+        c = self._chunk_conns.get(address)
+        if c is None:
+            c = self._chunk_conns[address] = BlockingConnection(address[0], address[1], self.timeout)
+        return c
+
+    # -- metadata operations --
+
+    def create(self, path, is_dir=False, chunk_size=DEFAULT_CHUNK_SIZE):
+        return _raise_for(self.meta.call(codec.Create(_path_bytes(path), is_dir, 0 if is_dir else chunk_size))).gen
+
+    def mkdir(self, path):
+        return self.create(path, True)
+
+    def delete(self, path, expect_gen=0):
+        _raise_for(self.meta.call(codec.Delete(expect_gen, _path_bytes(path))))
+
+    def list(self, path, expect_gen=0):
+        base = _path_bytes(path)
+        items, after = [], None
+        while True:
+            wire = base if after is None else base.rstrip(b"/") + b"/\x00" + after
+            reply = _raise_for(self.meta.call(codec.List_(expect_gen, wire)))
+            items.extend(reply.items)
+            if not reply.truncated or not reply.items:
+                return reply.gen, items
+            after = reply.items[-1].name
+
+    def read_raw(self, path, offset, length, expect_gen=0):
+        return _raise_for(self.meta.call(codec.Read(expect_gen, _path_bytes(path), offset, length)))
+
+    def stat(self, path):
+        """-> dict(gen, chunk_size, size) for a file; dict(gen, is_dir=True) for a directory."""
+        path = _path_bytes(path)
+        reply = self.meta.call(codec.Read(0, path, 0, 0))
+        if isinstance(reply, codec.ReadError):
+            if reply.message.startswith("Entity is a directory"):
+                gen, items = self.list(path)
+                return {"is_dir": True, "gen": gen, "entries": len(items)}
+            raise _error_of(reply)
+        gen, cs = reply.gen, reply.chunk_size
+        size, span = 0, MAX_PIECE_CHUNKS * cs
+        while True:
+            rs = self.read_raw(path, size, span, expect_gen=gen)
+            size += rs.file_length
+            if rs.file_length < span:
+                return {"is_dir": False, "gen": gen, "chunk_size": cs, "size": size}
+
+    # -- file data --
+
+    def write(self, path, data, offset=0, truncate=False, create=True, chunk_size=None, progress=None):
+        """Write ``data`` (bytes, or a file object with ``size``) at ``offset`` -> new generation."""
+        path = _path_bytes(path)
+        return self.write_stream(path, _BytesSource(data), len(data), offset, truncate, create, chunk_size, progress)
+
+    def write_stream(self, path, source, size, offset=0, truncate=False, create=True, chunk_size=None, progress=None):
+        """``source.read(n)`` supplies ``size`` bytes, written piece by piece (<= 1024 chunks each)."""
+        path = _path_bytes(path)
+        if size == 0:
+            return self._write_piece(path, b"", offset, truncate, create, chunk_size)
+        try:
+            cs = self.read_raw(path, offset, 0).chunk_size
+        except NotFoundError:
+            cs = chunk_size or DEFAULT_CHUNK_SIZE
+        pos, gen, first_piece = 0, None, True
+        while pos < size:
+            piece_len = min(size - pos, MAX_PIECE_CHUNKS * cs - (offset + pos) % cs)
+            data = source.read(piece_len)
+            if len(data) != piece_len:
+                raise ToastyError("source ended early (%d of %d bytes)" % (pos + len(data), size))
+            last = pos + piece_len == size
+            # TRUNCATE_AFTER on the first piece drops old bytes past it; later pieces extend.
+            gen = self._write_piece(path, data, offset + pos, truncate and (first_piece or last), create, chunk_size)
+            first_piece = False
+            pos += piece_len
+            if progress is not None:
+                progress(piece_len)
+        return gen
+
+    def _state(self, path, offset, length, create, chunk_size):
+        reply = self.meta.call(codec.Read(0, path, offset, length))
+        if isinstance(reply, codec.ReadSuccess):
+            return FileState.from_read(offset, reply)
+        if not (create and reply.message.startswith(E_NOENT)):
+            raise _error_of(reply)
+        locations = [a for a in (_server_address(w) for w in reply.write_locations) if a]
+        if chunk_size is None or chunk_size == DEFAULT_CHUNK_SIZE:
+            return FileState(MISSING, DEFAULT_CHUNK_SIZE, write_locations=locations, exists=False)
+        created = self.meta.call(codec.Create(path, False, chunk_size))
+        if isinstance(created, codec.ErrorReply):
+            if should_retry(created):
+                return None
+            raise _error_of(created)
+        return FileState(created.gen, chunk_size, write_locations=locations)
+
+    def _write_piece(self, path, data, offset, truncate, create, chunk_size):
+        for attempt in range(MAX_ATTEMPTS):
+            state = self._state(path, offset, len(data), create, chunk_size)
+            if state is None:
+                continue
+            flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
+            uploads = plan_uploads(state, offset, data, truncate)
+            self._upload_all(uploads)
+            reply = self.meta.call(write_message(state, path, offset, len(data), flags, uploads))
+            if isinstance(reply, codec.WriteSuccess):
+                return reply.gen
+            if not should_retry(reply):
+                raise _error_of(reply)
+        raise ToastyError("WRITE of %r kept conflicting after %d attempts" % (path, MAX_ATTEMPTS))
+
+    def _run_pipelined(self, jobs, on_reply):
+        """``jobs``: iterable of (address, msg or (type, raw bytes), context). Keeps up to
+        ``parallel`` outstanding across connections; replies are handled in send order."""
+        outstanding = deque()
+        for address, msg, ctx in jobs:
+            conn = self.chunk_conn(address)
+            if isinstance(msg, tuple):
+                conn.send_raw(*msg)
+            else:
+                conn.send(msg)
+            outstanding.append((conn, ctx))
+            if len(outstanding) >= self.parallel:
+                conn0, ctx0 = outstanding.popleft()
+                on_reply(ctx0, conn0.recv())
+        while outstanding:
+            conn0, ctx0 = outstanding.popleft()
+            on_reply(ctx0, conn0.recv())
+
+    def _upload_all(self, uploads):
+        def jobs():
+            for up in uploads:
+                raw = (up.msg.TYPE, codec.encode(up.msg))
+                for target in up.targets:
+                    yield target, raw, (up, target)
+
+        self._run_pipelined(jobs(), lambda ctx, reply: record_upload(ctx[0], ctx[1], reply))
+
+    def read(self, path, offset=0, length=None, verify=True):
+        out = []
+        self.read_into(path, out.append, offset, length, verify)
+        return b"".join(out)
+
+    def read_into(self, path, sink, offset=0, length=None, verify=True, progress=None):
+        """Stream [offset, offset+length) into ``sink(bytes)`` -> bytes read. Pieces after the
+        first are pinned to the first READ's generation (a concurrent write fails the read)."""
+        path = _path_bytes(path)
+        first = self.read_raw(path, offset, 0)
+        gen, cs = first.gen, first.chunk_size
+        end = offset + length if length is not None else None
+        pos = offset
+        while end is None or pos < end:
+            want = MAX_PIECE_CHUNKS * cs - pos % cs
+            if end is not None:
+                want = min(want, end - pos)
+            rs = self.read_raw(path, pos, want, expect_gen=gen)
+            if rs.file_length == 0:
+                break
+            self._download_piece(rs, pos, sink, verify)
+            pos += rs.file_length
+            if progress is not None:
+                progress(rs.file_length)
+            if rs.file_length < want:
+                break
+        return pos - offset
+
+    def _download_piece(self, rs, offset, sink, verify):
+        cs = rs.chunk_size
+        out = [None] * len(rs.chunks)
+        jobs = []
+        for i, c in enumerate(rs.chunks):
+            index = offset // cs + i
+            start = index * cs
+            lo = max(offset, start) - start
+            hi = min(offset + rs.file_length, start + cs) - start
+            if c.hash == codec.ZERO_HASH:
+                out[i] = bytes(hi - lo)
+                continue
+            holders = [a for a in (_server_address(h) for h in c.holders) if a]
+            if not holders:
+                raise ToastyError("no chunk server holds chunk %s" % c.hash.hex())
+            jobs.append((holders[0], codec.DownloadChunk(c.hash, True), (i, c.hash, lo, hi, holders)))
+
+        def got(ctx, reply):
+            i, h, lo, hi, holders = ctx
+            if isinstance(reply, codec.ErrorReply):
+                data = self._download_fallback(h, holders[1:], reply)
+            else:
+                data = reply.data
+                if verify:
+                    verify_chunk(h, data)
+            piece = data[lo:hi]
+            out[i] = piece + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
+
+        self._run_pipelined(jobs, got)
+        for piece in out:
+            sink(piece)
+
+    def _download_fallback(self, h, holders, first_error):
+        for address in holders:
+            reply = self.chunk_conn(address).call(codec.DownloadChunk(h, True))
+            if isinstance(reply, codec.DownloadChunkSuccess):
+                verify_chunk(h, reply.data)
+                return reply.data
+        raise _error_of(first_error)
+
+
+class _BytesSource:
+    def __init__(self, data):
+        self.view = memoryview(bytes(data))
+        self.pos = 0
+
+    def read(self, n):
+        out = self.view[self.pos : self.pos + n]
+        self.pos += len(out)
+        return out.tobytes()

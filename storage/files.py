@@ -1,0 +1,447 @@
+"""The Toasty file tree: directories and chunked files with generations, kept in ``store.meta``.
+
+It knows no wire format: callers pass paths as tuples of name components (already validated) and get
+plain values or ``FsError`` back. Every mutation is one ``store.meta.transact`` (atomic and durable
+under the node's fsync policy), so a crash leaves each file at its old or its new content, and
+CREATE_IF_MISSING and TRUNCATE_AFTER are part of the same transaction as the write they belong to.
+
+Layout (tables in store.meta):
+- ``toasty.root`` key ``b"/"``: the root directory entity.
+- ``toasty.ent`` key ``u64be(parent inode) + name``: an entity ``[inode, gen, is_dir, chunk_size, size]``.
+  Keys sort by name within a directory, which gives LIST its order and continuation.
+- ``toasty.chk`` key ``u64be(inode) + u32be(chunk index)``: the chunk's 32-byte address. A missing
+  key is a hole (reads as zeros; reported as the all-zero hash).
+Generations come from one node-wide counter (``toasty.gen``); the root takes its first value, 1.
+Every file chunk reference holds one chunk refcount (``txn.chunk_incref``), released on overwrite,
+truncation and delete, so the store's sweep reclaims chunks no file points at.
+"""
+
+import struct
+
+from twisted.internet import defer
+
+ROOT_TABLE = "toasty.root"
+ENT_TABLE = "toasty.ent"
+CHK_TABLE = "toasty.chk"
+GEN_COUNTER = "toasty.gen"
+INODE_COUNTER = "toasty.inode"
+ROOT_KEY = b"/"
+ROOT_INODE = 0
+ROOT_GEN = 1
+
+NO_GENERATION = 0
+MISSING_GENERATION = 2**64 - 1
+DEFAULT_CHUNK_SIZE = 4096  # spec §2.1: CREATE_IF_MISSING makes a file with 4096-byte chunks
+MAX_CHUNK_SIZE = 16 * 1024 * 1024 - 64 * 1024  # a whole chunk must fit in one 16 MiB message
+MAX_FILE_SIZE = 2**32 - 1  # offsets and lengths are u32 on the wire
+MAX_CHUNKS_PER_OP = 1024  # CONTRACT §5
+MAX_LIST = 128  # CONTRACT §5
+ZERO_HASH = b"\x00" * 32
+
+CREATE_IF_MISSING = 0x01
+TRUNCATE_AFTER = 0x02
+
+_U64 = struct.Struct(">Q")
+_CHK = struct.Struct(">QI")
+
+# Entity fields (a short list keeps msgpack small).
+_INODE, _GEN, _IS_DIR, _CHUNK_SIZE, _SIZE = range(5)
+
+# The reference's error strings (research §B.4), so clients written against it match on them.
+E_NOENT = "No such file or directory"
+E_NOTDIR = "Entity is not a directory"
+E_ISDIR = "Entity is a directory"
+E_EXISTS = "File or directory already exists"
+E_BADGEN = "Generation counter mismatch or invalid value"
+E_INVALID = "Invalid operation"
+
+
+class FsError(Exception):
+    """A refused file-tree operation; ``str(e)`` is the text for the *_ERROR reply."""
+
+    def __init__(self, message, detail=None):
+        self.message = message
+        self.detail = detail
+        super().__init__(message if not detail else "%s: %s" % (message, detail))
+
+
+class NotFound(FsError):
+    def __init__(self, detail=None):
+        super().__init__(E_NOENT, detail)
+
+
+class NotADirectory(FsError):
+    def __init__(self, detail=None):
+        super().__init__(E_NOTDIR, detail)
+
+
+class IsADirectory(FsError):
+    def __init__(self, detail=None):
+        super().__init__(E_ISDIR, detail)
+
+
+class AlreadyExists(FsError):
+    def __init__(self, detail=None):
+        super().__init__(E_EXISTS, detail)
+
+
+class BadGeneration(FsError):
+    def __init__(self, detail=None):
+        super().__init__(E_BADGEN, detail)
+
+
+class InvalidOperation(FsError):
+    def __init__(self, detail=None):
+        super().__init__(E_INVALID, detail)
+
+
+class Entity:
+    __slots__ = ("inode", "gen", "is_dir", "chunk_size", "size")
+
+    def __init__(self, value):
+        self.inode, self.gen, self.is_dir, self.chunk_size, self.size = value[:5]
+
+    def value(self):
+        return [self.inode, self.gen, self.is_dir, self.chunk_size, self.size]
+
+
+def _ent_key(parent_inode: int, name: bytes) -> bytes:
+    return _U64.pack(parent_inode) + name
+
+
+def _chk_key(inode: int, index: int) -> bytes:
+    return _CHK.pack(inode, index)
+
+
+def _show(components) -> str:
+    return "/" + "/".join(c.decode("utf-8", "replace") for c in components)
+
+
+def span(offset: int, length: int, chunk_size: int):
+    """CONTRACT §5 (override): the chunk indexes [first, first + count) a byte range touches."""
+    if length == 0:
+        return offset // chunk_size, 0
+    first = offset // chunk_size
+    return first, (offset + length - 1) // chunk_size - first + 1
+
+
+def check_gen(entity, expect_gen: int, what: str) -> None:
+    """CONTRACT §5: 0 skips, 2^64-1 means "must not exist", anything else must match."""
+    if expect_gen == NO_GENERATION:
+        return
+    if expect_gen == MISSING_GENERATION:
+        raise AlreadyExists("%s exists (expect_gen says it must not)" % what)
+    if entity.gen != expect_gen:
+        raise BadGeneration("%s has generation %d, not %d" % (what, entity.gen, expect_gen))
+
+
+class ReadResult:
+    __slots__ = ("gen", "chunk_size", "file_length", "first_index", "hashes", "size")
+
+    def __init__(self, gen, chunk_size, file_length, first_index, hashes, size):
+        self.gen = gen
+        self.chunk_size = chunk_size
+        self.file_length = file_length  # readable bytes in the requested range (CONTRACT §5)
+        self.first_index = first_index
+        self.hashes = hashes  # one per chunk the readable range touches; ZERO_HASH for holes
+        self.size = size
+
+
+class FileTree:
+    """The file tree over ``store.meta`` (refcounts) and ``store.chunks`` (for the zero-tail rule)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.meta = store.meta
+
+    # -- helpers run inside a meta txn ----------------------------------------------------------
+
+    @staticmethod
+    def _root(txn, create=False) -> Entity:
+        value = txn.get(ROOT_TABLE, ROOT_KEY)
+        if value is None:
+            if not create:
+                return Entity([ROOT_INODE, ROOT_GEN, True, 0, 0])
+            # The first value of the node-wide counter is 1: CONTRACT §5 "the root has 1".
+            gen = txn.next_id(GEN_COUNTER)
+            value = [ROOT_INODE, gen, True, 0, 0]
+            txn.put(ROOT_TABLE, ROOT_KEY, value)
+        return Entity(value)
+
+    @staticmethod
+    def _new_gen(txn) -> int:
+        gen = txn.next_id(GEN_COUNTER)
+        while gen in (NO_GENERATION, MISSING_GENERATION):  # CONTRACT §5: never 0 or 2^64-1
+            gen = txn.next_id(GEN_COUNTER)
+        return gen
+
+    def _lookup_parent(self, txn, components, create_root=False) -> Entity:
+        """The directory holding ``components[-1]``; NotFound / NotADirectory on the way."""
+        entity = self._root(txn, create_root)
+        for i, name in enumerate(components[:-1]):
+            value = txn.get(ENT_TABLE, _ent_key(entity.inode, name))
+            if value is None:
+                raise NotFound("%s does not exist" % _show(components[: i + 1]))
+            entity = Entity(value)
+            if not entity.is_dir:
+                raise NotADirectory("%s is a file" % _show(components[: i + 1]))
+        return entity
+
+    def _lookup(self, txn, components, create_root=False):
+        """(parent, entity or None). The root has no parent (None)."""
+        if not components:
+            return None, self._root(txn, create_root)
+        parent = self._lookup_parent(txn, components, create_root)
+        value = txn.get(ENT_TABLE, _ent_key(parent.inode, components[-1]))
+        return parent, (Entity(value) if value is not None else None)
+
+    @staticmethod
+    def _chunk_refs(txn, inode, from_index=0):
+        prefix = _U64.pack(inode)
+        return txn.scan(CHK_TABLE, start=_chk_key(inode, from_index), prefix=prefix)
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def ensure_root(self):
+        return self.meta.transact(lambda txn: self._root(txn, create=True).gen)
+
+    def create(self, components, is_dir: bool, chunk_size: int = 0):
+        """-> Deferred[gen of the new entity]."""
+        if not components:
+            return defer.fail(AlreadyExists("the root directory always exists"))
+        if not is_dir and not 0 < chunk_size <= MAX_CHUNK_SIZE:
+            return defer.fail(InvalidOperation("chunk_size must be 1..%d, not %d" % (MAX_CHUNK_SIZE, chunk_size)))
+
+        def fn(txn):
+            parent, entity = self._lookup(txn, components, create_root=True)
+            if entity is not None:
+                raise AlreadyExists("%s exists" % _show(components))
+            gen = self._new_gen(txn)
+            inode = txn.next_id(INODE_COUNTER)
+            txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), [inode, gen, bool(is_dir), 0 if is_dir else chunk_size, 0])
+            return gen
+
+        return self.meta.transact(fn)
+
+    def delete(self, components, expect_gen: int):
+        """-> Deferred[None]. DELETE of a missing path succeeds only with expect_gen 2^64-1."""
+        if not components:
+            return defer.fail(InvalidOperation("the root directory cannot be deleted"))
+
+        def fn(txn):
+            parent, entity = self._lookup_missing_ok(txn, components, expect_gen)
+            if entity is None:
+                return None
+            check_gen(entity, expect_gen, _show(components))
+            if entity.is_dir:
+                if txn.scan(ENT_TABLE, start=_U64.pack(entity.inode), prefix=_U64.pack(entity.inode), limit=1):
+                    raise InvalidOperation("directory %s is not empty" % _show(components))
+            else:
+                refs = self._chunk_refs(txn, entity.inode)
+                for key, _ in refs:
+                    txn.delete(CHK_TABLE, key)
+                if refs:
+                    txn.chunk_decref([addr for _, addr in refs])
+            txn.delete(ENT_TABLE, _ent_key(parent.inode, components[-1]))
+            return None
+
+        return self.meta.transact(fn)
+
+    def _lookup_missing_ok(self, txn, components, expect_gen):
+        try:
+            parent, entity = self._lookup(txn, components, create_root=True)
+        except NotFound:
+            if expect_gen == MISSING_GENERATION:
+                return None, None
+            raise
+        if entity is None and expect_gen != MISSING_GENERATION:
+            raise NotFound("%s does not exist" % _show(components))
+        return parent, entity
+
+    def list(self, components, expect_gen: int, after=None, limit: int = MAX_LIST):
+        """-> (dir gen, truncated, [(name, gen, is_dir)]) sorted by name, names > ``after`` only."""
+
+        def fn(txn):
+            _, entity = self._lookup(txn, components)
+            if entity is None:
+                raise NotFound("%s does not exist" % _show(components))
+            if not entity.is_dir:
+                raise NotADirectory("%s is a file" % _show(components))
+            check_gen(entity, expect_gen, _show(components))
+            prefix = _U64.pack(entity.inode)
+            start = prefix + after + b"\x00" if after is not None else prefix
+            rows = txn.scan(ENT_TABLE, start=start, prefix=prefix, limit=limit + 1)
+            items = [(bytes(k[8:]), v[_GEN], bool(v[_IS_DIR])) for k, v in rows[:limit]]
+            return entity.gen, len(rows) > limit, items
+
+        return self.meta.read(fn)
+
+    def stat(self, components):
+        """-> Entity (sync); raises NotFound/NotADirectory."""
+
+        def fn(txn):
+            _, entity = self._lookup(txn, components)
+            if entity is None:
+                raise NotFound("%s does not exist" % _show(components))
+            return entity
+
+        return self.meta.read(fn)
+
+    def read(self, components, expect_gen: int, offset: int, length: int, max_chunks: int = MAX_CHUNKS_PER_OP):
+        """-> ReadResult for the readable part of [offset, offset+length) (sync)."""
+
+        def fn(txn):
+            _, entity = self._lookup(txn, components)
+            if entity is None:
+                raise NotFound("%s does not exist" % _show(components))
+            if entity.is_dir:
+                raise IsADirectory("%s is a directory" % _show(components))
+            check_gen(entity, expect_gen, _show(components))
+            end = min(entity.size, offset + length)
+            readable = max(0, end - offset)
+            first, count = span(offset, readable, entity.chunk_size)
+            if count > max_chunks:
+                raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
+            hashes = [ZERO_HASH] * count
+            if count:
+                rows = txn.scan(CHK_TABLE, start=_chk_key(entity.inode, first), prefix=_U64.pack(entity.inode), limit=count)
+                for key, addr in rows:
+                    index = _CHK.unpack(key)[1] - first
+                    if index >= count:
+                        break
+                    hashes[index] = bytes(addr)
+            return ReadResult(entity.gen, entity.chunk_size, readable, first, hashes, entity.size)
+
+        return self.meta.read(fn)
+
+    @defer.inlineCallbacks
+    def write(self, components, expect_gen: int, flags: int, offset: int, length: int, hashes):
+        """-> Deferred[new gen]. ``hashes`` are the new addresses of the chunks the range spans."""
+        if expect_gen == NO_GENERATION:
+            # CONTRACT §5: WRITE refuses expect_gen 0 (the chunk size must be the one the writer saw).
+            raise BadGeneration("WRITE needs an expect_gen (0 is refused)")
+        if not components:
+            raise IsADirectory("/ is a directory")
+        if offset + length > MAX_FILE_SIZE:
+            raise InvalidOperation("a file may not grow past %d bytes" % MAX_FILE_SIZE)
+        hashes = [bytes(h) for h in hashes]
+        if len(hashes) > MAX_CHUNKS_PER_OP:
+            raise InvalidOperation("a WRITE may carry at most %d chunks, not %d" % (MAX_CHUNKS_PER_OP, len(hashes)))
+        for h in hashes:
+            if h == ZERO_HASH:
+                raise InvalidOperation("the all-zero hash names no chunk")
+
+        # A snapshot read learns the chunk size and the chunk that ends up holding the new end of
+        # file; the transaction below re-checks everything (the generation pins the snapshot).
+        snap = self.meta.read(lambda txn: self._write_snapshot(txn, components, offset, length, flags))
+        chunk_size, new_size, tail_index, tail_hash = snap
+        first, count = span(offset, length, chunk_size)
+        if count != len(hashes):
+            raise InvalidOperation(
+                "num_chunks is %d but [%d, %d) spans %d chunks of %d bytes" % (len(hashes), offset, offset + length, count, chunk_size)
+            )
+        # CONTRACT §5: bytes past the end of file read as zeros if the file grows again, so the
+        # chunk holding the new end must be zero past it. Ours are (clients pad with zeros); a
+        # chunk that is not is replaced by a zero-tailed copy.
+        replace_tail = None
+        if tail_index is not None:
+            if length and tail_index == first + count - 1:
+                tail_hash = hashes[-1]
+            if tail_hash is not None and tail_hash != ZERO_HASH:
+                fixed = yield self._zero_tail(tail_hash, new_size - tail_index * chunk_size)
+                if fixed is not None:
+                    replace_tail = (tail_index, tail_hash, fixed)
+        if replace_tail is not None and length and tail_index == first + count - 1:
+            hashes[-1] = replace_tail[2]
+            replace_tail = None
+
+        def fn(txn):
+            parent, entity = self._lookup(txn, components, create_root=True)
+            if entity is None:
+                if expect_gen == MISSING_GENERATION and flags & CREATE_IF_MISSING:
+                    # Created in the same transaction as the write (research §B.9 bug 3 avoided).
+                    inode = txn.next_id(INODE_COUNTER)
+                    entity = Entity([inode, 0, False, DEFAULT_CHUNK_SIZE, 0])
+                else:
+                    raise NotFound("%s does not exist" % _show(components))
+            else:
+                if entity.is_dir:
+                    raise IsADirectory("%s is a directory" % _show(components))
+                check_gen(entity, expect_gen, _show(components))
+            if entity.chunk_size != chunk_size:
+                raise BadGeneration("%s changed under the write" % _show(components))
+            missing = [h.hex() for h in set(hashes) if not txn.chunk_has(h)]
+            if missing:
+                raise FsError("Chunk not found", "the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
+            inode = entity.inode
+            released = []
+            if hashes:
+                txn.chunk_incref(hashes)
+            for i, h in enumerate(hashes):
+                key = _chk_key(inode, first + i)
+                old = txn.get(CHK_TABLE, key)
+                if old is not None:
+                    released.append(bytes(old))
+                txn.put(CHK_TABLE, key, h)
+            end = offset + length
+            if flags & TRUNCATE_AFTER:
+                size = end
+                keep = -(-size // chunk_size)  # chunks [0, keep) stay
+                for key, old in self._chunk_refs(txn, inode, keep):
+                    released.append(bytes(old))
+                    txn.delete(CHK_TABLE, key)
+            else:
+                size = max(entity.size, end)
+            if replace_tail is not None:
+                index, old_hash, new_hash = replace_tail
+                key = _chk_key(inode, index)
+                current = txn.get(CHK_TABLE, key)
+                if current is not None and bytes(current) == old_hash:
+                    if not txn.chunk_has(new_hash):
+                        raise FsError("Chunk not found", "the zero-tailed copy vanished")
+                    txn.chunk_incref([new_hash])
+                    released.append(old_hash)
+                    txn.put(CHK_TABLE, key, new_hash)
+            if released:
+                txn.chunk_decref(released)
+            entity.gen = self._new_gen(txn)
+            entity.size = size
+            txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), entity.value())
+            return entity.gen
+
+        gen = yield self.meta.transact(fn)
+        return gen
+
+    def _write_snapshot(self, txn, components, offset, length, flags):
+        _, entity = self._lookup(txn, components)
+        if entity is None:
+            if not (flags & CREATE_IF_MISSING):
+                raise NotFound("%s does not exist" % _show(components))
+            chunk_size, size, inode = DEFAULT_CHUNK_SIZE, 0, None
+        elif entity.is_dir:
+            raise IsADirectory("%s is a directory" % _show(components))
+        else:
+            chunk_size, size, inode = entity.chunk_size, entity.size, entity.inode
+        end = offset + length
+        new_size = end if flags & TRUNCATE_AFTER else max(size, end)
+        tail_index = tail_hash = None
+        if new_size % chunk_size and new_size == end and (length or flags & TRUNCATE_AFTER):
+            tail_index = (new_size - 1) // chunk_size
+            if inode is not None:
+                value = txn.get(CHK_TABLE, _chk_key(inode, tail_index))
+                tail_hash = bytes(value) if value is not None else None
+        return chunk_size, new_size, tail_index, tail_hash
+
+    @defer.inlineCallbacks
+    def _zero_tail(self, addr, keep):
+        """The address of a copy of chunk ``addr`` with bytes from ``keep`` on zeroed, or None if
+        they already are zero (or the chunk is not here: the transaction then refuses the write)."""
+        try:
+            data = yield self.store.chunks.get(addr)
+        except Exception:
+            return None
+        tail = data[keep:]
+        if not tail or tail == bytes(len(tail)):
+            return None
+        fixed = yield self.store.chunks.put(bytes(data[:keep]) + bytes(len(data) - keep))
+        return fixed

@@ -1,0 +1,368 @@
+"""Toasty metadata and chunk servers over StringTransport, on a real store in tmp_path (CONTRACT §5)."""
+
+import hashlib
+
+import pytest
+import pytest_twisted
+from hypothesis import HealthCheck, given, settings, strategies as st
+from twisted.internet import reactor, task
+from twisted.internet.testing import StringTransport
+
+from protocols.toasty import codec, server
+from protocols.toasty.codec import (
+    CREATE_IF_MISSING,
+    MISSING_GENERATION as MISSING,
+    TRUNCATE_AFTER,
+    Create,
+    CreateChunk,
+    Delete,
+    DownloadChunk,
+    List_,
+    Read,
+    UploadChunk,
+    Write,
+    WriteChunk,
+)
+
+CHUNK_ADDR = ("127.0.0.1", 7703)
+
+
+class FakeConfig:
+    replication_factor = 1
+
+
+class Node:
+    """The NodeContext surface the servers use, around a real store."""
+
+    def __init__(self, store, chunks_on=True):
+        self.store = store
+        self.config = FakeConfig()
+        self.node_id = 1
+        self.reactor = reactor
+        self.metrics = {}
+        self.chunks_on = chunks_on
+
+    def advertised(self, name):
+        return "%s:%d" % CHUNK_ADDR if (name == "chunks" and self.chunks_on) else None
+
+    def on_shutdown(self, fn):
+        pass
+
+
+@pytest.fixture
+def store(tmp_path):
+    from storage import Store
+
+    s = Store.open(str(tmp_path / "store"), fsync="never", reactor=reactor, node_id=1)
+    yield s
+    pytest_twisted.blockon(s.close())
+
+
+class Conn:
+    def __init__(self, factory):
+        self.proto = factory.buildProtocol(None)
+        self.tr = StringTransport()
+        self.proto.makeConnection(self.tr)
+        self.seen = 0
+
+    def send(self, *msgs):
+        for m in msgs:
+            self.proto.dataReceived(codec.encode(m) if not isinstance(m, bytes) else m)
+
+    def _parse(self):
+        data = self.tr.value()
+        out, pos = [], 0
+        while len(data) - pos >= 8:
+            _, mtype, length = codec.HEADER.unpack_from(data, pos)
+            if len(data) - pos < length:
+                break
+            out.append(codec.decode_reply(mtype, data[pos + 8 : pos + length]))
+            pos += length
+        return out
+
+    async def replies(self, n, timeout=10.0):
+        waited = 0.0
+        while len(self._parse()) < self.seen + n:
+            await task.deferLater(reactor, 0.005, lambda: None)
+            waited += 0.005
+            if waited > timeout:
+                raise AssertionError("only %d replies: %r" % (len(self._parse()) - self.seen, self._parse()[self.seen :]))
+        got = self._parse()[self.seen : self.seen + n]
+        self.seen += n
+        return got
+
+    async def call(self, msg):
+        self.send(msg)
+        return (await self.replies(1))[0]
+
+
+@pytest.fixture
+def meta(store):
+    f = server.build_meta_factory(Node(store))
+    f.doStart()
+    return Conn(f)
+
+
+@pytest.fixture
+def chunks(store):
+    return Conn(server.build_chunk_factory(Node(store)))
+
+
+async def put_chunk(chunks, data, cs):
+    r = await chunks.call(CreateChunk(cs, 0, data))
+    assert r.TYPE == codec.CREATE_CHUNK_SUCCESS, r
+    assert r.hash == hashlib.sha256(data + bytes(cs - len(data))).digest()
+    return r.hash
+
+
+def wc(h):
+    return WriteChunk(h, [CHUNK_ADDR])
+
+
+@pytest_twisted.ensureDeferred
+async def test_root_create_list_generations(meta):
+    r = await meta.call(List_(0, b"/"))
+    assert (r.TYPE, r.gen, r.truncated, r.items) == (codec.LIST_SUCCESS, 1, False, [])
+    d = await meta.call(Create(b"/d", True))
+    f = await meta.call(Create(b"d/f", False, 4096))
+    assert d.TYPE == f.TYPE == codec.CREATE_SUCCESS and 1 < d.gen < f.gen
+    r = await meta.call(List_(0, b"/d/"))
+    assert [(i.name, i.gen, i.is_dir) for i in r.items] == [(b"f", f.gen, False)]
+    assert r.gen == d.gen  # a directory keeps its generation when children change
+    r = await meta.call(List_(0, b""))
+    assert [(i.name, i.gen, i.is_dir) for i in r.items] == [(b"d", d.gen, True)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_create_errors(meta):
+    await meta.call(Create(b"/f", False, 4096))
+    for msg, text in [
+        (Create(b"/f", True), "already exists"),
+        (Create(b"/", True), "already exists"),
+        (Create(b"/nope/x", True), "No such file"),
+        (Create(b"/f/x", True), "not a directory"),
+        (Create(b"/a/../b", True), "Invalid path"),
+        (Create(b"a//b", True), "Invalid path"),
+        (Create(b"/g", False, 0), "chunk_size"),
+    ]:
+        r = await meta.call(msg)
+        assert r.TYPE == codec.CREATE_ERROR and text in r.message, (msg, r)
+
+
+@pytest_twisted.ensureDeferred
+async def test_list_and_read_type_errors(meta):
+    await meta.call(Create(b"/f", False, 4096))
+    r = await meta.call(List_(0, b"/f"))
+    assert r.TYPE == codec.LIST_ERROR and "not a directory" in r.message
+    r = await meta.call(Read(0, b"/", 0, 10))
+    assert r.TYPE == codec.READ_ERROR and "is a directory" in r.message
+    assert r.write_locations == [codec.AddrList([CHUNK_ADDR])]
+    r = await meta.call(Read(0, b"/missing", 0, 10))
+    assert r.TYPE == codec.READ_ERROR and r.message.startswith("No such file")
+
+
+@pytest_twisted.ensureDeferred
+async def test_generation_checks_on_every_message(meta):
+    d = (await meta.call(Create(b"/d", True))).gen
+    f = (await meta.call(Create(b"/f", False, 4096))).gen
+    bad = f + 1000
+    assert (await meta.call(List_(bad, b"/d"))).TYPE == codec.LIST_ERROR
+    assert (await meta.call(List_(MISSING, b"/d"))).TYPE == codec.LIST_ERROR
+    assert (await meta.call(List_(d, b"/d"))).TYPE == codec.LIST_SUCCESS
+    assert (await meta.call(List_(1, b"/"))).TYPE == codec.LIST_SUCCESS
+    assert (await meta.call(Read(bad, b"/f", 0, 1))).TYPE == codec.READ_ERROR
+    assert (await meta.call(Read(MISSING, b"/f", 0, 1))).TYPE == codec.READ_ERROR
+    r = await meta.call(Read(f, b"/f", 0, 1))
+    assert (r.TYPE, r.gen, r.chunk_size, r.file_length, r.chunks) == (codec.READ_SUCCESS, f, 4096, 0, [])
+    r = await meta.call(Write(0, 0, b"/f", 0, 0, []))
+    assert r.TYPE == codec.WRITE_ERROR and "Generation" in r.message  # WRITE refuses expect_gen 0
+    assert (await meta.call(Write(bad, 0, b"/f", 0, 0, []))).TYPE == codec.WRITE_ERROR
+    assert (await meta.call(Write(MISSING, CREATE_IF_MISSING, b"/f", 0, 0, []))).TYPE == codec.WRITE_ERROR
+    assert (await meta.call(Write(MISSING, 0, b"/new", 0, 0, []))).TYPE == codec.WRITE_ERROR
+    assert (await meta.call(Delete(bad, b"/f"))).TYPE == codec.DELETE_ERROR
+    assert (await meta.call(Delete(MISSING, b"/f"))).TYPE == codec.DELETE_ERROR
+    assert (await meta.call(Delete(0, b"/missing"))).TYPE == codec.DELETE_ERROR
+    assert (await meta.call(Delete(5, b"/missing"))).TYPE == codec.DELETE_ERROR
+    assert (await meta.call(Delete(MISSING, b"/missing"))).TYPE == codec.DELETE_SUCCESS
+    assert (await meta.call(Delete(MISSING, b"/nodir/missing"))).TYPE == codec.DELETE_SUCCESS
+    assert (await meta.call(Delete(f, b"/f"))).TYPE == codec.DELETE_SUCCESS
+    await meta.call(Create(b"/d/x", True))
+    r = await meta.call(Delete(0, b"/d"))
+    assert r.TYPE == codec.DELETE_ERROR and "not empty" in r.message
+    assert (await meta.call(Delete(0, b"/"))).TYPE == codec.DELETE_ERROR
+
+
+@pytest_twisted.ensureDeferred
+async def test_write_read_download(meta, chunks):
+    cs = 4096
+    gen = (await meta.call(Create(b"/f", False, cs))).gen
+    a, b = b"a" * cs, b"b" * 100
+    ha, hb = await put_chunk(chunks, a, cs), await put_chunk(chunks, b, cs)
+    r = await meta.call(Write(gen, 0, b"/f", 0, cs + 100, [wc(ha), wc(hb)]))
+    assert r.TYPE == codec.WRITE_SUCCESS and r.gen > gen
+    gen2 = r.gen
+    r = await meta.call(Read(gen2, b"/f", 10, 10_000))
+    assert (r.gen, r.chunk_size, r.file_length) == (gen2, cs, cs + 90)
+    assert [c.hash for c in r.chunks] == [ha, hb]
+    assert r.chunks[0].holders == [codec.AddrList([CHUNK_ADDR])] and r.write_locations == r.chunks[0].holders
+    # past the end: file_length 0, no hashes (CONTRACT §5)
+    r = await meta.call(Read(0, b"/f", 50_000, 10))
+    assert (r.file_length, r.chunks) == (0, [])
+    d = await chunks.call(DownloadChunk(hb, True))
+    assert d.data == b + bytes(cs - 100)
+    d = await chunks.call(DownloadChunk(hb, False, 98, 4))
+    assert d.data == b"bb\x00\x00"
+    d = await chunks.call(DownloadChunk(hb, False, 4000, 200))
+    assert d.TYPE == codec.DOWNLOAD_CHUNK_ERROR and d.message == "Invalid range"
+    # a patch makes a new chunk
+    u = await chunks.call(UploadChunk(hb, 100, b"c"))
+    assert u.TYPE == codec.UPLOAD_CHUNK_SUCCESS and u.hash == hashlib.sha256(b + b"c" + bytes(cs - 101)).digest()
+    u = await chunks.call(UploadChunk(hashlib.sha256(b"nothing").digest(), 0, b"x"))
+    assert u.TYPE == codec.UPLOAD_CHUNK_ERROR
+    e = await chunks.call(CreateChunk(10, 8, b"abc"))
+    assert e.TYPE == codec.CREATE_CHUNK_ERROR
+
+
+@pytest_twisted.ensureDeferred
+async def test_write_refusals(meta, chunks):
+    gen = (await meta.call(Create(b"/f", False, 4096))).gen
+    h = await put_chunk(chunks, b"x", 4096)
+    unknown = hashlib.sha256(b"never uploaded").digest()
+    r = await meta.call(Write(gen, 0, b"/f", 0, 10, [wc(unknown)]))
+    assert r.TYPE == codec.WRITE_ERROR and "Chunk not found" in r.message
+    r = await meta.call(Write(gen, 0, b"/f", 4090, 10, [wc(h)]))  # spans 2 chunks
+    assert r.TYPE == codec.WRITE_ERROR and "spans 2" in r.message
+    r = await meta.call(Write(gen, 0, b"/f", 0, 10, [WriteChunk(h, [])]))
+    assert r.TYPE == codec.WRITE_ERROR and "replication factor" in r.message
+    r = await meta.call(Write(gen, 0, b"/", 0, 10, [wc(h)]))
+    assert r.TYPE == codec.WRITE_ERROR
+    r = await meta.call(Write(gen, 0, b"/f/../g", 0, 10, [wc(h)]))
+    assert r.TYPE == codec.WRITE_ERROR and "Invalid path" in r.message
+    assert (await meta.call(Read(gen, b"/f", 0, 10))).gen == gen  # nothing changed
+
+
+@pytest_twisted.ensureDeferred
+async def test_create_if_missing_and_truncate(meta, chunks):
+    h = await put_chunk(chunks, b"y" * 4096, 4096)
+    r = await meta.call(Write(MISSING, CREATE_IF_MISSING, b"/auto", 0, 4096 * 3, [wc(h)] * 3))
+    assert r.TYPE == codec.WRITE_SUCCESS
+    g = r.gen
+    r = await meta.call(Read(0, b"/auto", 0, 1 << 20))
+    assert (r.gen, r.chunk_size, r.file_length, len(r.chunks)) == (g, 4096, 3 * 4096, 3)
+    # truncate to 5000 with a zero-length write; the kept chunk's tail becomes zeros
+    r = await meta.call(Write(g, TRUNCATE_AFTER, b"/auto", 5000, 0, []))
+    assert r.TYPE == codec.WRITE_SUCCESS
+    g = r.gen
+    r = await meta.call(Read(g, b"/auto", 0, 1 << 20))
+    assert r.file_length == 5000 and len(r.chunks) == 2 and r.chunks[0].hash == h and r.chunks[1].hash != h
+    tail = await chunks.call(DownloadChunk(r.chunks[1].hash, True))
+    assert tail.data == b"y" * (5000 - 4096) + bytes(4096 * 2 - 5000)
+    # grow again with a write far past the end: the gap reads as zeros, holes are zero hashes
+    h2 = await put_chunk(chunks, b"z", 4096)
+    r = await meta.call(Write(g, 0, b"/auto", 5 * 4096, 1, [wc(h2)]))
+    assert r.TYPE == codec.WRITE_SUCCESS
+    r = await meta.call(Read(0, b"/auto", 0, 1 << 20))
+    assert r.file_length == 5 * 4096 + 1
+    assert [c.hash for c in r.chunks][2:5] == [codec.ZERO_HASH] * 3
+    assert r.chunks[2].holders == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_list_pagination(meta):
+    await meta.call(Create(b"/many", True))
+    names = sorted(b"n%04d" % i for i in range(300))
+    for n in reversed(names):
+        meta.send(Create(b"/many/" + n, True))
+    assert all(r.TYPE == codec.CREATE_SUCCESS for r in await meta.replies(300))
+    got, after = [], None
+    while True:
+        r = await meta.call(List_(0, b"/many" if after is None else b"/many/\x00" + after))
+        assert len(r.items) <= 128
+        got += [i.name for i in r.items]
+        if not r.truncated:
+            break
+        after = r.items[-1].name
+    assert got == names
+
+
+@pytest_twisted.ensureDeferred
+async def test_pipelined_write_then_read_sees_the_write(meta, chunks):
+    h = await put_chunk(chunks, b"p", 4096)
+    meta.send(Write(MISSING, CREATE_IF_MISSING, b"/p", 0, 1, [wc(h)]), Read(0, b"/p", 0, 10), List_(0, b"/"))
+    w, r, ls = await meta.replies(3)
+    assert w.TYPE == codec.WRITE_SUCCESS and r.TYPE == codec.READ_SUCCESS and r.gen == w.gen
+    assert [i.name for i in ls.items] == [b"p"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_unreferenced_chunks_are_reclaimed(store, meta, chunks):
+    h1 = await put_chunk(chunks, b"1", 4096)
+    h2 = await put_chunk(chunks, b"2", 4096)
+    g = (await meta.call(Write(MISSING, CREATE_IF_MISSING, b"/r", 0, 1, [wc(h1)]))).gen
+    g = (await meta.call(Write(g, 0, b"/r", 0, 1, [wc(h2)]))).gen
+    await store.chunks.sweep_now(0)
+    assert not store.chunks.has(h1) and store.chunks.has(h2)
+    assert (await meta.call(Delete(g, b"/r"))).TYPE == codec.DELETE_SUCCESS
+    await store.chunks.sweep_now(0)
+    assert not store.chunks.has(h2)
+
+
+def test_byte_at_a_time_and_many_at_once(store):
+    f = server.build_meta_factory(Node(store))
+    c = Conn(f)
+    raw = codec.encode(List_(0, b"/")) * 3
+    for i in range(len(raw)):
+        c.proto.dataReceived(raw[i : i + 1])
+    assert len(c._parse()) == 3 and not c.tr.disconnecting
+
+
+@pytest.mark.parametrize("port", ["meta", "chunks"])
+def test_oversize_and_wrong_port_close_without_reply(store, port):
+    f = server.build_meta_factory(Node(store)) if port == "meta" else server.build_chunk_factory(Node(store))
+    for raw in [
+        codec.HEADER.pack(1, 3 if port == "meta" else 7, 16 * 1024 * 1024 + 1),  # oversize: no body needed
+        codec.HEADER.pack(2, 0, 8),  # version
+        codec.HEADER.pack(1, 9, 16),  # a reply type
+        codec.HEADER.pack(1, 5 if port == "meta" else 0, 20) + bytes(12),  # the other port's request
+        codec.HEADER.pack(1, 99, 8),
+        codec.HEADER.pack(1, 0, 7),
+    ]:
+        c = Conn(f)
+        c.proto.dataReceived(raw)
+        assert c.tr.disconnecting and c.tr.value() == b"", raw
+
+
+def _fuzz_conn(store_, port):
+    f = server.build_meta_factory(Node(store_)) if port == "meta" else server.build_chunk_factory(Node(store_))
+    return Conn(f)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(port=st.sampled_from(["meta", "chunks"]), mtype=st.integers(0, 7), body=st.binary(max_size=120), cut=st.integers(0, 200))
+def test_fuzz_garbage_bodies_close_cleanly(store, port, mtype, body, cut):
+    allowed = codec.META_REQUESTS if port == "meta" else codec.CHUNK_REQUESTS
+    try:
+        codec.decode_request(mtype, body)
+        return  # a well-formed request: not garbage
+    except codec.CodecError:
+        pass
+    raw = codec.HEADER.pack(1, mtype, 8 + len(body)) + body
+    c = _fuzz_conn(store, port)
+    c.proto.dataReceived(raw[:cut])  # truncated: no reply, still waiting
+    assert c.tr.value() == b""
+    c.proto.dataReceived(raw[cut:])
+    assert c.tr.value() == b""
+    if mtype in allowed or True:
+        assert c.tr.disconnecting
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(port=st.sampled_from(["meta", "chunks"]), data=st.binary(min_size=8, max_size=200))
+def test_fuzz_random_headers(store, port, data):
+    version, mtype, length = codec.HEADER.unpack_from(data, 0)
+    allowed = codec.META_REQUESTS if port == "meta" else codec.CHUNK_REQUESTS
+    if version == 1 and mtype in allowed and 8 <= length <= 16 * 1024 * 1024:
+        return  # covered by the body fuzz
+    c = _fuzz_conn(store, port)
+    c.proto.dataReceived(data)
+    assert c.tr.disconnecting and c.tr.value() == b""
