@@ -17,10 +17,12 @@ The planning (which chunk gets which message) is shared; only the I/O differs.
 """
 
 import hashlib
+import random
 import socket
+import time
 from collections import deque
 
-from twisted.internet import defer, endpoints, protocol
+from twisted.internet import defer, endpoints, protocol, task
 from twisted.logger import Logger
 
 from protocols.toasty import codec, paths
@@ -29,7 +31,7 @@ from protocols.toasty.codec import HEADER, HEADER_LEN
 MISSING = codec.MISSING_GENERATION
 DEFAULT_CHUNK_SIZE = 4096
 UPLOADS_IN_FLIGHT = 16
-MAX_ATTEMPTS = 10
+MAX_ATTEMPTS = 30
 MAX_PIECE_CHUNKS = 1024
 
 # The server's error texts (storage/files.py) a client reacts to.
@@ -186,6 +188,11 @@ def pieces(offset, length, chunk_size):
         piece_end = min(end, (pos // chunk_size) * chunk_size + span_bytes)
         yield pos, piece_end - pos
         pos = piece_end
+
+
+def backoff(attempt):
+    """Randomised, growing pause before retrying a conflicting WRITE (so racing writers spread out)."""
+    return random.uniform(0, 0.002 * 2 ** min(attempt, 8)) if attempt else 0.0
 
 
 def verify_chunk(h, data):
@@ -397,6 +404,8 @@ class ToastyClient:
     @defer.inlineCallbacks
     def _write_piece(self, path, data, offset, truncate, create, chunk_size):
         for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                yield task.deferLater(self.reactor, backoff(attempt), lambda: None)
             state = yield self._state(path, offset, len(data), create, chunk_size)
             if state is None:
                 continue
@@ -678,6 +687,8 @@ class BlockingToastyClient:
 
     def _write_piece(self, path, data, offset, truncate, create, chunk_size):
         for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                time.sleep(backoff(attempt))
             state = self._state(path, offset, len(data), create, chunk_size)
             if state is None:
                 continue
