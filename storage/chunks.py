@@ -1,0 +1,359 @@
+"""The content-addressed chunk store: chunks packed into a few large append-only files.
+
+A pack entry is ``u32 len | u32 crc | addr32 | data`` with the CRC over (pack id, position, addr,
+data), so a misplaced or stale entry never validates. LMDB maps addr -> (pack, position, length,
+arrival seq, pinned, added ms), seq -> addr (the swarm CHUNKS index), addr -> refcount, the
+zero-reference candidates, and each pack's live bytes. A background sweep reclaims unpinned chunks
+whose refcount stayed 0 for the grace period; a pack whose live bytes reach 0 is deleted.
+"""
+
+import hashlib
+import os
+import struct
+import time
+import zlib
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from storage import errors, index
+from storage.index import U64
+from storage.store import now_ms
+
+PACK_ENTRY = struct.Struct(">II")
+PACK_ENTRY_SIZE = PACK_ENTRY.size + 32
+CHUNK_VAL = struct.Struct(">IQIQBQ")  # pack, position, data length, seq, pinned, added ms
+U32 = struct.Struct(">I")
+SWEEP_BATCH = 20000
+
+
+def _pack_crc(pack_id, pos, addr, data):
+    return zlib.crc32(data, zlib.crc32(struct.pack(">IQ", pack_id, pos) + addr))
+
+
+class Packs:
+    """Pack files; appended by the writer thread, read from any thread."""
+
+    def __init__(self, directory, pack_bytes, sync_dir=True):
+        self.dir = directory
+        self.pack_bytes = pack_bytes
+        self.sync_dir = sync_dir
+        os.makedirs(directory, exist_ok=True)
+        ids = sorted(int(n[5:-4]) for n in os.listdir(directory) if n.startswith("pack-") and n.endswith(".dat"))
+        self.fds = {i: os.open(self._path(i), os.O_RDWR) for i in ids}
+        self.graveyard = []
+        self.active = ids[-1] if ids else None
+        self.size = os.fstat(self.fds[self.active]).st_size if ids else 0
+        self._dirty = set()
+
+    def _path(self, pack_id):
+        return os.path.join(self.dir, "pack-%08d.dat" % pack_id)
+
+    def append(self, addr, data):
+        total = PACK_ENTRY_SIZE + len(data)
+        if self.active is None or (self.size > 0 and self.size + total > self.pack_bytes):
+            new = 1 if self.active is None else self.active + 1
+            fd = os.open(self._path(new), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds = dict(self.fds)
+            fds[new] = fd
+            self.fds = fds
+            self.active, self.size = new, 0
+            if self.sync_dir:
+                dfd = os.open(self.dir, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        pos = self.size
+        head = PACK_ENTRY.pack(len(data), _pack_crc(self.active, pos, addr, data)) + addr
+        n = os.pwritev(self.fds[self.active], [head, data], pos)
+        if n != total:  # short write: finish it
+            buf = (head + bytes(data))[n:]
+            off = pos + n
+            while buf:
+                k = os.pwrite(self.fds[self.active], buf, off)
+                buf, off = buf[k:], off + k
+        self.size += total
+        self._dirty.add(self.active)
+        return self.active, pos, total
+
+    def read(self, pack_id, pos, length, addr):
+        fd = self.fds.get(pack_id)
+        if fd is None:
+            raise errors.ChunkNotFound("chunk %s is gone" % addr.hex())
+        raw = os.pread(fd, PACK_ENTRY_SIZE + length, pos)
+        if len(raw) != PACK_ENTRY_SIZE + length:
+            raise errors.DataCorrupted("chunk %s is truncated" % addr.hex())
+        n, crc = PACK_ENTRY.unpack_from(raw, 0)
+        data = memoryview(raw)[PACK_ENTRY_SIZE:]
+        if n != length or raw[8:40] != addr or _pack_crc(pack_id, pos, addr, data) != crc:
+            raise errors.DataCorrupted("chunk %s failed its CRC" % addr.hex())
+        return data
+
+    @property
+    def dirty(self):
+        return bool(self._dirty)
+
+    def sync(self):
+        for pack_id in self._dirty:
+            fd = self.fds.get(pack_id)
+            if fd is not None:
+                os.fdatasync(fd)
+        self._dirty.clear()
+
+    def delete(self, pack_id):
+        if pack_id == self.active:
+            return
+        fds = dict(self.fds)
+        fd = fds.pop(pack_id, None)
+        self.fds = fds
+        self._dirty.discard(pack_id)
+        try:
+            os.unlink(self._path(pack_id))
+        except FileNotFoundError:
+            pass
+        if fd is not None:
+            self.graveyard.append(fd)
+
+    def reap(self):
+        old, self.graveyard = self.graveyard, []
+        for fd in old:
+            os.close(fd)
+
+    def close(self):
+        for fd in list(self.fds.values()) + self.graveyard:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = {}
+        self.graveyard = []
+
+
+class ChunkStore:
+    log = Logger()
+
+    def __init__(self, store, grace_s):
+        self._store = store
+        self._grace_ms = int(grace_s * 1000)
+        self._last_seq = 0
+        self._waiters = []  # [(seq, Deferred)]
+
+    def _load(self):
+        with self._store.env.begin() as txn:
+            raw = txn.get(index.CHUNK_SEQ, db=self._store.dbs[index.SYS])
+            self._last_seq = U64.unpack(raw)[0] if raw else 0
+
+    def _db(self, n):
+        return self._store.dbs[n]
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def put(self, data, pin=False):
+        """Store ``data``; fires with its SHA-256 address once durable (idempotent)."""
+        data = bytes(data)
+
+        def fn(raw):
+            addr = hashlib.sha256(data).digest()
+            existing = raw.get(index.CHUNKS, addr)
+            if existing is not None:
+                if pin:
+                    fields = list(CHUNK_VAL.unpack(existing))
+                    if not fields[4]:
+                        fields[4] = 1
+                        raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(*fields))
+                        raw.delete(index.CHUNKFREE, addr)
+                return addr
+            pack_id, pos, total = self._store.packs.append(addr, data)
+            prev = raw.get(index.SYS, index.CHUNK_SEQ)
+            seq = (U64.unpack(prev)[0] if prev else 0) + 1
+            added = now_ms()
+            raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
+            raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, 1 if pin else 0, added))
+            raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
+            live = raw.get(index.PACKS, U32.pack(pack_id))
+            raw.put(index.PACKS, U32.pack(pack_id), U64.pack((U64.unpack(live)[0] if live else 0) + total))
+            if not pin and raw.get(index.CHUNKREF, addr) is None:
+                raw.put(index.CHUNKFREE, addr, U64.pack(added))
+            raw.on_reactor.append(lambda: self._arrived(seq))
+            return addr
+
+        return self._store.transact_raw(fn, len(data) + 64)
+
+    def _arrived(self, seq):
+        if seq > self._last_seq:
+            self._last_seq = seq
+        if self._waiters:
+            keep = []
+            for want, d in self._waiters:
+                if self._last_seq >= want:
+                    d.callback(None)
+                else:
+                    keep.append((want, d))
+            self._waiters = keep
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def _lookup(self, addr):
+        with self._store.env.begin() as txn:
+            raw = txn.get(bytes(addr), db=self._db(index.CHUNKS))
+        return CHUNK_VAL.unpack(raw) if raw is not None else None
+
+    def get(self, addr, offset=0, length=None):
+        addr = bytes(addr)
+        found = self._lookup(addr) if len(addr) == 32 else None
+        if found is None:
+            return defer.fail(errors.ChunkNotFound("no chunk %s" % addr.hex()))
+        pack_id, pos, size = found[0], found[1], found[2]
+        if offset < 0 or offset > size or (length is not None and length < 0):
+            return defer.fail(errors.InvalidRequest("range %d+%r outside a %d-byte chunk" % (offset, length, size)))
+        end = size if length is None else min(size, offset + length)
+
+        def read():
+            data = self._store.packs.read(pack_id, pos, size, addr)
+            return bytes(data[offset:end])
+
+        return self._store.in_pool(read)
+
+    def has(self, addr) -> bool:
+        return self._lookup(bytes(addr)) is not None
+
+    def has_many(self, addrs):
+        db = self._db(index.CHUNKS)
+        with self._store.env.begin() as txn:
+            return [txn.get(bytes(a), db=db) is not None for a in addrs]
+
+    def info(self, addr):
+        """(size, seq, pinned, refcount) or None."""
+        with self._store.env.begin() as txn:
+            raw = txn.get(bytes(addr), db=self._db(index.CHUNKS))
+            if raw is None:
+                return None
+            ref = txn.get(bytes(addr), db=self._db(index.CHUNKREF))
+        _, _, size, seq, pinned, _ = CHUNK_VAL.unpack(raw)
+        return size, seq, bool(pinned), U64.unpack(ref)[0] if ref else 0
+
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    def by_seq(self, from_seq, to_seq, limit):
+        out = []
+        if limit <= 0:
+            return out
+        with self._store.env.begin() as txn:
+            cur = txn.cursor(db=self._db(index.CHUNKSEQ))
+            if not cur.set_range(U64.pack(max(0, from_seq))):
+                return out
+            for key, addr in cur:
+                seq = U64.unpack(key)[0]
+                if seq > to_seq:
+                    break
+                out.append((seq, addr))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def wait_for_seq(self, seq):
+        if self._last_seq >= seq or self._store.closed:
+            return defer.succeed(None)
+        entry = [seq, None]
+
+        def cancel(d):
+            try:
+                self._waiters.remove(tuple(entry))
+            except ValueError:
+                pass
+
+        d = defer.Deferred(cancel)
+        entry[1] = d
+        self._waiters.append(tuple(entry))
+        return d
+
+    def _close_waiters(self):
+        waiters, self._waiters = self._waiters, []
+        for _, d in waiters:
+            d.callback(None)
+
+    # -- references (inside metadata transactions, writer thread) --------------------------------
+
+    @staticmethod
+    def _incref(raw, addrs):
+        for addr in addrs:
+            addr = bytes(addr)
+            cur = raw.get(index.CHUNKREF, addr)
+            raw.put(index.CHUNKREF, addr, U64.pack((U64.unpack(cur)[0] if cur else 0) + 1))
+            raw.delete(index.CHUNKFREE, addr)
+
+    @staticmethod
+    def _decref(raw, addrs):
+        for addr in addrs:
+            addr = bytes(addr)
+            cur = raw.get(index.CHUNKREF, addr)
+            n = (U64.unpack(cur)[0] if cur else 0) - 1
+            if n > 0:
+                raw.put(index.CHUNKREF, addr, U64.pack(n))
+                continue
+            if cur is not None:
+                raw.delete(index.CHUNKREF, addr)
+            info = raw.get(index.CHUNKS, addr)
+            if info is not None and not CHUNK_VAL.unpack(info)[4]:
+                raw.put(index.CHUNKFREE, addr, U64.pack(now_ms()))
+
+    # -- sweep ----------------------------------------------------------------------------------
+
+    def _sweep_tick(self):
+        store = self._store
+        if store.closed or store.failed:
+            return None
+        with store.env.begin() as txn:
+            if txn.stat(self._db(index.CHUNKFREE))["entries"] == 0:
+                return None
+        return store.transact_raw(self._sweep)
+
+    def _sweep(self, raw, cutoff=None):
+        """Writer thread: drop unpinned chunks whose refcount stayed 0 past the grace period."""
+        if cutoff is None:
+            cutoff = now_ms() - self._grace_ms
+        victims = []
+        for addr, since in raw.cursor(index.CHUNKFREE):
+            if U64.unpack(since)[0] <= cutoff:
+                victims.append(addr)
+                if len(victims) >= SWEEP_BATCH:
+                    break
+        freed = {}
+        for addr in victims:
+            raw.delete(index.CHUNKFREE, addr)
+            info = raw.get(index.CHUNKS, addr)
+            if info is None or raw.get(index.CHUNKREF, addr) is not None:
+                continue
+            pack_id, pos, size, seq, pinned, _ = CHUNK_VAL.unpack(info)
+            if pinned:
+                continue
+            raw.delete(index.CHUNKS, addr)
+            raw.delete(index.CHUNKSEQ, U64.pack(seq))
+            freed[pack_id] = freed.get(pack_id, 0) + PACK_ENTRY_SIZE + size
+        packs = self._store.packs
+        empty = []
+        for pack_id, n in freed.items():
+            key = U32.pack(pack_id)
+            live = raw.get(index.PACKS, key)
+            left = max(0, (U64.unpack(live)[0] if live else 0) - n)
+            if left == 0 and pack_id != packs.active:
+                raw.delete(index.PACKS, key)
+                empty.append(pack_id)
+            else:
+                raw.put(index.PACKS, key, U64.pack(left))
+        if empty or packs.graveyard:
+            def drop():
+                packs.reap()
+                for pack_id in empty:
+                    packs.delete(pack_id)
+
+            raw.after_commit.append(drop)
+        if victims:
+            self.log.info("swept {n} unreferenced chunks", n=len(victims))
+        return len(victims)
+
+    def sweep_now(self, grace_s=0.0):
+        """Run a sweep at once with the given grace (tests, sbpctl)."""
+        return self._store.transact_raw(lambda raw: self._sweep(raw, now_ms() - int(grace_s * 1000)))

@@ -1,0 +1,177 @@
+"""Key-value pairs in 8 range partitions (CONTRACT §2: partition = first key byte >> 5).
+
+One ordered LMDB table holds every partition: partition order equals key order, so partition p is
+the key range [p << 5, (p + 1) << 5) of the first byte and scans cross partitions naturally.
+Writes go through the group commit (durable per the fsync policy); reads are synchronous.
+"""
+
+from twisted.internet import defer
+
+from storage import errors, index
+from storage.index import KEY_KEEP, OP_DEL, OP_PUT, decode_value, encode_key, encode_value
+from storage.store import K_TXN, _Op
+
+MAX_KEY = 65535
+MAX_VALUE = 16 << 20
+PARTITIONS = 8
+
+
+def partition_of(key: bytes) -> int:
+    return key[0] >> 5
+
+
+def partition_bounds(p: int):
+    """(first key byte included, first key byte excluded or None) of partition ``p``."""
+    return bytes([p << 5]), (bytes([(p + 1) << 5]) if p < PARTITIONS - 1 else None)
+
+
+class KeyValue:
+    def __init__(self, store):
+        self._store = store
+        self._db = store.dbs[index.KV]
+
+    @staticmethod
+    def _check_key(key):
+        if not isinstance(key, (bytes, bytearray, memoryview)) or not 1 <= len(key) <= MAX_KEY:
+            raise errors.InvalidRequest("keys are 1..65535 bytes")
+
+    def get(self, key):
+        key = bytes(key)
+        with self._store.env.begin() as txn:
+            stored = txn.get(encode_key(b"", key), db=self._db)
+        if stored is None:
+            return None
+        full, value = decode_value(stored)
+        if full is not None and full != key:
+            return None
+        return value
+
+    def _write(self, key, ops, result, nbytes):
+        store = self._store
+        try:
+            store._check_writable(nbytes)
+        except errors.StoreError:
+            return defer.fail()
+
+        def fn(raw):
+            for op in ops:
+                if op[0] == OP_PUT:
+                    raw.put(index.KV, op[1], op[2])
+                else:
+                    raw.delete(index.KV, op[1])
+            return result(raw) if result else None
+
+        return store._submit(_Op(K_TXN, fn, nbytes=nbytes))
+
+    def put(self, key, value):
+        try:
+            self._check_key(key)
+            if len(value) > MAX_VALUE:
+                raise errors.PayloadTooLarge("values are at most 16 MiB")
+        except errors.StoreError:
+            return defer.fail()
+        key = bytes(key)
+        lk = encode_key(b"", key)
+        return self._write(key, [(OP_PUT, lk, encode_value(key, b"", bytes(value)))], None, len(key) + len(value) + 64)
+
+    def delete(self, key):
+        """Fires with True if the key existed."""
+        try:
+            self._check_key(key)
+        except errors.StoreError:
+            return defer.fail()
+        key = bytes(key)
+        lk = encode_key(b"", key)
+        store = self._store
+
+        def fn(raw):
+            existed = raw.get(index.KV, lk) is not None
+            if existed:
+                raw.delete(index.KV, lk)
+            return existed
+
+        try:
+            store._check_writable(64)
+        except errors.StoreError:
+            return defer.fail()
+        return store._submit(_Op(K_TXN, fn, nbytes=len(key) + 64))
+
+    def _items(self, cur, limit, reverse, prefix=None, keys_only=False):
+        out = []
+        it = cur.iterprev() if reverse else cur.iternext()
+        for lk, stored in it:
+            full, value = decode_value(stored)
+            key = full if full is not None else lk
+            if prefix is not None and not key.startswith(prefix):
+                if (key > prefix) != reverse:
+                    break
+                continue
+            out.append(key if keys_only else (key, value))
+            if len(out) >= limit:
+                break
+        return out
+
+    def scan_forward(self, start, limit):
+        """Pairs with key >= ``start`` (None = from the first key), ascending."""
+        if limit <= 0:
+            return []
+        with self._store.env.begin() as txn:
+            cur = txn.cursor(db=self._db)
+            if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
+                return []
+            out = self._items(cur, limit + 1, False)
+        if start is not None:
+            out = [kv for kv in out if kv[0] >= start]
+        return out[:limit]
+
+    def scan_backward(self, start, limit):
+        """Pairs with key <= ``start`` (None = from the last key), descending."""
+        if limit <= 0:
+            return []
+        with self._store.env.begin() as txn:
+            cur = txn.cursor(db=self._db)
+            if start is None:
+                if not cur.last():
+                    return []
+            else:
+                start = bytes(start)
+                if cur.set_range(encode_key(b"", start)):
+                    if _full(cur) != start and not cur.prev():
+                        return []
+                elif not cur.last():
+                    return []
+            out = []
+            for lk, stored in cur.iterprev():
+                full, value = decode_value(stored)
+                key = full if full is not None else lk
+                if start is not None and key > start:
+                    continue
+                out.append((key, value))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def scan_keys(self, start, limit, prefix=None):
+        """Keys >= ``start`` (None = first), ascending, optionally only those with ``prefix``."""
+        if limit <= 0:
+            return []
+        if prefix is not None:
+            prefix = bytes(prefix)
+            if start is None or bytes(start) < prefix:
+                start = prefix
+        with self._store.env.begin() as txn:
+            cur = txn.cursor(db=self._db)
+            if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
+                return []
+            keys = self._items(cur, limit + 1, False, prefix=prefix, keys_only=True)
+        if start is not None:
+            keys = [k for k in keys if k >= start]
+        return keys[:limit]
+
+    def partition_of(self, key):
+        return partition_of(key)
+
+
+def _full(cur):
+    full, _ = decode_value(cur.value())
+    return full if full is not None else cur.key()

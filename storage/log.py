@@ -1,0 +1,501 @@
+"""The record log: streams of record batches (CONTRACT §2-§3) in the shared WAL.
+
+Offsets are assigned on the reactor thread at call time, so appends issued in one reactor turn get
+consecutive offsets in call order; ``next_offset`` (what readers and ``stream()`` see) advances only
+once the batch is durable, in log order.
+"""
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from storage import errors, index
+from storage.index import INDEX_KEY, INDEX_VAL, U64
+from storage.store import K_BATCH, _Op, _Stream, now_ms
+from storage.wal import T_BATCH
+
+_MAX_OFFSET = (1 << 63) - 1
+
+
+class RecordLog:
+    log = Logger()
+
+    def __init__(self, store):
+        self._store = store
+        self._streams = {}
+        self._counter = 0
+
+    def _load(self):
+        store = self._store
+        with store.env.begin() as txn:
+            raw = txn.get(index.STREAM_COUNTER, db=store.dbs[index.SYS])
+            self._counter = U64.unpack(raw)[0] if raw else 0
+            idx = txn.cursor(db=store.dbs[index.INDEX])
+            for key, value in txn.cursor(db=store.dbs[index.STREAMS]):
+                sid = U64.unpack(key)[0]
+                s = _Stream.decode(sid, value)
+                nxt = s.trim_offset
+                # next_offset = the end of the stream's last indexed batch (not stored per append)
+                found = idx.prev() if idx.set_range(INDEX_KEY.pack(sid, (1 << 64) - 1)) else idx.last()
+                if found:
+                    ksid, base = INDEX_KEY.unpack(idx.key())
+                    if ksid == sid:
+                        count = INDEX_VAL.unpack(idx.value())[2]
+                        nxt = max(nxt, base + count)
+                for r in s.ranges:
+                    if r[2] >= 0:
+                        nxt = max(nxt, r[2])
+                s.next_offset = s.assigned = nxt
+                self._streams[sid] = s
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def _get(self, sid) -> "_Stream":
+        s = self._streams.get(sid)
+        if s is None:
+            raise errors.StreamNotFound("stream %d not found" % sid)
+        return s
+
+    def stream(self, sid):
+        return self._get(sid).meta()
+
+    def streams(self):
+        return [s.meta() for s in self._streams.values()]
+
+    def _persist(self, s, extra=None, counter=None, nbytes=256):
+        """Durably write the stream's metadata; fires with its StreamMeta."""
+        sid = s.sid
+        blob = s.encode()
+
+        def fn(raw):
+            raw.put(index.STREAMS, U64.pack(sid), blob)
+            if counter is not None:
+                raw.put(index.SYS, index.STREAM_COUNTER, U64.pack(counter))
+            if extra is not None:
+                extra(raw)
+
+        d = self._store.transact_raw(fn, nbytes)
+        d.addCallback(lambda _: s.meta())
+        return d
+
+    def create_stream(self, replica_nums=1, retention_period_ms=0, attrs=None):
+        try:
+            self._store._check_writable()
+            _check_attrs(attrs)
+        except errors.StoreError:
+            return defer.fail()
+        self._counter += 1
+        if self._counter >= 1 << 32:
+            return defer.fail(errors.InvalidRequest("stream ids exhausted"))
+        sid = (self._store.node_id << 32) | self._counter
+        s = _Stream(sid, int(replica_nums), int(retention_period_ms), None, attrs, now_ms())
+        self._streams[sid] = s
+        return self._persist(s, counter=self._counter)
+
+    def create_replica_stream(self, stream_id, origin, replica_nums, retention_period_ms, attrs=None):
+        try:
+            self._store._check_writable()
+            _check_attrs(attrs)
+        except errors.StoreError:
+            return defer.fail()
+        s = self._streams.get(stream_id)
+        if s is not None:
+            if s.origin is None:
+                return defer.fail(errors.InvalidRequest("stream %d is owned by this node" % stream_id))
+            s.origin = origin
+            s.replica_nums = int(replica_nums)
+            s.retention_period_ms = int(retention_period_ms)
+            if attrs:
+                s.attrs.update(attrs)
+        else:
+            s = _Stream(stream_id, int(replica_nums), int(retention_period_ms), origin, attrs, now_ms())
+            self._streams[stream_id] = s
+        return self._persist(s)
+
+    def delete_stream(self, sid):
+        try:
+            self._store._check_writable()
+            s = self._get(sid)
+        except errors.StoreError:
+            return defer.fail()
+        del self._streams[sid]
+        meta = s.meta()
+        self._fire(s, everything=True)
+
+        def fn(raw):
+            raw.delete(index.STREAMS, U64.pack(sid))
+            raw.delete_range(index.INDEX, INDEX_KEY.pack(sid, 0), INDEX_KEY.pack(sid, _MAX_OFFSET))
+
+        return self._store.transact_raw(fn).addCallback(lambda _: meta)
+
+    def update_stream(self, sid, replica_nums=None, retention_period_ms=None, attrs=None):
+        try:
+            self._store._check_writable()
+            s = self._get(sid)
+            _check_attrs(attrs)
+        except errors.StoreError:
+            return defer.fail()
+        if replica_nums is not None:
+            s.replica_nums = int(replica_nums)
+        if retention_period_ms is not None:
+            s.retention_period_ms = int(retention_period_ms)
+        if attrs:
+            s.attrs.update(attrs)
+        return self._persist(s)
+
+    # -- appends --------------------------------------------------------------------------------
+
+    def append(self, sid, batch, expect_offset=None):
+        """Assign the next offset now; fire with it once the batch is durable."""
+        store = self._store
+        try:
+            s = self._get(sid)
+            if s.origin is not None:
+                raise errors.ReadOnlyStream(s.origin)
+            store._check_writable(len(batch))
+            if len(batch) < 29:
+                raise errors.InvalidRequest("a record batch is at least 29 bytes")
+            if expect_offset is not None and expect_offset != s.assigned:
+                raise errors.ExpectationFailed("next offset is %d, not %d" % (s.assigned, expect_offset))
+            count = int.from_bytes(batch[9:13], "big", signed=True)
+            if count < 1:
+                raise errors.InvalidRequest("record_count must be >= 1")
+        except errors.StoreError:
+            return defer.fail()
+        base = s.assigned
+        s.assigned = base + count
+        return store._submit(_Op(K_BATCH, sid, batch, base, nbytes=len(batch) + 64))
+
+    def append_replica(self, sid, batch):
+        """Swarm follower: store the batch as is; its base_offset must be the stream's next offset."""
+        store = self._store
+        try:
+            s = self._get(sid)
+            store._check_writable(len(batch))
+            if len(batch) < 29:
+                raise errors.InvalidRequest("a record batch is at least 29 bytes")
+            base = int.from_bytes(batch[1:9], "big", signed=True)
+            count = int.from_bytes(batch[9:13], "big", signed=True)
+            if base != s.assigned:
+                raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (base, s.assigned))
+            if count < 1:
+                raise errors.InvalidRequest("record_count must be >= 1")
+        except errors.StoreError:
+            return defer.fail()
+        s.assigned = base + count
+        return store._submit(_Op(K_BATCH, sid, bytes(batch), None, nbytes=len(batch) + 64))
+
+    def _advance(self, sid, base, count):
+        """Reactor thread, in log order: the batch at ``base`` is durable and readable."""
+        s = self._streams.get(sid)
+        if s is None:
+            return
+        if base + count > s.next_offset:
+            s.next_offset = base + count
+        if s.waiters:
+            self._fire(s)
+
+    def _fire(self, s, everything=False):
+        keep = []
+        for offset, d in s.waiters:
+            if everything or s.next_offset > offset:
+                d.callback(None)
+            else:
+                keep.append((offset, d))
+        s.waiters = keep
+
+    def wait_for_data(self, sid, offset):
+        s = self._streams.get(sid)
+        if s is None or s.next_offset > offset or self._store.closed:
+            return defer.succeed(None)
+        entry = [offset, None]
+
+        def cancel(d):
+            cur = self._streams.get(sid)
+            if cur is not None:
+                try:
+                    cur.waiters.remove(tuple(entry))
+                except ValueError:
+                    pass
+
+        d = defer.Deferred(cancel)
+        entry[1] = d
+        s.waiters.append(tuple(entry))
+        return d
+
+    def _close_waiters(self):
+        for s in self._streams.values():
+            self._fire(s, everything=True)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def _check_read(self, sid, offset):
+        s = self._get(sid)
+        if offset < s.trim_offset or offset > s.next_offset:
+            raise errors.OffsetOutOfRange(
+                "offset %d is outside [%d, %d]" % (offset, s.trim_offset, s.next_offset))
+        return s
+
+    def read(self, sid, offset, max_bytes):
+        try:
+            s = self._check_read(sid, offset)
+        except errors.StoreError:
+            return defer.fail()
+        if offset == s.next_offset:
+            return defer.succeed([])
+        return self._store.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset)
+
+    def _locate(self, txn, sid, offset):
+        """A cursor on the batch holding ``offset`` (or None)."""
+        cur = txn.cursor(db=self._store.dbs[index.INDEX])
+        key = INDEX_KEY.pack(sid, offset)
+        if cur.set_range(key):
+            if cur.key() == key:
+                return cur
+            if not cur.prev():
+                return None
+        elif not cur.last():
+            return None
+        ksid, base = INDEX_KEY.unpack(cur.key())
+        if ksid != sid:
+            return None
+        if base + INDEX_VAL.unpack(cur.value())[2] <= offset:
+            return None
+        return cur
+
+    def _read_blocking(self, sid, offset, max_bytes, limit):
+        """Read pool: whole batches from the one holding ``offset``: the first always, then each
+        next while the total is below ``max_bytes``."""
+        store = self._store
+        wal = store.wal
+        spans = []
+        with store.env.begin() as txn:
+            cur = self._locate(txn, sid, offset)
+            if cur is None:
+                raise errors.OffsetOutOfRange("offset %d of stream %d is not stored" % (offset, sid))
+            total = 0
+            for key, value in cur:
+                ksid, base = INDEX_KEY.unpack(key)
+                if ksid != sid or base >= limit:
+                    break
+                pos, length, count, _ = INDEX_VAL.unpack(value)
+                spans.append((pos, length))
+                total += length - 25
+                if total >= max_bytes:
+                    break
+        out = []
+        i = 0
+        while i < len(spans):
+            # coalesce batches that sit back to back in the WAL into one pread
+            j = i + 1
+            end = spans[i][0] + spans[i][1]
+            while j < len(spans) and spans[j][0] == end and end - spans[i][0] < (8 << 20):
+                end += spans[j][1]
+                j += 1
+            data, seg_base = wal.read_span(spans[i][0], end - spans[i][0])
+            if len(data) < end - spans[i][0] and j > i + 1:
+                j = i + 1  # the run crossed a segment boundary: read this batch alone
+                data, seg_base = wal.read_span(spans[i][0], spans[i][1])
+            off = 0
+            mv = memoryview(data)
+            for pos, length in spans[i:j]:
+                view = wal.check(mv[off:off + length], seg_base, T_BATCH, pos)
+                out.append(bytes(view[16:]))
+                off += length
+            i = j
+        return out
+
+    def batches(self, sid, from_offset, limit):
+        """[(base_offset, record_count, length)] from the batch holding ``from_offset``."""
+        self._get(sid)
+        out = []
+        store = self._store
+        with store.env.begin() as txn:
+            cur = self._locate(txn, sid, max(from_offset, 0))
+            if cur is None:
+                cur = txn.cursor(db=store.dbs[index.INDEX])
+                if not cur.set_range(INDEX_KEY.pack(sid, max(from_offset, 0))):
+                    return out
+            for key, value in cur:
+                ksid, base = INDEX_KEY.unpack(key)
+                if ksid != sid or len(out) >= limit:
+                    break
+                _, length, count, _ = INDEX_VAL.unpack(value)
+                out.append((base, count, length - 25))
+        return out
+
+    # -- trim, ranges -----------------------------------------------------------------------------
+
+    def trim(self, sid, offset):
+        """CONTRACT §3: trim point = max(current, min(offset, next_offset)); ranges wholly below it
+        are dropped; the first remaining range starts at the trim point."""
+        try:
+            self._store._check_writable()
+            s = self._get(sid)
+            if s.origin is not None:
+                raise errors.ReadOnlyStream(s.origin)
+        except errors.StoreError:
+            return defer.fail()
+        return self._trim(s, offset)
+
+    def _trim(self, s, offset):
+        point = max(s.trim_offset, min(int(offset), s.next_offset))
+        s.trim_offset = point
+        keep = [r for r in s.ranges if not (r[2] >= 0 and r[2] <= point and r is not s.ranges[-1])]
+        if keep:
+            keep[0][1] = max(keep[0][1], point)
+        s.ranges = keep
+        sid = s.sid
+
+        def drop(raw):
+            # delete index entries of batches wholly below the trim point; the batch holding it
+            # stays (a read at the trim point returns it whole)
+            cur = raw.cursor(index.INDEX)
+            bound = point
+            if cur.set_range(INDEX_KEY.pack(sid, point)):
+                if cur.key() != INDEX_KEY.pack(sid, point) and cur.prev():
+                    ksid, base = INDEX_KEY.unpack(cur.key())
+                    if ksid == sid and base + INDEX_VAL.unpack(cur.value())[2] > point:
+                        bound = base
+            elif cur.last():
+                ksid, base = INDEX_KEY.unpack(cur.key())
+                if ksid == sid and base + INDEX_VAL.unpack(cur.value())[2] > point:
+                    bound = base
+            raw.delete_range(index.INDEX, INDEX_KEY.pack(sid, 0), INDEX_KEY.pack(sid, bound))
+
+        return self._persist(s, extra=drop)
+
+    def seal_range(self, sid, range_index):
+        try:
+            self._store._check_writable()
+            s = self._get(sid)
+            if s.origin is not None:
+                raise errors.ReadOnlyStream(s.origin)
+            r = self._find_range(s, range_index)
+            if r[2] >= 0:
+                raise errors.RangeAlreadySealed("range %d of stream %d is sealed" % (range_index, sid))
+        except errors.StoreError:
+            return defer.fail()
+        # seal at the assigned end: appends already issued belong to this range, and they are
+        # durable before this change is (one ordered queue)
+        r[2] = s.assigned
+        new = [r[0] + 1, r[2], -1, list(r[3])]
+        s.ranges.append(new)
+        sealed = RangeMetaOf(r)
+        return self._persist(s).addCallback(lambda meta: (sealed, s.range_meta(new)))
+
+    def create_range(self, sid):
+        try:
+            self._store._check_writable()
+            s = self._get(sid)
+            if s.origin is not None:
+                raise errors.ReadOnlyStream(s.origin)
+            if s.ranges and s.ranges[-1][2] < 0:
+                raise errors.InvalidRequest("the last range of stream %d is still open" % sid)
+        except errors.StoreError:
+            return defer.fail()
+        last = s.ranges[-1] if s.ranges else None
+        new = [last[0] + 1 if last else 0, last[2] if last else s.assigned, -1, list(last[3]) if last else []]
+        s.ranges.append(new)
+        return self._persist(s).addCallback(lambda meta: s.range_meta(new))
+
+    def set_range_replicas(self, sid, range_index, replicas):
+        try:
+            self._store._check_writable()
+            s = self._get(sid)
+            r = self._find_range(s, range_index)
+        except errors.StoreError:
+            return defer.fail()
+        r[3] = [(int(a), b, bool(c)) for a, b, c in replicas]
+        return self._persist(s)
+
+    @staticmethod
+    def _find_range(s, range_index):
+        for r in s.ranges:
+            if r[0] == range_index:
+                return r
+        raise errors.RangeNotFound("stream %d has no range %d" % (s.sid, range_index))
+
+    # -- retention (reactor thread, every retention_check_s) --------------------------------------
+
+    def _retention_tick(self):
+        store = self._store
+        if store.closed or store.failed:
+            return
+        aged = [(s.sid, s.retention_period_ms, s.next_offset) for s in self._streams.values()
+                if s.retention_period_ms > 0 and s.next_offset > s.trim_offset]
+        if not aged and len(store.wal.bases) <= 1:
+            return None
+        d = store.in_pool(self._expired, aged, now_ms()) if aged else defer.succeed([])
+
+        def trim_all(points):
+            for sid, point in points:
+                s = self._streams.get(sid)
+                if s is not None and point > s.trim_offset:
+                    self._trim(s, point)
+            return store.transact_raw(self._gc_segments)
+
+        return d.addCallback(trim_all)
+
+    def _expired(self, aged, now):
+        """Read pool: per stream, the offset after its last batch older than the retention period."""
+        store = self._store
+        out = []
+        with store.env.begin() as txn:
+            cur = txn.cursor(db=store.dbs[index.INDEX])
+            for sid, retention, nxt in aged:
+                cutoff = now - retention
+                point = None
+                if not cur.set_range(INDEX_KEY.pack(sid, 0)):
+                    continue
+                for key, value in cur:
+                    ksid, base = INDEX_KEY.unpack(key)
+                    if ksid != sid:
+                        break
+                    _, _, count, append_ms = INDEX_VAL.unpack(value)
+                    if append_ms > cutoff:
+                        break
+                    point = base + count
+                if point is not None:
+                    out.append((sid, min(point, nxt)))
+        return out
+
+    def _gc_segments(self, raw):
+        """Writer thread: delete WAL segments holding no live batch. The watermark is the lowest
+        WAL position of any stream's first live batch (every stream's batches lie in WAL order)."""
+        store = self._store
+        wal = store.wal
+        watermark = wal.end
+        cur = raw.cursor(index.INDEX)
+        sid = 0
+        while cur.set_range(INDEX_KEY.pack(sid, 0)):
+            ksid, _ = INDEX_KEY.unpack(cur.key())
+            pos = INDEX_VAL.unpack(cur.value())[0]
+            watermark = min(watermark, pos)
+            if ksid + 1 >= 1 << 64:
+                break
+            sid = ksid + 1
+        victims = wal.deletable(watermark)
+        if victims:
+            reap = wal.reap()
+
+            def delete():
+                import os
+                for fd in reap:
+                    os.close(fd)
+                for base in victims:
+                    wal.delete(base)
+                self.log.info("deleted {n} WAL segments below {watermark}", n=len(victims), watermark=watermark)
+
+            raw.after_commit.append(delete)
+        return len(victims)
+
+
+def RangeMetaOf(r):
+    from storage.store import RangeMeta
+
+    return RangeMeta(r[0], r[1], r[2], r[2], [tuple(x) for x in r[3]])
+
+
+def _check_attrs(attrs):
+    if attrs is not None and not isinstance(attrs, dict):
+        raise errors.InvalidRequest("attrs must be a dict")

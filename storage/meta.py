@@ -1,0 +1,161 @@
+"""Transactional metadata for the other layers (Toasty file tree, swarm sync intervals, counters).
+
+``transact(fn)`` runs ``fn(txn)`` in the writer thread inside the group's LMDB transaction (a
+nested one, so a raising ``fn`` writes nothing); its writes reach the WAL as one entry, so the
+change is atomic and durable across restarts. ``read(fn)`` runs on a read-only snapshot.
+Tables are key prefixes (``table`` + NUL) of one ordered LMDB table; values are msgpack.
+"""
+
+import msgpack
+
+from storage import errors, index
+from storage.chunks import CHUNK_VAL, ChunkStore
+from storage.index import decode_value, encode_key, encode_value
+
+COUNTERS = "__counter"
+
+
+def _pack(value):
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _unpack(raw):
+    return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
+
+
+def _prefix(table: str) -> bytes:
+    t = table.encode()
+    if b"\x00" in t:
+        raise errors.InvalidRequest("table names contain no NUL")
+    return t + b"\x00"
+
+
+class _ReadTxn:
+    """Read methods over an LMDB transaction (read-only snapshot or the writer's transaction)."""
+
+    def __init__(self, txn, dbs):
+        self._txn = txn
+        self._dbs = dbs
+
+    def _raw_get(self, db, key):
+        return self._txn.get(key, db=self._dbs[db])
+
+    def _cursor(self, db):
+        return self._txn.cursor(db=self._dbs[db])
+
+    def get(self, table, key):
+        pfx = _prefix(table)
+        key = bytes(key)
+        stored = self._raw_get(index.META, encode_key(pfx, key))
+        if stored is None:
+            return None
+        full, value = decode_value(stored)
+        if full is not None and full != key:
+            return None
+        return _unpack(value)
+
+    def scan(self, table, start=b"", prefix=None, reverse=False, limit=None):
+        """[(key, value)] of ``table``: keys >= start ascending, or with ``reverse`` keys <= start
+        descending (start b"" or None = from the end), optionally only keys with ``prefix``."""
+        pfx = _prefix(table)
+        start = bytes(start or b"")
+        out = []
+        if limit is not None and limit <= 0:
+            return out
+        cur = self._cursor(index.META)
+        if not reverse:
+            first = max(start, bytes(prefix)) if prefix is not None else start
+            if not cur.set_range(encode_key(pfx, first)[: index.KEY_KEEP]):
+                return out
+            it = cur.iternext()
+        else:
+            if start:
+                if cur.set_range(encode_key(pfx, start)):
+                    full, _ = decode_value(cur.value())
+                    key = full if full is not None else cur.key()[len(pfx):]
+                    if not cur.key().startswith(pfx) or key != start:
+                        if not cur.prev():
+                            return out
+                elif not cur.last():
+                    return out
+            else:
+                upper = pfx[:-1] + b"\x01"
+                if cur.set_range(upper):
+                    if not cur.prev():
+                        return out
+                elif not cur.last():
+                    return out
+            it = cur.iterprev()
+        for lk, stored in it:
+            if not lk.startswith(pfx):
+                break
+            full, value = decode_value(stored)
+            key = full if full is not None else lk[len(pfx):]
+            if not reverse and key < start:
+                continue
+            if reverse and start and key > start:
+                continue
+            if prefix is not None and not key.startswith(prefix):
+                if (key > prefix) != reverse:
+                    break
+                continue
+            out.append((key, _unpack(value)))
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def chunk_has(self, addr) -> bool:
+        return self._raw_get(index.CHUNKS, bytes(addr)) is not None
+
+    def chunk_refcount(self, addr) -> int:
+        raw = self._raw_get(index.CHUNKREF, bytes(addr))
+        return index.U64.unpack(raw)[0] if raw else 0
+
+    def _readonly(self, *a, **k):
+        raise errors.InvalidRequest("read-only transaction")
+
+    put = delete = next_id = chunk_incref = chunk_decref = _readonly
+
+
+class Txn(_ReadTxn):
+    """The writer-thread transaction handed to ``transact(fn)``."""
+
+    def __init__(self, raw):
+        super().__init__(raw.txn, raw.dbs)
+        self._raw = raw
+
+    def put(self, table, key, value):
+        pfx = _prefix(table)
+        key = bytes(key)
+        self._raw.put(index.META, encode_key(pfx, key), encode_value(key, pfx, _pack(value)))
+
+    def delete(self, table, key):
+        pfx = _prefix(table)
+        self._raw.delete(index.META, encode_key(pfx, bytes(key)))
+
+    def next_id(self, name) -> int:
+        current = self.get(COUNTERS, name.encode() if isinstance(name, str) else bytes(name)) or 0
+        self.put(COUNTERS, name.encode() if isinstance(name, str) else bytes(name), current + 1)
+        return current + 1
+
+    def chunk_incref(self, addrs):
+        ChunkStore._incref(self._raw, addrs)
+
+    def chunk_decref(self, addrs):
+        ChunkStore._decref(self._raw, addrs)
+
+
+class Meta:
+    def __init__(self, store):
+        self._store = store
+
+    def transact(self, fn):
+        """Run ``fn(txn)`` atomically and durably in the writer thread; fires with its result."""
+        return self._store.transact_raw(lambda raw: fn(Txn(raw)), 512)
+
+    def read(self, fn):
+        with self._store.env.begin() as txn:
+            return fn(_ReadTxn(txn, self._store.dbs))
+
+    def next_id(self, counter_name):
+        return self.transact(lambda txn: txn.next_id(counter_name))

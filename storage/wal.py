@@ -1,0 +1,263 @@
+"""The shared write-ahead log: append-only segment files holding every stream's batches and every
+metadata change, in one order.
+
+Entry framing (big-endian)::
+
+    u32 payload_len | u32 crc | u8 type | payload
+
+``crc`` = CRC-32 over (u64 segment base position, u32 payload_len, u8 type, payload). Binding the
+segment's base position means bytes left over from another segment (a reused or misplaced file,
+a stale tail) never validate as an entry here (research note §3.4, elastic-stream #549/#673/#675).
+
+Positions are global: a segment file is named by the position of its first byte
+(``%020d.wal``), and an entry's position is its segment base + its offset in the file. An entry
+never straddles two segments. Only the writer thread appends; readers ``pread`` from any thread.
+"""
+
+import bisect
+import os
+import struct
+import zlib
+
+from storage.errors import DataCorrupted, OffsetOutOfRange
+
+ENTRY = struct.Struct(">IIB")
+ENTRY_SIZE = ENTRY.size  # 9
+_CRC_PREFIX = struct.Struct(">QIB")
+MAX_PAYLOAD = 1 << 30
+
+T_BATCH = 1  # payload: u64 stream_id | u64 append_ms | record batch
+T_OPS = 2  # payload: msgpack list of raw index operations (storage.store.apply_ops)
+
+SUFFIX = ".wal"
+
+
+def entry_crc(base: int, etype: int, parts) -> int:
+    length = sum(len(p) for p in parts)
+    crc = zlib.crc32(_CRC_PREFIX.pack(base, length, etype))
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return crc
+
+
+def segment_name(base: int) -> str:
+    return "%020d%s" % (base, SUFFIX)
+
+
+class Wal:
+    def __init__(self, directory: str, segment_bytes: int, sync_dir: bool = True):
+        self.dir = directory
+        self.segment_bytes = segment_bytes
+        self.sync_dir = sync_dir
+        os.makedirs(directory, exist_ok=True)
+        bases = sorted(int(n[: -len(SUFFIX)]) for n in os.listdir(directory) if n.endswith(SUFFIX) and n[:-len(SUFFIX)].isdigit())
+        # Copy-on-write containers: readers in other threads see a consistent pair without locks.
+        self.bases = bases
+        self.fds = {b: os.open(os.path.join(directory, segment_name(b)), os.O_RDWR) for b in bases}
+        self.graveyard = []  # fds of deleted segments, closed a while later (readers may hold them)
+        self.active = bases[-1] if bases else None
+        self.end = (bases[-1] + os.fstat(self.fds[bases[-1]]).st_size) if bases else 0
+        self._buf = bytearray()
+        self._buf_start = self.end  # global position of _buf[0]
+        self._dirty = set()
+
+    # -- recovery ---------------------------------------------------------------------------------
+
+    def scan(self, start: int):
+        """Yield ``(pos, type, payload)`` for every valid entry from ``start``; at the first invalid
+        or torn entry cut the log there (truncate that segment, remove later ones). Returns via
+        ``self.end`` the new end."""
+        for base in list(self.bases):
+            size = os.fstat(self.fds[base]).st_size
+            if base + size <= start:
+                continue
+            off = max(0, start - base)
+            fd = self.fds[base]
+            buf = b""
+            buf_off = off  # file offset of buf[0]
+            while off < size:
+                rel = off - buf_off
+                if len(buf) - rel < ENTRY_SIZE:
+                    buf, buf_off, rel = self._refill(fd, buf, buf_off, rel, ENTRY_SIZE)
+                    if len(buf) < ENTRY_SIZE:
+                        yield from self._cut(base, off)
+                        return
+                length, crc, etype = ENTRY.unpack_from(buf, rel)
+                if length > MAX_PAYLOAD or off + ENTRY_SIZE + length > size or etype not in (T_BATCH, T_OPS):
+                    yield from self._cut(base, off)
+                    return
+                if len(buf) - rel < ENTRY_SIZE + length:
+                    buf, buf_off, rel = self._refill(fd, buf, buf_off, rel, ENTRY_SIZE + length)
+                    if len(buf) < ENTRY_SIZE + length:
+                        yield from self._cut(base, off)
+                        return
+                payload = memoryview(buf)[rel + ENTRY_SIZE: rel + ENTRY_SIZE + length]
+                if entry_crc(base, etype, (payload,)) != crc:
+                    payload.release()
+                    yield from self._cut(base, off)
+                    return
+                yield base + off, etype, bytes(payload)
+                payload.release()
+                off += ENTRY_SIZE + length
+
+    @staticmethod
+    def _refill(fd, buf, buf_off, rel, need):
+        read_at = buf_off + len(buf)
+        rest = buf[rel:]
+        more = os.pread(fd, max(1 << 22, need - len(rest)), read_at)
+        return rest + more, buf_off + rel, 0
+
+    def _cut(self, base: int, off: int):
+        os.ftruncate(self.fds[base], off)
+        os.fsync(self.fds[base])
+        for later in [b for b in self.bases if b > base]:
+            self._unlink(later)
+        self.active = base
+        self.end = base + off
+        self._buf_start = self.end
+        return iter(())
+
+    def ensure_at(self, position: int):
+        """Continue writing at ``position`` when the index already covers more than the files hold
+        (a truncated segment): never reuse a position the index may still point at."""
+        if position > self.end:
+            self._new_segment(position)
+
+    # -- writing (writer thread) ----------------------------------------------------------------
+
+    def add(self, etype: int, parts) -> int:
+        """Frame one entry into the group buffer; return its global position."""
+        length = sum(len(p) for p in parts)
+        total = ENTRY_SIZE + length
+        if self.active is None or (self.end - self.active > 0 and self.end - self.active + total > self.segment_bytes):
+            self.flush()
+            self._new_segment(self.end)
+        pos = self.end
+        self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts), etype)
+        for p in parts:
+            self._buf += p
+        self.end += total
+        return pos
+
+    def _new_segment(self, base: int):
+        path = os.path.join(self.dir, segment_name(base))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fds = dict(self.fds)
+        self.fds[base] = fd
+        self.bases = self.bases + [base]
+        self.active = base
+        self.end = base
+        self._buf_start = base
+        if self.sync_dir:
+            self._sync_dir()
+
+    def _sync_dir(self):
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def flush(self):
+        if self._buf:
+            fd = self.fds[self.active]
+            view = memoryview(self._buf)
+            off = self._buf_start - self.active
+            while view:
+                n = os.pwrite(fd, view, off)
+                view = view[n:]
+                off += n
+            self._dirty.add(self.active)
+            self._buf = bytearray()
+        self._buf_start = self.end
+
+    def discard(self):
+        """Forget the unflushed group (its transaction was aborted)."""
+        self.end = self._buf_start
+        self._buf = bytearray()
+
+    def sync(self):
+        for base in self._dirty:
+            fd = self.fds.get(base)
+            if fd is not None:
+                os.fdatasync(fd)
+        self._dirty.clear()
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._dirty)
+
+    # -- reading (any thread) -------------------------------------------------------------------
+
+    def read(self, pos: int, total: int, etype: int) -> memoryview:
+        """The payload of the ``total``-byte entry at ``pos``, CRC-checked."""
+        bases = self.bases
+        i = bisect.bisect_right(bases, pos) - 1
+        if i < 0:
+            raise OffsetOutOfRange("position %d is no longer stored" % pos)
+        base = bases[i]
+        fd = self.fds.get(base)
+        if fd is None:
+            raise OffsetOutOfRange("position %d is no longer stored" % pos)
+        data = os.pread(fd, total, pos - base)
+        return self.check(data, base, etype, pos)
+
+    @staticmethod
+    def check(data, base: int, etype: int, pos: int) -> memoryview:
+        if len(data) < ENTRY_SIZE:
+            raise DataCorrupted("entry at %d is truncated" % pos)
+        length, crc, t = ENTRY.unpack_from(data, 0)
+        view = memoryview(data)[ENTRY_SIZE:]
+        if t != etype or length != len(view) or entry_crc(base, t, (view,)) != crc:
+            raise DataCorrupted("entry at %d failed its CRC" % pos)
+        return view
+
+    def read_span(self, pos: int, total: int):
+        """Raw bytes of ``total`` bytes at ``pos`` in one segment and that segment's base."""
+        bases = self.bases
+        i = bisect.bisect_right(bases, pos) - 1
+        if i < 0 or bases[i] not in self.fds:
+            raise OffsetOutOfRange("position %d is no longer stored" % pos)
+        base = bases[i]
+        return os.pread(self.fds[base], total, pos - base), base
+
+    # -- retention (writer thread) ----------------------------------------------------------------
+
+    def deletable(self, watermark: int):
+        """Segments wholly below ``watermark`` (never the active one)."""
+        out = []
+        bases = self.bases
+        for i, base in enumerate(bases[:-1]):
+            if bases[i + 1] <= watermark and base != self.active:
+                out.append(base)
+        return out
+
+    def delete(self, base: int):
+        self._unlink(base)
+
+    def _unlink(self, base: int):
+        try:
+            os.unlink(os.path.join(self.dir, segment_name(base)))
+        except FileNotFoundError:
+            pass
+        fds = dict(self.fds)
+        fd = fds.pop(base, None)
+        self.fds = fds
+        self.bases = [b for b in self.bases if b != base]
+        self._dirty.discard(base)
+        if fd is not None:
+            self.graveyard.append(fd)
+
+    def reap(self):
+        """Close fds of segments deleted before the previous call."""
+        old, self.graveyard = self.graveyard, []
+        return old
+
+    def close(self):
+        for fd in list(self.fds.values()) + self.graveyard:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = {}
+        self.graveyard = []

@@ -1,0 +1,165 @@
+"""Smoke tests of the whole storage API against a real store in a temp dir."""
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor
+
+from storage import FsyncPolicy, Store, errors
+from storage import record_batch as rb
+from tests.storage_helpers.util import base_of, batch, same_except_base
+
+
+def open_store(path, fsync="always", **kw):
+    return Store.open(str(path), fsync=FsyncPolicy.parse(fsync), reactor=reactor, node_id=7, **kw)
+
+
+def test_fsync_policy_parse():
+    assert str(FsyncPolicy.parse("always")) == "always"
+    assert str(FsyncPolicy.parse("never")) == "never"
+    p = FsyncPolicy.parse("interval:1000")
+    assert (p.mode, p.interval_ms) == ("interval", 1000)
+    for bad in ("", "sometimes", "interval:", "interval:0", "interval:-5", "interval:1.5"):
+        with pytest.raises(ValueError) as e:
+            FsyncPolicy.parse(bad)
+        assert "always" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest_twisted.ensureDeferred
+async def test_log_roundtrip_and_reopen(tmp_path):
+    st = open_store(tmp_path)
+    meta = await st.log.create_stream(replica_nums=2, retention_period_ms=0, attrs={"a": 1})
+    sid = meta.stream_id
+    assert sid == (7 << 32) | 1
+    assert meta.ranges[0].start_offset == 0 and meta.ranges[0].end_offset == -1
+    batches = [batch(3, 50, i) for i in range(10)]
+    bases = await defer.gatherResults([st.log.append(sid, b) for b in batches])
+    assert bases == list(range(0, 30, 3))
+    assert st.log.stream(sid).next_offset == 30
+    got = await st.log.read(sid, 4, 1)
+    assert len(got) == 1 and base_of(got[0]) == 3 and same_except_base(got[0], batches[1])
+    got = await st.log.read(sid, 0, 1 << 20)
+    assert [base_of(g) for g in got] == bases
+    assert await st.log.read(sid, 30, 100) == []
+    with pytest.raises(errors.OffsetOutOfRange):
+        await st.log.read(sid, 31, 100)
+    assert st.log.batches(sid, 5, 2) == [(3, 3, len(batches[1])), (6, 3, len(batches[2]))]
+    with pytest.raises(errors.ExpectationFailed):
+        await st.log.append(sid, batches[0], expect_offset=5)
+    assert await st.log.append(sid, batches[0], expect_offset=30) == 30
+    await st.close()
+
+    st = open_store(tmp_path)
+    m = st.log.stream(sid)
+    assert (m.next_offset, m.replica_nums, m.attrs) == (33, 2, {"a": 1})
+    got = await st.log.read(sid, 0, 1 << 20)
+    assert [base_of(g) for g in got] == bases + [30]
+    m2 = await st.log.create_stream()
+    assert m2.stream_id == (7 << 32) | 2
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_trim_seal_ranges(tmp_path):
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    for i in range(5):
+        await st.log.append(sid, batch(2, 10, i))
+    sealed, new = await st.log.seal_range(sid, 0)
+    assert (sealed.end_offset, new.range_index, new.start_offset, new.end_offset) == (10, 1, 10, -1)
+    with pytest.raises(errors.RangeAlreadySealed):
+        await st.log.seal_range(sid, 0)
+    with pytest.raises(errors.RangeNotFound):
+        await st.log.seal_range(sid, 9)
+    with pytest.raises(errors.InvalidRequest):
+        await st.log.create_range(sid)
+    await st.log.append(sid, batch(2, 10, 9))
+    m = await st.log.trim(sid, 11)
+    assert m.trim_offset == 11 and [r.range_index for r in m.ranges] == [1] and m.ranges[0].start_offset == 11
+    got = await st.log.read(sid, 11, 1)
+    assert base_of(got[0]) == 10  # the batch holding the trim point, whole
+    with pytest.raises(errors.OffsetOutOfRange):
+        await st.log.read(sid, 9, 1)
+    m = await st.log.trim(sid, 5)  # never moves back
+    assert m.trim_offset == 11
+    m = await st.log.trim(sid, 1000)  # capped at next_offset
+    assert m.trim_offset == 12
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_replica_stream_and_wait(tmp_path):
+    st = open_store(tmp_path)
+    sid = (9 << 32) | 4
+    m = await st.log.create_replica_stream(sid, "10.0.0.1:7000", 1, 0, {"x": 1})
+    assert m.origin == "10.0.0.1:7000"
+    with pytest.raises(errors.ReadOnlyStream) as e:
+        await st.log.append(sid, batch())
+    assert e.value.origin == "10.0.0.1:7000"
+    b = rb.with_base_offset(batch(2), 0)
+    assert await st.log.append_replica(sid, b) == 0
+    with pytest.raises(errors.ExpectationFailed):
+        await st.log.append_replica(sid, b)
+    w = st.log.wait_for_data(sid, 2)
+    assert not w.called
+    await st.log.append_replica(sid, rb.with_base_offset(batch(1), 2))
+    await w
+    w = st.log.wait_for_data(sid, 3)
+    w.cancel()
+    with pytest.raises(defer.CancelledError):
+        await w
+    w = st.log.wait_for_data(sid, 3)
+    await st.log.delete_stream(sid)
+    await w
+    with pytest.raises(errors.StreamNotFound):
+        st.log.stream(sid)
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_chunks_kv_meta(tmp_path):
+    st = open_store(tmp_path, chunk_grace_s=0.0, retention_check_s=0)
+    a = await st.chunks.put(b"hello world")
+    assert await st.chunks.put(b"hello world") == a
+    assert st.chunks.has(a) and st.chunks.has_many([a, b"\0" * 32]) == [True, False]
+    assert await st.chunks.get(a) == b"hello world"
+    assert await st.chunks.get(a, 6, 3) == b"wor"
+    with pytest.raises(errors.ChunkNotFound):
+        await st.chunks.get(b"\1" * 32)
+    assert st.chunks.last_seq() == 1 and st.chunks.by_seq(1, 10, 10) == [(1, a)]
+    w = st.chunks.wait_for_seq(2)
+    b = await st.chunks.put(b"other", pin=True)
+    await w
+    await st.meta.transact(lambda t: t.chunk_incref([a]))
+    assert await st.chunks.sweep_now() == 0
+    await st.meta.transact(lambda t: t.chunk_decref([a]))
+    await st.chunks.sweep_now()
+    assert not st.chunks.has(a) and st.chunks.has(b)
+
+    await st.kv.put(b"\x00a", b"1")
+    await st.kv.put(b"\xffz", b"2")
+    await st.kv.put(b"m" * 1000, b"long")
+    assert st.kv.get(b"m" * 1000) == b"long"
+    assert [k for k, _ in st.kv.scan_forward(None, 10)] == [b"\x00a", b"m" * 1000, b"\xffz"]
+    assert [k for k, _ in st.kv.scan_backward(None, 10)] == [b"\xffz", b"m" * 1000, b"\x00a"]
+    assert [k for k, _ in st.kv.scan_backward(b"n", 10)] == [b"m" * 1000, b"\x00a"]
+    assert await st.kv.delete(b"\x00a") is True
+    assert await st.kv.delete(b"\x00a") is False
+
+    assert await st.meta.next_id("files") == 1
+    assert await st.meta.next_id("files") == 2
+
+    def boom(txn):
+        txn.put("t", b"k", 1)
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        await st.meta.transact(boom)
+    assert st.meta.read(lambda t: t.get("t", b"k")) is None
+    await st.meta.transact(lambda t: [t.put("t", b"k%d" % i, {"i": i}) for i in range(5)])
+    assert [k for k, _ in st.meta.read(lambda t: t.scan("t", reverse=True, limit=2))] == [b"k4", b"k3"]
+    assert st.meta.read(lambda t: t.scan("t", start=b"k2", limit=1)) == [(b"k2", {"i": 2})]
+    await st.close()
+    st = open_store(tmp_path)
+    assert st.kv.get(b"\xffz") == b"2" and st.meta.read(lambda t: t.get("t", b"k1")) == {"i": 1}
+    assert st.chunks.has(b) and st.chunks.last_seq() == 2
+    await st.close()
