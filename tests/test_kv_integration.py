@@ -164,3 +164,15 @@ def test_sbpctl_kv(node_factory):
     node.kill9()
     r = sbpctl("get", "x", *ep)
     assert r.returncode == 1 and b"not reachable" in r.stderr and b"Traceback" not in r.stderr
+
+
+@pytest.mark.xfail(reason="storage bug: keys over 440 bytes sharing a 440-byte prefix are indexed by hash, "
+                   "so the store's scans return them out of key order (reported to the storage engineer)", strict=False)
+def test_long_keys_scan_in_order(node_factory):
+    node = node_factory(fsync="never", **OFF)
+    base = b"p" * 440
+    keys = sorted(base + bytes([i]) + b"x" * 10 for i in range(0, 256, 5))
+    with BlockingKvClient(*node.address("kv")) as kv:
+        fill(kv, keys)
+        pages = list(kv.iter_scan(c.GET_FF, page=7))  # ends (the server keeps pages monotonic)
+        assert [k for p in pages for k, _ in p.items] == keys

@@ -450,3 +450,41 @@ def test_scan_sequences_never_skip_or_repeat_in_one_direction(ops):
             assert (keys[0] if direction == "f" else keys[-1]) == prev_next
         prev_next = r.next_key
         last_dir = direction
+
+
+class ShuffledKv(MemoryKv):
+    """A store whose scans return runs of keys out of order (as a broken index might)."""
+
+    def scan_forward(self, start, limit):
+        out = super().scan_forward(start, limit)
+        return out[1::2] + out[0::2] if len(out) > 2 else out
+
+    def scan_keys(self, start, limit, prefix=None):
+        out = super().scan_keys(start, limit, prefix)
+        return out[::-1] if len(out) > 2 else out
+
+    def scan_backward(self, start, limit):
+        out = super().scan_backward(start, limit)
+        return out[::-1] if len(out) > 2 else out
+
+
+@pytest.mark.parametrize("cmd", [c.GET_FF, c.GET_KEYS, c.GET_FB])
+@pytest.mark.parametrize("count", [1, 3, 50])
+def test_scans_terminate_without_repeats_even_if_the_store_misorders(cmd, count):
+    kv = ShuffledKv()
+    fill(kv, KEYS)
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_create_cursor(1, b"c", b"\xff" * 8 if cmd == c.GET_FB else b""))
+    replies(tr, [9])
+    seen = []
+    for _ in range(len(KEYS) + 2):
+        proto.dataReceived(c.encode_scan(cmd, 1, count, b"c"))
+        (r,) = replies(tr, [cmd])
+        if not r.items:
+            break
+        keys = [k for k, _ in r.items]
+        assert keys == sorted(set(keys))
+        seen += keys
+    else:
+        pytest.fail("the scan did not end")
+    assert len(seen) == len(set(seen))

@@ -90,18 +90,22 @@ def _key_size(e):
     return len(e) + 2
 
 
-def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=None):
+def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=None, descending=False):
     """Gather one scan page from ``fetch(start, limit)`` (store order, ``start`` inclusive, None =
     from the open end).
 
     Returns ``(entries, next_entry)``: at most ``count`` entries whose sizes fit the reply budget
     (the first always), and the first entry not returned (None when the scan ran out). With
     ``prefix``, the page ends at the first key without it, which is then the next entry.
+
+    Keys are taken strictly monotonic (an entry out of order is dropped), so whatever the store
+    returns, a page never repeats a key and the cursor always moves past it: a full scan ends.
     """
     out = []
     nbytes = 0
     limit = count + 1 if first_fetch is None else min(count + 1, first_fetch)
     skip = None
+    last = None
     while True:
         batch = fetch(start, limit)
         for e in batch:
@@ -111,6 +115,9 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
                 skip = None
                 if matched:
                     continue
+            if last is not None and (k >= last if descending else k <= last):
+                continue
+            last = k
             if prefix is not None and not k.startswith(prefix):
                 return out, e
             if len(out) == count:
@@ -122,8 +129,10 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
             nbytes += size
         if len(batch) < limit:
             return out, None
+        if last is None or last == start:
+            return out, None  # no progress: only possible if the store's order is broken
         # The fetch was full: continue from its last key (inclusive, so skip it once).
-        start = skip = key_of(batch[-1])
+        start = skip = last
         remaining = count - len(out)
         avg = max(1, nbytes // max(1, len(out)))
         limit = max(2, min(remaining + 2, (SCAN_REPLY_BUDGET - nbytes) // avg + 2))
@@ -505,7 +514,7 @@ class KvServerProtocol(Protocol):
                 else:
                     entries, nxt = collect_page(
                         kv.scan_backward, None if position is END else position, req.count,
-                        _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH,
+                        _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH, descending=True,
                     )
                     entries.reverse()  # each page is returned in ascending order
                 new_position = BEGIN if nxt is None else nxt[0]
