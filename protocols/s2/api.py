@@ -57,13 +57,15 @@ def _store_errors():
 class _StreamState:
     """Per-stream S2 state kept in memory: fencing token, last timestamp, next seq we know of."""
 
-    __slots__ = ("sid", "fence", "last_ts", "next_known", "ready", "waiters", "loading")
+    __slots__ = ("sid", "fence", "last_ts", "assigned", "ready", "waiters", "loading")
 
     def __init__(self, sid, fence):
         self.sid = sid
         self.fence = fence
         self.last_ts = 0
-        self.next_known = -1
+        # The next seq_num S2 appends will get: the store's next_offset advances only once a
+        # batch is durable, while offsets are assigned at call time.
+        self.assigned = -1
         self.ready = False
         self.loading = False
         self.waiters = []
@@ -107,7 +109,8 @@ class S2Api:
         try:
             handler = self._route(req, responder)
         except S2Error as e:
-            responder.on_body = lambda body: self.send_error(responder, e)
+            err = e
+            responder.on_body = lambda body: self.send_error(responder, err)
             return
         if handler is None:
             return
@@ -480,7 +483,7 @@ class S2Api:
     def _state_now(self, meta):
         """The stream's state if usable without waiting, else None."""
         st = self.states.get(meta.stream_id)
-        if st is not None and st.ready and st.next_known == meta.next_offset:
+        if st is not None and st.ready and meta.next_offset <= st.assigned:
             return st
         return None
 
@@ -489,7 +492,7 @@ class S2Api:
         st = self.states.get(sid)
         if st is None:
             st = self.states[sid] = _StreamState(sid, (meta.attrs or {}).get("s2_fence", ""))
-        if st.ready and st.next_known == meta.next_offset:
+        if st.ready and meta.next_offset <= st.assigned:
             return st
         # Someone else (SBP, or a restart) moved the tail: reload the last timestamp. Waiters are
         # released in arrival order, so queued appends keep their order.
@@ -533,7 +536,7 @@ class S2Api:
                     last_ts = max(last_ts, header.base_timestamp_ms + recs[-1][1])
             if self.store.log.stream(st.sid).next_offset == nxt:
                 st.last_ts = last_ts
-                st.next_known = nxt
+                st.assigned = max(st.assigned, nxt)
                 st.ready = True
                 return
 
@@ -564,7 +567,7 @@ class S2Api:
         # From here to store.log.append: no waiting (the store assigns offsets at call time).
         if inp.fencing_token is not None and inp.fencing_token != st.fence:
             raise codec.fencing_token_mismatch(st.fence)
-        start = meta.next_offset
+        start = st.assigned
         if inp.match_seq_num is not None and inp.match_seq_num != start:
             raise codec.seq_num_mismatch(start)
         config = (meta.attrs or {}).get("s2_config") or {}
@@ -589,24 +592,26 @@ class S2Api:
             if headers and len(headers) == 1 and headers[0][0] == b"":
                 if commands is None:
                     commands = []
-                commands.append((start + i, headers[0][1], body))
+                commands.append((i, headers[0][1], body))
         batch = record_batch.encode(stamped)
         if len(batch) > self.max_batch_bytes:
             raise codec.invalid("batch of %d bytes exceeds --max-batch-bytes" % len(batch))
-        d = self.store.log.append(sid, batch, expect_offset=start)
+        d = self.store.log.append(sid, batch, expect_offset=inp.match_seq_num)
         n = len(stamped)
         st.last_ts = last
-        st.next_known = start + n
+        st.assigned = start + n
         if commands:
             self._apply_fences(st, commands)
         try:
             base = await d
         except self.errors.ExpectationFailed:
-            st.ready = False
-            raise codec.seq_num_mismatch(self.store.log.stream(sid).next_offset)
+            st.ready = False  # another writer (SBP) got there first: reload before the next append
+            raise codec.seq_num_mismatch(max(st.assigned, self.store.log.stream(sid).next_offset))
+        if base + n > st.assigned:
+            st.assigned = base + n
         self.metrics["appended_records"] += n
         if commands:
-            self._apply_trims(sid, commands)
+            self._apply_trims(sid, base, commands)
         tail_seq = max(self.store.log.stream(sid).next_offset, base + n)
         return (base, stamped[0][0]), (base + n, stamped[-1][0]), (tail_seq, st.last_ts)
 
@@ -619,10 +624,10 @@ class S2Api:
                 self.store.log.update_stream(st.sid, attrs={"s2_fence": st.fence}).addErrback(
                     lambda f: self.log.failure("persisting a fencing token failed", f))
 
-    def _apply_trims(self, sid, commands):
-        for seq, op, body in commands:
+    def _apply_trims(self, sid, base, commands):
+        for i, op, body in commands:
             if op == b"trim":
-                point = min(codec.command_payload(op, body), seq + 1)
+                point = min(codec.command_payload(op, body), base + i + 1)
                 try:
                     current = self.store.log.stream(sid).trim_offset
                 except self.errors.StreamNotFound:
