@@ -138,6 +138,8 @@ def plan_partitions(opts: _Options, stream_id: int, ranges, lo: int, hi: int) ->
 
 def read_partition(p: SbpPartition):
     """FETCH ``[p.start, p.end)`` and yield one Arrow RecordBatch per FETCH result."""
+    if not isinstance(p, SbpPartition):
+        return  # Spark plans one bare InputPartition when partitions() finds nothing to read
     offset = p.start
     client = _client(p.endpoint, p.timeout)
     try:

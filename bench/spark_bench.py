@@ -1,0 +1,171 @@
+"""Spark read throughput: ``spark.read.format("sbp")`` from a node vs the same rows from local Parquet.
+
+    python bench/spark_bench.py                        # starts a node (fsync never) in a temp dir
+    python bench/spark_bench.py --endpoint host:7700   # an existing node (a new stream is made)
+
+Appends ``--records`` records (``--body-bytes`` bodies, in ``--ranges`` ranges, so that many Spark
+partitions) to one stream over SBP, writes the same rows (CONTRACT §8 columns) to one Parquet file,
+starts a ``local[2]`` SparkSession (not timed), then times the same aggregate over every column on
+both sources ``--repeat`` times after one warm-up each, and prints rows/s and the ratio.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def load(client, records, body_bytes, ranges, batch_records=1000):
+    """Append ``records`` records to a new stream; seal so the stream has ``ranges`` ranges."""
+    from storage import record_batch
+
+    sid = client.create_stream()["stream_id"]
+    body = os.urandom(body_bytes)
+    ts0 = int(time.time() * 1000) - records
+    per_range = -(-records // ranges)
+    offset = 0
+    range_index = 0
+    t0 = time.perf_counter()
+    while offset < records:
+        entries = []
+        limit = min(records, (range_index + 1) * per_range)
+        while offset < limit and len(entries) < 8:
+            n = min(batch_records, limit - offset)
+            entries.append((sid, record_batch.encode([(ts0 + offset + i, [], body) for i in range(n)])))
+            offset += n
+        client.append_many(entries)
+        if offset == limit and offset < records:
+            client.seal(sid, range_index)
+            range_index += 1
+    return sid, time.perf_counter() - t0
+
+
+def write_parquet(path, sid, records, body_bytes, ts0):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from node.spark.arrow import ARROW_SCHEMA, HEADERS_TYPE
+
+    body = os.urandom(body_bytes)
+    writer = pq.ParquetWriter(path, ARROW_SCHEMA)
+    step = 250_000
+    for start in range(0, records, step):
+        n = min(step, records - start)
+        offsets = np.arange(start, start + n, dtype=np.int64)
+        empty = pa.array([[]] * n, HEADERS_TYPE)
+        writer.write_batch(
+            pa.record_batch(
+                [
+                    pa.array(np.full(n, sid, dtype=np.int64)),
+                    pa.array(offsets),
+                    pa.array((offsets + ts0) * 1000, pa.timestamp("us", tz="UTC")),
+                    empty,
+                    pa.array([body] * n, pa.binary()),
+                ],
+                schema=ARROW_SCHEMA,
+            )
+        )
+    writer.close()
+
+
+def timed(df, F):
+    t0 = time.perf_counter()
+    row = df.agg(
+        F.count("*").alias("n"),
+        F.max("offset"),
+        F.max("timestamp"),
+        F.sum(F.size("headers")),
+        F.sum(F.length("body")),
+        F.max("stream_id"),
+    ).collect()[0]
+    return time.perf_counter() - t0, row["n"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoint", help="host:port of a running node's SBP listener (default: start one)")
+    p.add_argument("--records", type=int, default=2_000_000)
+    p.add_argument("--body-bytes", type=int, default=100)
+    p.add_argument("--ranges", type=int, default=2, help="ranges in the stream = Spark partitions")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--master", default="local[2]")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Workers import node.spark: make the checkout importable even without an install.
+    os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+    from protocols.sbp.client import BlockingSbpClient
+
+    from node.spark.arrow import split_endpoint
+
+    tmp = tempfile.mkdtemp(prefix="spark_bench_")
+    node = None
+    spark = None
+    try:
+        if args.endpoint:
+            endpoint = args.endpoint
+        else:
+            from tests.nodeproc import NodeProcess
+
+            node = NodeProcess(tmp, fsync="never").start()
+            endpoint = node.endpoint("sbp")
+        client = BlockingSbpClient(*split_endpoint(endpoint))
+        sid, load_s = load(client, args.records, args.body_bytes, args.ranges)
+        client.close()
+        print("loaded %d records (%d-byte bodies, %d ranges) into stream %d over SBP in %.1f s (%.0f records/s)"
+              % (args.records, args.body_bytes, args.ranges, sid, load_s, args.records / load_s))
+        parquet = os.path.join(tmp, "rows.parquet")
+        write_parquet(parquet, sid, args.records, args.body_bytes, int(time.time() * 1000))
+
+        from pyspark.sql import SparkSession
+        from pyspark.sql import functions as F
+
+        import node.spark
+
+        t0 = time.perf_counter()
+        spark = (
+            SparkSession.builder.master(args.master)
+            .appName("sbp-spark-bench")
+            .config("spark.ui.enabled", "false")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.sql.shuffle.partitions", "2")
+            .getOrCreate()
+        )
+        spark.sparkContext.setLogLevel("ERROR")
+        node.spark.register(spark)
+        print("SparkSession %s started in %.1f s (not timed)" % (args.master, time.perf_counter() - t0))
+
+        sbp_df = spark.read.format("sbp").option("endpoint", endpoint).option("streams", str(sid)).load()
+        pq_df = spark.read.parquet(parquet)
+        results = {}
+        for name, df in (("sbp", sbp_df), ("parquet", pq_df)):
+            warm, n = timed(df, F)
+            assert n == args.records, (name, n)
+            times = [timed(df, F)[0] for _ in range(args.repeat)]
+            results[name] = times
+            print("%-8s partitions=%d warm-up %.2f s; runs %s s; median %.2f s = %.0f rows/s"
+                  % (name, df.rdd.getNumPartitions(), warm, " ".join("%.2f" % t for t in times),
+                     statistics.median(times), args.records / statistics.median(times)))
+        sbp_rate = args.records / statistics.median(results["sbp"])
+        pq_rate = args.records / statistics.median(results["parquet"])
+        print("sbp %.0f rows/s, parquet %.0f rows/s, ratio sbp/parquet = %.2f (target >= 0.5)" % (sbp_rate, pq_rate, sbp_rate / pq_rate))
+    finally:
+        if spark is not None:
+            spark.stop()
+        if node is not None:
+            node.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
