@@ -249,6 +249,24 @@ def call_describe_cluster():
     return Call(codec.DESCRIBE_PD_CLUSTER, "DescribePdClusterRequest", T.DescribePdClusterRequest(None, 0), parse)
 
 
+def call_status():
+    """The node's metrics view: DESCRIBE_PD_CLUSTER's status.detail (JSON) plus the cluster."""
+
+    def parse(resp, payload):
+        _check(resp.status)
+        import json
+
+        try:
+            info = json.loads(resp.status.detail.decode()) if resp.status.detail else {}
+        except ValueError:
+            info = {}
+        info["placement_drivers"] = [{"name": n.name, "advertise_addr": n.advertise_addr, "is_leader": n.is_leader}
+                                     for n in (resp.cluster.nodes if resp.cluster else [])]
+        return info
+
+    return Call(codec.DESCRIBE_PD_CLUSTER, "DescribePdClusterRequest", T.DescribePdClusterRequest(None, 0), parse)
+
+
 def call_ping(data=b""):
     return Call(codec.PING, None, None, lambda resp, payload: payload, [data] if data else [])
 
@@ -478,6 +496,10 @@ class BlockingSbpClient:
 
     def describe_cluster(self):
         return self.call(call_describe_cluster())
+
+    def status(self):
+        """A dict: node_id, sbp (advertised address), streams, metrics, placement_drivers."""
+        return self.call(call_status())
 
     def next_offset(self, stream_id):
         """The stream's next offset (the open range's next_offset)."""

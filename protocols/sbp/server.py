@@ -11,7 +11,7 @@ the socket's send buffer fills (a slow FETCH reader) the server stops reading ne
 drains, so the node never buffers more than the replies to requests already accepted.
 """
 
-import struct
+import json
 import time
 
 import msgpack
@@ -673,7 +673,15 @@ class SbpServerProtocol(Protocol):
     def do_describe_pd_cluster(self, req):
         me = self.factory.this_server()
         node = T.PlacementDriverNode(str(me.server_id), me.advertise_addr, True)
-        return T.DescribePdClusterResponse(codec.status(), T.PlacementDriverCluster([node]))
+        # The node's metrics view (sbpctl status): node.metrics, including the values kept from
+        # REPORT_METRICS, as JSON in status.detail ("additional information").
+        try:
+            streams = len(self.store.log.streams())
+        except Exception:
+            streams = None
+        view = {"node_id": me.server_id, "sbp": me.advertise_addr, "streams": streams, "metrics": self.factory.node.metrics}
+        detail = json.dumps(view, sort_keys=True, default=str).encode()
+        return T.DescribePdClusterResponse(codec.status(codec.OK, None, detail), T.PlacementDriverCluster([node]))
 
     _HANDLERS = {
         codec.HEARTBEAT: do_heartbeat,
