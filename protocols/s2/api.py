@@ -815,9 +815,17 @@ class S2Api:
 
         waiting.addCallbacks(fired, failed)
         timer = self.reactor.callLater(timeout, waiting.cancel)
-        result.addBoth(lambda r: (timer.active() and timer.cancel(), r)[1])
+
+        def cleanup(r):
+            if timer.active():
+                timer.cancel()
+            if not waiting.called:
+                waiting.cancel()
+            return r
+
+        result.addBoth(cleanup)
         if responder is not None:
-            responder.on_close.append(waiting.cancel)
+            responder.on_close.append(lambda: result.called or result.callback(False))
         return result
 
     async def h_read_sse(self, req, responder, body):
@@ -857,7 +865,7 @@ class S2Api:
 
     def shutdown(self):
         for s in list(self.sessions):
-            s.stop()
+            s.stop(draining=True)
 
 
 def _no_method():
@@ -892,10 +900,16 @@ class ReadSession:
         self.seen_count = seen_count
         self.seen_bytes = seen_bytes
         self.stopped = False
+        self.draining = False
+        self.waiting = None
         responder.on_close.append(self.stop)
 
-    def stop(self):
+    def stop(self, draining=False):
+        """Client gone, or (draining) the node is shutting down: end the session."""
         self.stopped = True
+        self.draining = draining
+        if self.waiting is not None and not self.waiting.called:
+            self.waiting.callback(False)
         fn = self.responder.on_drain
         if fn is not None:
             self.responder.on_drain = None
@@ -941,16 +955,21 @@ class ReadSession:
                     if left <= 0:
                         break
                     timeout = min(timeout, left)
-                if not await api._wait_data(self.sid, self.pos, timeout, r):
+                self.waiting = api._wait_data(self.sid, self.pos, timeout, r)
+                if not await self.waiting:
                     if self.stopped or r.closed:
-                        return
+                        break
                     if self.wait is not None and time.monotonic() - idle_since >= self.wait:
                         break
                     await self._heartbeat(api.store.log.stream(self.sid))
         except Exception as e:
-            self._error(api.to_s2(Failure(e)))
+            if not r.closed:
+                self._error(api.to_s2(Failure(e)))
             return
-        self._end()
+        if self.draining:
+            self._error(S2Error(503, "server_draining", "the node is shutting down"))
+        elif not r.closed:
+            self._end()
 
     def _emit(self, records, used):
         n = len(records)

@@ -1,0 +1,304 @@
+"""Raw HTTP/1.1 and HTTP/2 requests against a real node, for what the s2-sdk does not exercise:
+JSON with s2-format, protobuf over HTTP/1.1, SSE (events, ids, [DONE], ping, Last-Event-ID
+resume), error bodies and codes, size limits, /health, h2c by hand, replica streams (403)."""
+
+import base64
+import http.client
+import json
+import socket
+import struct
+import time
+import uuid
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+
+from protocols.s2 import codec
+from tests.nodeproc import NodeProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    n = NodeProcess(tmp_path_factory.mktemp("s2http"), fsync="never")
+    n.start()
+    try:
+        yield n
+    finally:
+        n.terminate()
+
+
+def call(node, method, path, body=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", node.ports["http"], timeout=30)
+    hdrs = {"content-type": "application/json"}
+    hdrs.update(headers or {})
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body).encode()
+    conn.request(method, path, body=body, headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+
+
+def new_stream(node):
+    name = "h-" + uuid.uuid4().hex[:10]
+    status, headers, body = call(node, "POST", "/v1/streams", {"stream": name})
+    assert status == 201, body
+    assert int(headers["sbp-stream-id"]) > 0
+    return name
+
+
+def test_health_and_unknown_routes(node):
+    status, headers, body = call(node, "GET", "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, headers, body = call(node, "GET", "/v2/nothing")
+    assert status == 404 and headers["content-type"] == "application/json" and json.loads(body)["code"]
+    status, _, body = call(node, "DELETE", "/v1/streams/x/records")
+    assert status == 405 and "code" in json.loads(body)
+
+
+def test_json_raw_and_base64_formats(node):
+    name = new_stream(node)
+    status, _, body = call(node, "POST", "/v1/streams/%s/records" % name,
+                           {"records": [{"body": "hi", "headers": [["a", "b"]]}, {"body": "\u00e9"}]})
+    assert status == 200
+    ack = json.loads(body)
+    assert ack["start"]["seq_num"] == 0 and ack["end"]["seq_num"] == 2 and ack["tail"]["seq_num"] == 2
+    b64 = base64.b64encode(b"\x00\xffbin").decode()
+    status, _, body = call(node, "POST", "/v1/streams/%s/records" % name,
+                           {"records": [{"body": b64}]}, {"s2-format": "base64"})
+    assert status == 200
+    status, _, body = call(node, "GET", "/v1/streams/%s/records?seq_num=0&count=10" % name, headers={"s2-format": "base64"})
+    recs = json.loads(body)["records"]
+    assert [base64.b64decode(r.get("body", "")) for r in recs] == [b"hi", "\u00e9".encode(), b"\x00\xffbin"]
+    assert recs[0]["headers"] == [[base64.b64encode(b"a").decode(), base64.b64encode(b"b").decode()]]
+    status, _, body = call(node, "GET", "/v1/streams/%s/records?seq_num=2" % name)
+    assert json.loads(body)["records"][0]["body"] == "\x00\ufffdbin"  # lossy raw view of binary data
+    status, headers, body = call(node, "GET", "/v1/streams/%s" % name)
+    assert status == 200 and "sbp-stream-id" in headers
+    assert json.loads(body)["retention_policy"] == {"infinite": {}}
+
+
+def test_protobuf_over_http1(node):
+    name = new_stream(node)
+    payload = codec.encode_append_input_proto(codec.AppendInput([(None, [(b"k", b"v")], b"p1"), (None, [], b"p2")]))
+    status, headers, body = call(node, "POST", "/v1/streams/%s/records" % name, payload,
+                                 {"content-type": "application/proto", "accept": "application/protobuf"})
+    assert status == 200 and headers["content-type"] == "application/protobuf"
+    ack = codec.PbAppendAck()
+    ack.ParseFromString(body)
+    assert ack.end.seq_num == 2
+    status, headers, body = call(node, "GET", "/v1/streams/%s/records?seq_num=0" % name,
+                                 headers={"accept": "application/x-protobuf"})
+    records, tail = codec.decode_read_batch_proto(body)
+    assert [(r[0], r[2], r[3]) for r in records] == [(0, [(b"k", b"v")], b"p1"), (1, [], b"p2")]
+    # Errors stay JSON even when protobuf was asked for.
+    status, headers, body = call(node, "GET", "/v1/streams/%s/records?seq_num=9" % name,
+                                 headers={"accept": "application/protobuf"})
+    assert status == 416 and json.loads(body) == {"tail": {"seq_num": 2, "timestamp": tail[1]}}
+
+
+def test_error_bodies(node):
+    name = new_stream(node)
+    path = "/v1/streams/%s/records" % name
+    status, _, body = call(node, "POST", path, b"{nope")
+    assert status == 400 and json.loads(body)["code"] == "bad_json"
+    status, _, body = call(node, "POST", path, {"records": [{"body": "x"}]}, {"s2-format": "hex"})
+    assert status == 400 and json.loads(body)["code"] == "bad_header"
+    status, _, body = call(node, "POST", path, {"records": []})
+    assert status == 422 and json.loads(body)["code"] == "invalid"
+    call(node, "POST", path, {"records": [{"body": "x"}]})
+    status, _, body = call(node, "POST", path, {"records": [{"body": "x"}], "match_seq_num": 0})
+    assert status == 412 and json.loads(body) == {"seq_num_mismatch": 1}
+    status, _, body = call(node, "POST", path, {"records": [{"body": "x"}], "fencing_token": "t"})
+    assert status == 412 and json.loads(body) == {"fencing_token_mismatch": ""}
+    status, _, body = call(node, "GET", path + "?seq_num=x")
+    assert status == 400 and json.loads(body)["code"] == "bad_query"
+    status, _, body = call(node, "GET", "/v1/streams/%s/records" % "missing-x")
+    assert status == 404 and json.loads(body)["code"] == "stream_not_found"
+    status, _, body = call(node, "GET", "/v1/streams", headers={"s2-basin": "no-such-basin"})
+    assert status == 404 and json.loads(body)["code"] == "basin_not_found"
+
+
+def test_body_size_limit(node):
+    s = socket.create_connection(("127.0.0.1", node.ports["http"]), timeout=10)
+    s.sendall(b"POST /v1/streams/x/records HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 100000000\r\n\r\n")
+    reply = s.recv(4096)
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 413") and b'"code":"invalid"' in reply
+
+
+def sse(node, path, headers=None, timeout=30):
+    conn = http.client.HTTPConnection("127.0.0.1", node.ports["http"], timeout=timeout)
+    hdrs = {"accept": "text/event-stream"}
+    hdrs.update(headers or {})
+    conn.request("GET", path, headers=hdrs)
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type") == "text/event-stream"
+    body = resp.read().decode()
+    conn.close()
+    events = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        ev = {}
+        for line in block.split("\n"):
+            k, _, v = line.partition(": ")
+            ev[k] = v
+        events.append(ev)
+    return events
+
+
+def test_sse_batches_done_and_resume(node):
+    name = new_stream(node)
+    for i in range(3):
+        call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "r%d%d" % (i, j)} for j in range(4)]})
+    events = sse(node, "/v1/streams/%s/records?seq_num=0&count=6" % name)
+    assert events[-1] == {"data": "[DONE]"}
+    batches = [e for e in events if e.get("event") == "batch"]
+    seqs = [r["seq_num"] for e in batches for r in json.loads(e["data"])["records"]]
+    assert seqs == [0, 1, 2, 3, 4, 5]
+    last_id = batches[-1]["id"]
+    assert last_id.split(",")[:2] == ["5", "6"]
+    # Resume: start after the last seen record, with the count lowered by what was delivered.
+    events = sse(node, "/v1/streams/%s/records?seq_num=0&count=8" % name, {"last-event-id": last_id})
+    seqs = [r["seq_num"] for e in events if e.get("event") == "batch" for r in json.loads(e["data"])["records"]]
+    assert seqs == [6, 7] and events[-1] == {"data": "[DONE]"}
+
+
+def test_sse_ping_at_tail_then_done_after_wait(node):
+    name = new_stream(node)
+    call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "x"}]})
+    t0 = time.monotonic()
+    events = sse(node, "/v1/streams/%s/records?seq_num=0&wait=1" % name)
+    assert time.monotonic() - t0 >= 0.9
+    kinds = [e.get("event", e.get("data")) for e in events]
+    assert kinds == ["batch", "ping", "[DONE]"]
+    ping = json.loads(events[1]["data"])
+    assert ping["tail"]["seq_num"] == 1 and ping["timestamp"] > 0
+
+
+def test_sse_preflight_errors_are_plain_json(node):
+    name = new_stream(node)
+    status, headers, body = call(node, "GET", "/v1/streams/%s/records?seq_num=5&count=1" % name,
+                                 headers={"accept": "text/event-stream"})
+    assert status == 416 and json.loads(body) == {"tail": {"seq_num": 0, "timestamp": 0}}
+
+
+class H2:
+    """A tiny blocking h2c (prior knowledge) client."""
+
+    def __init__(self, port):
+        self.s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.c.initiate_connection()
+        self.s.sendall(self.c.data_to_send())
+        self.responses = {}
+
+    def request(self, method, path, body=None, headers=(), end=True):
+        sid = self.c.get_next_available_stream_id()
+        self.c.send_headers(sid, [(":method", method), (":path", path), (":scheme", "http"), (":authority", "x")]
+                            + list(headers), end_stream=body is None and end)
+        if body is not None:
+            self.c.send_data(sid, body, end_stream=end)
+        self.s.sendall(self.c.data_to_send())
+        self.responses[sid] = {"status": None, "data": b"", "ended": False}
+        return sid
+
+    def pump(self, until):
+        while not until():
+            data = self.s.recv(65536)
+            if not data:
+                return
+            for ev in self.c.receive_data(data):
+                r = self.responses.get(getattr(ev, "stream_id", None))
+                if isinstance(ev, h2.events.ResponseReceived):
+                    r["status"] = dict(ev.headers)[":status"]
+                elif isinstance(ev, h2.events.DataReceived):
+                    r["data"] += ev.data
+                    self.c.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                elif isinstance(ev, h2.events.StreamEnded):
+                    r["ended"] = True
+            self.s.sendall(self.c.data_to_send())
+
+
+def test_h2c_unary_and_s2s_read_heartbeat(node):
+    name = new_stream(node)
+    cl = H2(node.ports["http"])
+    sid = cl.request("GET", "/health")
+    cl.pump(lambda: cl.responses[sid]["ended"])
+    assert cl.responses[sid]["status"] == "200" and json.loads(cl.responses[sid]["data"]) == {"status": "ok"}
+    # An S2S read session on an empty stream: a heartbeat (tail only) comes first.
+    sid = cl.request("GET", "/v1/streams/%s/records?seq_num=0" % name, headers=[("content-type", "s2s/proto")])
+    cl.pump(lambda: len(cl.responses[sid]["data"]) >= 4)
+    frames = codec.S2SReader().feed(cl.responses[sid]["data"])
+    assert cl.responses[sid]["status"] == "200"
+    assert frames[0] == (False, b"\x12\x00")  # ReadBatch{tail: (0, 0)}
+    # Append over unary h2 and watch it arrive on the session.
+    sid2 = cl.request("POST", "/v1/streams/%s/records" % name, json.dumps({"records": [{"body": "live"}]}).encode(),
+                      headers=[("content-type", "application/json")])
+    cl.pump(lambda: cl.responses[sid2]["ended"] and len(codec.S2SReader().feed(cl.responses[sid]["data"])) >= 2)
+    frames = codec.S2SReader().feed(cl.responses[sid]["data"])
+    records, tail = codec.decode_read_batch_proto(frames[1][1])
+    assert [(r[0], r[3]) for r in records] == [(0, b"live")]
+    cl.c.reset_stream(sid)
+    cl.s.sendall(cl.c.data_to_send())
+    cl.s.close()
+
+
+def test_h2c_append_session_terminal_frame(node):
+    name = new_stream(node)
+    cl = H2(node.ports["http"])
+    frame = codec.s2s_frame(codec.encode_append_input_proto(codec.AppendInput([(None, [], b"a")], match_seq_num=0)))
+    sid = cl.request("POST", "/v1/streams/%s/records" % name, frame + frame, headers=[("content-type", "s2s/proto")],
+                     end=False)
+    cl.pump(lambda: cl.responses[sid]["ended"])
+    frames = codec.S2SReader().feed(cl.responses[sid]["data"])
+    ack = codec.PbAppendAck()
+    ack.ParseFromString(frames[0][1])
+    assert (ack.start.seq_num, ack.end.seq_num) == (0, 1)
+    assert frames[1][0] is True
+    status = struct.unpack(">H", frames[1][1][:2])[0]
+    assert status == 412 and json.loads(frames[1][1][2:]) == {"seq_num_mismatch": 1}
+    cl.s.close()
+
+
+def test_replica_streams_refuse_appends(tmp_path, node):
+    """A stream synced from a peer is read-only here: appends and trims get 403 permission_denied."""
+    name = new_stream(node)
+    call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "x"}]})
+    status, headers, _ = call(node, "GET", "/v1/streams/%s" % name)
+    sid = int(headers["sbp-stream-id"])
+    follower = NodeProcess(tmp_path, name="follower", fsync="never", peer=[node.peer_endpoint()])
+    follower.start()
+    try:
+        deadline = time.monotonic() + 30
+        found = None
+        while time.monotonic() < deadline and found is None:
+            _, _, body = call(follower, "GET", "/v1/streams?limit=1000")
+            for s in json.loads(body)["streams"]:
+                if s["name"] in (name, str(sid)):
+                    found = s["name"]
+            time.sleep(0.2)
+        assert found is not None, "the stream did not replicate"
+        path = "/v1/streams/%s/records" % found
+        status, _, body = call(follower, "POST", path, {"records": [{"body": "y"}]})
+        assert status == 403 and json.loads(body)["code"] == "permission_denied"
+        trim = base64.b64encode(struct.pack(">Q", 1)).decode()
+        status, _, body = call(follower, "POST", path, {"records": [{"headers": [["", "dHJpbQ=="]], "body": trim}]},
+                               {"s2-format": "base64"})
+        assert status == 403
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            status, _, body = call(follower, "GET", path + "?seq_num=0")
+            if status == 200:
+                break
+            time.sleep(0.2)
+        assert [r["body"] for r in json.loads(body)["records"]] == ["x"]
+    finally:
+        follower.terminate()
