@@ -488,3 +488,44 @@ def test_scans_terminate_without_repeats_even_if_the_store_misorders(cmd, count)
     else:
         pytest.fail("the scan did not end")
     assert len(seen) == len(set(seen))
+
+
+def test_inflight_value_bytes_bound_reading():
+    kv = MemoryKv(manual=True)
+    proto, tr = connect(kv)
+    proto.max_inflight_bytes = 1000
+    proto.dataReceived(b"".join(c.encode_set(i, b"k%d" % i, b"x" * 400) for i in range(6)))
+    assert len(kv.pending) == 3 and tr.producerState == "paused"
+    while kv.pending:
+        kv.complete()
+    assert [x.client_id for x in replies(tr, [c.SET] * 6)] == list(range(6))
+    assert tr.producerState == "producing"
+
+
+class CongestedStore:
+    def __init__(self):
+        self.congested = True
+        self.waiters = []
+
+    def when_drained(self):
+        d = defer.Deferred()
+        self.waiters.append(d)
+        return d
+
+
+def test_store_congestion_pauses_reading_until_drained():
+    kv = MemoryKv(manual=True)
+    store = CongestedStore()
+    proto = KvServerFactory(kv, store=store).buildProtocol(None)
+    tr = StringTransport()
+    proto.makeConnection(tr)
+    proto.dataReceived(c.encode_set(1, b"a", b"1"))
+    assert tr.producerState == "paused" and len(store.waiters) == 1
+    proto.dataReceived(c.encode_set(2, b"b", b"2"))  # already in the socket: buffered, not parsed
+    assert len(kv.pending) == 1
+    store.congested = False
+    store.waiters.pop().callback(None)
+    assert tr.producerState == "producing" and len(kv.pending) == 2
+    kv.complete()
+    kv.complete()
+    assert [x.client_id for x in replies(tr, [c.SET, c.SET])] == [1, 2]

@@ -141,11 +141,14 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
 @implementer(IPushProducer)
 class KvServerProtocol(Protocol):
     log = Logger()
-    # Backpressure: stop reading once this many requests wait for execution or for their reply.
+    # Backpressure: stop reading once this many requests wait for execution or for their reply,
+    # or once this many bytes of written values wait to be durable.
     max_pending = 1024
+    max_inflight_bytes = 64 * 1024 * 1024
 
-    def __init__(self, kv, metrics=None):
+    def __init__(self, kv, metrics=None, store=None):
         self.kv = kv
+        self.store = store  # for its congestion signal (None: not checked)
         self.metrics = metrics if metrics is not None else {}
         self._buf = bytearray()
         self._pos = 0
@@ -153,6 +156,8 @@ class KvServerProtocol(Protocol):
         self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
         self._slots = deque()  # executed requests whose reply is not yet written: [bytes|None]
         self._unacked = 0  # writes issued to the store and not yet durable
+        self._inflight_bytes = 0  # value bytes of those writes
+        self._store_paused = False
         self._out = []  # replies ready to write at the end of this turn
         self._busy = False  # inside _process/_drain: writes are batched until it ends
         self._closing = False  # stop reading; close once every queued reply is written
@@ -209,7 +214,7 @@ class KvServerProtocol(Protocol):
         pass
 
     def _update_reading(self):
-        want_pause = self._write_paused or self._budget_paused or self._closing
+        want_pause = self._write_paused or self._budget_paused or self._store_paused or self._closing
         if want_pause != self._reading_paused and not self._lost:
             self._reading_paused = want_pause
             if want_pause:
@@ -241,6 +246,22 @@ class KvServerProtocol(Protocol):
         finally:
             self._busy = False
         self._flush()
+        self._check_store()
+
+    def _check_store(self):
+        store = self.store
+        if store is not None and not self._store_paused and self._unacked and store.congested:
+            # The store's write queue is long: stop reading until it drains.
+            self._store_paused = True
+            self._update_reading()
+            store.when_drained().addCallback(self._store_drained)
+
+    def _store_drained(self, _):
+        self._store_paused = False
+        if not self._lost:
+            self._update_reading()
+            if not self._reading_paused:
+                self._process()
 
     def _process_frames(self):
         buf = self._buf
@@ -252,8 +273,13 @@ class KvServerProtocol(Protocol):
         slots = self._slots
         out_append = self._out.append
         while not self._closing:
-            if self._write_paused or len(self._slots) + len(self._blocked) >= self.max_pending:
-                if not self._write_paused:
+            if (
+                self._write_paused
+                or self._store_paused
+                or len(self._slots) + len(self._blocked) >= self.max_pending
+                or self._inflight_bytes >= self.max_inflight_bytes
+            ):
+                if not (self._write_paused or self._store_paused):
                     self._budget_paused = True
                     self._update_reading()
                 break
@@ -401,9 +427,11 @@ class KvServerProtocol(Protocol):
         slot = [None]
         self._slots.append(slot)
         self._unacked += 1
-        d.addBoth(self._set_done, slot, cid)
+        self._inflight_bytes += len(value)
+        d.addBoth(self._set_done, slot, cid, len(value))
 
-    def _set_done(self, result, slot, cid):
+    def _set_done(self, result, slot, cid, nbytes):
+        self._inflight_bytes -= nbytes
         if isinstance(result, Failure):
             slot[0] = self._store_error(cid, result.value)
         else:
@@ -448,7 +476,11 @@ class KvServerProtocol(Protocol):
             self._fire_idle()
         if not was_busy:
             self._flush()
-            if self._budget_paused and len(self._slots) + len(self._blocked) < self.max_pending // 2:
+            if (
+                self._budget_paused
+                and len(self._slots) + len(self._blocked) < self.max_pending // 2
+                and self._inflight_bytes < self.max_inflight_bytes // 2
+            ):
                 self._budget_paused = False
                 self._update_reading()
                 if not self._reading_paused:
@@ -549,13 +581,14 @@ class KvServerFactory(Factory):
     protocol = KvServerProtocol
     log = Logger()
 
-    def __init__(self, kv, metrics=None):
+    def __init__(self, kv, metrics=None, store=None):
         self.kv = kv
+        self.store = store
         self.metrics = metrics if metrics is not None else {}
         self.connections = set()
 
     def buildProtocol(self, addr):
-        p = KvServerProtocol(self.kv, self.metrics)
+        p = KvServerProtocol(self.kv, self.metrics, self.store)
         p.factory = self
         self.connections.add(p)
         return p
@@ -570,6 +603,6 @@ class KvServerFactory(Factory):
 
 def build_factory(node):
     metrics = node.metrics.setdefault("kv", {})
-    factory = KvServerFactory(node.store.kv, metrics)
+    factory = KvServerFactory(node.store.kv, metrics, node.store)
     node.on_shutdown(factory.when_idle)
     return factory
