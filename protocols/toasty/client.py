@@ -140,7 +140,10 @@ def plan_uploads(state, offset, data, truncate):
         k = index - state.first
         old = state.hashes[k] if 0 <= k < len(state.hashes) else codec.ZERO_HASH
         whole = in_off == 0 and hi - lo == cs
-        if whole or old == codec.ZERO_HASH:
+        # The new chunk's bytes are fully known (so we can check the returned address) when it is
+        # written whole, replaces a hole, or starts at 0 and is the truncated end of the file.
+        known = whole or old == codec.ZERO_HASH or (in_off == 0 and truncate and hi == end)
+        if known:
             if not state.write_locations:
                 raise ToastyError("the metadata server offered no chunk server to write to")
             chunk = b"".join((bytes(in_off), piece, bytes(cs - in_off - len(piece))))

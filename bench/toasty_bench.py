@@ -1,0 +1,144 @@
+"""Toasty benchmark: a big file through the protocols vs `cp` on the same disk, and small files.
+
+    python bench/toasty_bench.py [--size MiB] [--files N] [--fsync never|always|interval:MS] [--dir DIR]
+
+1. Makes a file of --size MiB (random bytes, so nothing deduplicates) in DIR.
+2. `cp` of it to DIR (timed; `cp` does not fsync, see --fsync), the reference.
+3. put: the blocking client writes it to a node on loopback (64 KiB chunks: READ, CREATE_CHUNK x N
+   pipelined, WRITE per 1024 chunks), reading the source file as it goes.
+4. get: the blocking client reads it back into a file in DIR, checking every chunk's SHA-256.
+5. small files: --files creates+writes of 4 KiB files (each a CREATE_CHUNK and a WRITE with
+   CREATE_IF_MISSING and expect_gen 2^64-1, pipelined), plus the latency of one such file
+   written alone (READ, CREATE_CHUNK, WRITE round trips).
+The node is a real `twistd sbpnode` process with its data dir in DIR.
+"""
+
+import argparse
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from protocols.toasty import codec  # noqa: E402
+from protocols.toasty.client import BlockingConnection, BlockingToastyClient  # noqa: E402
+from tests.nodeproc import NodeProcess  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def make_source(path, size):
+    rnd = random.Random(42)
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 8 * MiB)
+            f.write(rnd.randbytes(n))
+            left -= n
+    with open(path, "rb") as f:  # in the page cache for both contenders
+        while f.read(8 * MiB):
+            pass
+
+
+def timed(fn):
+    t = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t, result
+
+
+def pct(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p / 100))]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=512, help="big file size in MiB (default 512)")
+    ap.add_argument("--files", type=int, default=10_000, help="number of 4 KiB files (default 10000)")
+    ap.add_argument("--fsync", default="never", help="node fsync policy (default never: cp does not fsync either)")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under the repo)")
+    args = ap.parse_args(argv)
+
+    base = args.dir or tempfile.mkdtemp(prefix="toasty-bench-", dir=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.makedirs(base, exist_ok=True)
+    size = args.size * MiB
+    src, cp_dst, got = (os.path.join(base, n) for n in ("src.bin", "cp.bin", "get.bin"))
+    node = NodeProcess(base, name="bench", fsync=args.fsync, sbp="none", kv="none", swarm="none", http="none")
+    try:
+        make_source(src, size)
+        t_cp, _ = timed(lambda: subprocess.run(["cp", src, cp_dst], check=True))
+        os.remove(cp_dst)
+        node.start()
+        with BlockingToastyClient(*node.address("meta"), timeout=120, parallel=32) as c:
+            with open(src, "rb") as f:
+                t_put, _ = timed(lambda: c.write_stream("/big", f, size, truncate=True, chunk_size=64 * 1024))
+
+            def get():
+                with open(got, "wb") as out:
+                    return c.read_into("/big", out.write)
+
+            t_get, n = timed(get)
+            assert n == size
+        same = _sha(src) == _sha(got)
+        os.remove(got)
+        mb = size / 1e6
+        cp_rate, put_rate, get_rate = mb / t_cp, mb / t_put, mb / t_get
+        print("big file: %d MiB, chunk size 64 KiB, node --fsync %s" % (args.size, args.fsync))
+        print("  cp   %8.1f MB/s  (%.2f s)" % (cp_rate, t_cp))
+        print("  put  %8.1f MB/s  (%.2f s)  ratio to cp %.2f (target >= 0.5)" % (put_rate, t_put, put_rate / cp_rate))
+        print("  get  %8.1f MB/s  (%.2f s)  ratio to cp %.2f (target >= 1.0)  content %s" % (get_rate, t_get, get_rate / cp_rate, "identical" if same else "DIFFERENT"))
+
+        rate, lat = small_files(node, args.files)
+        print("small files: %d x 4 KiB creates+writes: %.0f files/s (target 10000)" % (args.files, rate))
+        print("  one file alone (READ + CREATE_CHUNK + WRITE): p50 %.2f ms  p99 %.2f ms" % (pct(lat, 50) * 1e3, pct(lat, 99) * 1e3))
+    finally:
+        node.kill9()
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            for name in ("src.bin", "cp.bin", "get.bin"):
+                if os.path.exists(os.path.join(base, name)):
+                    os.remove(os.path.join(base, name))
+
+
+def _sha(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 * MiB), b""):
+            h.update(block)
+    return h.digest()
+
+
+def small_files(node, count):
+    meta = BlockingConnection(*node.address("meta"))
+    chunks = BlockingConnection(*node.address("chunks"))
+    meta.call(codec.Create(b"/small", True))
+    loc = [node.address("chunks")]
+    payloads = [os.urandom(4096) for _ in range(count)]
+    t0 = time.perf_counter()
+    hashes = [r.hash for r in chunks.pipeline((codec.CreateChunk(4096, 0, p) for p in payloads), window=128)]
+    writes = (
+        codec.Write(codec.MISSING_GENERATION, codec.CREATE_IF_MISSING, b"/small/f%06d" % i, 0, 4096, [codec.WriteChunk(h, loc)])
+        for i, h in enumerate(hashes)
+    )
+    ok = sum(1 for r in meta.pipeline(writes, window=256) if r.TYPE == codec.WRITE_SUCCESS)
+    elapsed = time.perf_counter() - t0
+    assert ok == count, "%d of %d writes failed" % (count - ok, count)
+    meta.close()
+    chunks.close()
+    lat = []
+    with BlockingToastyClient(*node.address("meta")) as c:
+        for i in range(300):
+            t = time.perf_counter()
+            c.write(b"/small/alone%d" % i, payloads[i])
+            lat.append(time.perf_counter() - t)
+    return count / elapsed, lat
+
+
+if __name__ == "__main__":
+    main()
