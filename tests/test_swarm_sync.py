@@ -194,3 +194,36 @@ def test_bad_peer_dropped_and_nothing_stored(tmp_path, node_factory, kind):
         assert any(v.get("last_error") for v in snap.values()) or "dropping peer" in b.log_text()
     finally:
         evil.close()
+
+
+def test_live_sbp_stream_replicated_and_readable_on_follower(tmp_path, node_factory):
+    from protocols.sbp.client import BlockingSbpClient, SbpError
+    from storage import record_batch
+
+    off = dict(OFF)
+    del off["sbp"]
+    a = node_factory(name="a", node_id=51, **off)
+    b = node_factory(name="b", node_id=52, peer=a.peer_endpoint(), **off)
+    with BlockingSbpClient(*a.address("sbp")) as ca, BlockingSbpClient(*b.address("sbp")) as cb:
+        sid = ca.create_stream()["stream_id"]
+        assert sid >> 32 == 51
+        for i in range(5):
+            ca.append(sid, record_batch.encode([(1000 + i, [(b"k", b"v")], b"record %d" % i)] * 2))
+
+        def fetch_all(c):
+            try:
+                return c.fetch(sid, 0, 1 << 20)
+            except SbpError:
+                return None
+
+        want = fetch_all(ca)
+        assert want and len(list(record_batch.split(want))) == 5
+        wait_until(lambda: fetch_all(cb) == want, timeout=30, what="B to serve A's stream by FETCH")
+        # live: a later append on the owner reaches the follower through the parked GetRange
+        ca.append(sid, record_batch.encode([(2000, [], b"late")]))
+        want = fetch_all(ca)
+        wait_until(lambda: fetch_all(cb) == want, timeout=30, what="the live append on B")
+        # the copy is read-only; it names the owner's swarm listener it came from (CONTRACT §2)
+        with pytest.raises(SbpError) as e:
+            cb.append(sid, record_batch.encode([(3000, [], b"nope")]))
+        assert a.endpoint("swarm") in str(e.value)

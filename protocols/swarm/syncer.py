@@ -115,17 +115,18 @@ class LocalSink:
         d = self.pending_chunks.get(addr)
         if d is not None:
             return _chain(d)
-        self.pending_bytes += len(data)
+        n = len(data)
+        self.pending_bytes += n
         d = self.store.chunks.put(data, pin=True)
 
         def done(result):
             self.pending_chunks.pop(addr, None)
-            self._release(len(data))
+            self._release(n)
             return result
 
         d.addBoth(done)
         self.pending_chunks[addr] = d
-        return _chain(d)
+        return d  # only this syncer's batch waits on it; a duplicate gets a _chain
 
     # logs
     def replicable(self, sid) -> bool:
