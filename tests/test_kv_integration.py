@@ -176,3 +176,21 @@ def test_long_keys_scan_in_order(node_factory):
         fill(kv, keys)
         pages = list(kv.iter_scan(c.GET_FF, page=7))  # ends (the server keeps pages monotonic)
         assert [k for p in pages for k, _ in p.items] == keys
+
+
+def test_sigterm_with_open_connections_then_restart(node_factory):
+    node = node_factory(fsync="interval:50", **OFF)
+    kv = BlockingKvClient(*node.address("kv"))
+    keys = spread_keys(200, seed=3)
+    fill(kv, keys)
+    kv.create_cursor(b"open")
+    # unacknowledged writes in flight when SIGTERM arrives are finished before the store closes
+    kv.sock.sendall(b"".join(c.encode_set(10_000 + i, b"late%03d" % i, b"x") for i in range(300)))
+    assert node.terminate() == 0
+    kv.close()
+    node.start()
+    with BlockingKvClient(*node.address("kv")) as kv2:
+        got = {k for p in kv2.iter_scan(c.GET_KEYS) for k in p.keys}
+        assert set(keys) <= got
+        with pytest.raises(KvError):
+            kv2.scan(c.GET_FF, b"open", 1)  # cursors do not outlive their connection
