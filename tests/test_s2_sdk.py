@@ -338,3 +338,68 @@ def test_bearer_token(tmp_path):
         run(main())
     finally:
         node.terminate()
+
+
+@pytest.mark.parametrize("compression", ["GZIP", "ZSTD"])
+def test_compression(endpoint, compression):
+    from s2_sdk import Compression
+
+    async def main():
+        async with client(endpoint, compression=getattr(Compression, compression)) as s2:
+            st = await new_stream(s2)
+            big = b"0123456789" * 500  # above the SDK's 1 KiB compression threshold
+            await st.append(AppendInput(records=[Record(body=big)] * 3))
+            async with st.append_session() as session:
+                await (await session.submit(AppendInput(records=[Record(body=big)] * 3)))
+            batch = await st.read(start=SeqNum(0), limit=ReadLimit(count=10))
+            assert [r.body for r in batch.records] == [big] * 6
+
+    run(main())
+
+
+def test_tls_alpn_h2(tmp_path, monkeypatch):
+    """With --http-tls-cert/--http-tls-key the listener speaks TLS; the SDK negotiates h2 by ALPN."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    import ipaddress
+
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    node = NodeProcess(tmp_path, fsync="never", http_tls_cert=str(cert_path), http_tls_key=str(key_path))
+    node.start()
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert_path))  # the SDK has no switch to skip verification
+    try:
+        ep = "https://127.0.0.1:%d" % node.ports["http"]
+
+        async def main():
+            async with client(ep) as s2:
+                st = await new_stream(s2)
+                await st.append(AppendInput(records=[Record(body=b"tls")]))
+                batch = await st.read(start=SeqNum(0))
+                assert batch.records[0].body == b"tls"
+
+        run(main())
+        import ssl
+        import urllib.request
+
+        ctx = ssl.create_default_context(cafile=str(cert_path))
+        with urllib.request.urlopen(ep + "/health", context=ctx) as resp:  # HTTP/1.1 over TLS
+            assert resp.status == 200
+    finally:
+        node.terminate()

@@ -117,7 +117,13 @@ class S2Api:
         responder.body_too_large = lambda: self.send_error(
             responder, S2Error(413, "invalid", "request body exceeds %d bytes" % req.max_body)
         )
-        responder.on_body = lambda body: self._run(responder, handler(req, responder, body))
+        responder.on_body = lambda body: self._run(responder, self._call(handler, req, responder, body))
+
+    async def _call(self, handler, req, responder, body):
+        encoding = req.header("content-encoding")
+        if encoding and body:
+            body = codec.decompress(encoding, body, req.max_body)
+        await handler(req, responder, body)
 
     def _run(self, responder, coro):
         d = defer.ensureDeferred(coro)

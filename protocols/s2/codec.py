@@ -13,7 +13,6 @@ Records travel between this module and the request handlers as tuples: appends a
 
 import base64
 import binascii
-import gzip
 import json
 import re
 import struct
@@ -387,23 +386,50 @@ def s2s_terminal(error: S2Error) -> bytes:
     return s2s_frame(struct.pack(">H", error.status) + error.json_bytes(), terminal=True)
 
 
+def _gunzip(data: bytes, limit: int) -> bytes:
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = d.decompress(data, limit + 1)
+    if len(out) > limit:
+        raise ValueError("decompresses to more than %d bytes" % limit)
+    if not d.eof:
+        raise ValueError("truncated gzip data")
+    return out
+
+
+def _unzstd(data: bytes, limit: int) -> bytes:
+    import zstandard
+
+    with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+        out = reader.read(limit + 1)
+    if len(out) > limit:
+        raise ValueError("decompresses to more than %d bytes" % limit)
+    return out
+
+
+def decompress(encoding: str, data: bytes, limit: int, code: str = "bad_header") -> bytes:
+    """Undo ``content-encoding`` (gzip, zstd, identity) with a cap on the output size."""
+    encoding = (encoding or "identity").strip().lower()
+    try:
+        if encoding in ("identity", ""):
+            return data
+        if encoding in ("gzip", "x-gzip"):
+            return _gunzip(data, limit)
+        if encoding == "zstd":
+            return _unzstd(data, limit)
+    except ImportError:
+        pass
+    except Exception as e:
+        raise bad(code, "%s data does not decompress: %s" % (encoding, e))
+    raise bad("bad_header", "unsupported content-encoding %r" % encoding)
+
+
 def _decompress(codec: int, payload: bytes) -> bytes:
     if codec == 0:
         return payload
-    if codec == 2:
-        try:
-            return gzip.decompress(payload)
-        except (OSError, EOFError, zlib.error) as e:
-            raise bad("bad_frame", "gzip frame does not decompress: %s" % e)
     if codec == 1:
-        try:
-            import zstandard
-        except ImportError:
-            raise bad("bad_frame", "zstd frames are not supported")
-        try:
-            return zstandard.ZstdDecompressor().decompress(payload, max_output_size=S2S_MAX_FRAME)
-        except zstandard.ZstdError as e:
-            raise bad("bad_frame", "zstd frame does not decompress: %s" % e)
+        return decompress("zstd", payload, S2S_MAX_FRAME, "bad_frame")
+    if codec == 2:
+        return decompress("gzip", payload, S2S_MAX_FRAME, "bad_frame")
     raise bad("bad_frame", "unknown S2S compression code %d" % codec)
 
 
