@@ -582,7 +582,8 @@ class S2Api:
         uncapped = bool(ts_cfg.get("uncapped"))
         now = now_ms()
         last = st.last_ts
-        stamped = []
+        rows = []  # CONTRACT §3 records block rows: [offset_delta, timestamp_delta, headers, body]
+        first = None
         commands = None
         for i, (ts, headers, body) in enumerate(inp.records):
             if ts is None or mode == "arrival":
@@ -594,16 +595,19 @@ class S2Api:
             if t < last:
                 t = last  # S2: timestamps never decrease on a stream
             last = t
-            stamped.append((t, headers, body))
+            if first is None:
+                first = t
+            rows.append((i, t - first, headers, body))
             if headers and len(headers) == 1 and headers[0][0] == b"":
                 if commands is None:
                     commands = []
                 commands.append((i, headers[0][1], body))
-        batch = record_batch.encode(stamped)
+        # One S2 AppendInput = one record batch (headers as (name, value) pairs pack as arrays).
+        n = len(rows)
+        batch = record_batch.encode_block(msgpack.packb(rows, use_bin_type=True), n, first)
         if len(batch) > self.max_batch_bytes:
             raise codec.invalid("batch of %d bytes exceeds --max-batch-bytes" % len(batch))
         d = self.store.log.append(sid, batch, expect_offset=inp.match_seq_num)
-        n = len(stamped)
         st.last_ts = last
         st.assigned = start + n
         if commands:
@@ -619,7 +623,7 @@ class S2Api:
         if commands:
             self._apply_trims(sid, base, commands)
         tail_seq = max(self.store.log.stream(sid).next_offset, base + n)
-        return (base, stamped[0][0]), (base + n, stamped[-1][0]), (tail_seq, st.last_ts)
+        return (base, first), (base + n, last), (tail_seq, st.last_ts)
 
     def _apply_fences(self, st, commands):
         # Fencing is strongly consistent: appends after this one (even in the same session) are

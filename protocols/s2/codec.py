@@ -147,7 +147,8 @@ def decode_append_input_proto(data: bytes) -> AppendInput:
     except Exception as e:
         raise bad("bad_proto", "invalid AppendInput protobuf: %s" % e)
     records = [
-        (r.timestamp if r.HasField("timestamp") else None, [(h.name, h.value) for h in r.headers], r.body)
+        (r.timestamp if r.HasField("timestamp") else None,
+         [(h.name, h.value) for h in r.headers] if len(r.headers) else [], r.body)
         for r in msg.records
     ]
     return AppendInput(
