@@ -166,6 +166,7 @@ class KvServerProtocol(Protocol):
         self._write_paused = False
         self._reading_paused = False
         self._idle_waiters = []
+        self._peer_errors = 0
         self.peer = "?"
 
     # -- connection --------------------------------------------------------------------------
@@ -188,8 +189,16 @@ class KvServerProtocol(Protocol):
         self._buf = bytearray()
         self._pos = 0
         self.metrics["connections"] = self.metrics.get("connections", 1) - 1
+        if self._peer_errors > 1:
+            self.log.warn("kv peer {peer} sent {n} bad requests in all", peer=self.peer, n=self._peer_errors)
         if self._unacked == 0:
             self._fire_idle()
+
+    def _peer_error(self, fmt, **fields):
+        """Log a peer's protocol error at warn: the first per connection, then only a count."""
+        self._peer_errors += 1
+        if self._peer_errors == 1:
+            self.log.warn(fmt, peer=self.peer, **fields)
 
     def _fire_idle(self):
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -292,14 +301,14 @@ class KvServerProtocol(Protocol):
                 if avail < 16:
                     break
                 (cid,) = u64(buf, pos + 8)
-                self.log.warn("kv peer {peer} sent total_len {total} over 32 MiB; closing", peer=self.peer, total=total)
+                self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=total)
                 self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
                 self._close_when_flushed()
                 pos = n
                 break
             if total < MIN_TOTAL_LEN:
                 # CONTRACT §4: total_len < 8 closes the connection.
-                self.log.warn("kv peer {peer} sent total_len {total} < 8; closing", peer=self.peer, total=total)
+                self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=total)
                 self._close_when_flushed()
                 pos = n
                 break
@@ -335,14 +344,14 @@ class KvServerProtocol(Protocol):
                         continue
             if total < HEADER_LEN:
                 cid = u64(buf, pos + 8)[0] if total >= 16 else 0
-                self.log.warn("kv peer {peer} sent a {total}-byte message (header is 26)", peer=self.peer, total=total)
+                self._peer_error("kv peer {peer} sent a {total}-byte message (header is 26)", total=total)
                 self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
             else:
                 try:
                     req = codec.decode_request(buf, pos)
                 except codec.DecodeError as e:
                     cid = u64(buf, pos + 8)[0]
-                    self.log.warn("kv peer {peer}: {reason}; ERR {code}", peer=self.peer, reason=e.reason, code=e.code)
+                    self._peer_error("kv peer {peer}: {reason}; ERR {code}", reason=e.reason, code=e.code)
                     self._submit(codec.encode_error(cid, e.code))
                 else:
                     self._submit(req)
@@ -392,7 +401,7 @@ class KvServerProtocol(Protocol):
             else:
                 self._push(codec.encode_status(req.client_id, OK))
         else:
-            self.log.warn("kv peer {peer} sent unknown cmd {cmd}", peer=self.peer, cmd=cmd)
+            self._peer_error("kv peer {peer} sent unknown cmd {cmd}", cmd=cmd)
             self._push(codec.encode_status(req.client_id, INVALID_COMMAND))
 
     def _write(self, req):
@@ -523,7 +532,7 @@ class KvServerProtocol(Protocol):
 
     def _create_cursor(self, req):
         if req.name not in self._cursors and len(self._cursors) >= MAX_CURSORS:
-            self.log.warn("kv peer {peer} has {n} cursors; refusing another", peer=self.peer, n=len(self._cursors))
+            self._peer_error("kv peer {peer} has {n} cursors; refusing another", n=len(self._cursors))
             return codec.encode_error(req.client_id, E_UNKNOWN)
         # CONTRACT §4: empty start key = BEGIN; creating an existing name resets it.
         self._cursors[req.name] = req.start_key or BEGIN
