@@ -1,0 +1,104 @@
+"""Crash-test child: appends with fsync always and reports every ack on stdout, until killed.
+
+usage: python -m tests.storage_helpers.crash_child STORE_DIR SEED, or through ``serve()``: a fork
+server that imports everything once and forks one child per line ``STORE_DIR SEED FIFO`` read on
+stdin (answering the child's pid), so 50+ kills fit in a few seconds of start-up.
+
+Batch number i of a run has deterministic content (``expected_batch(seed, i)``); appends are kept
+``INFLIGHT`` deep so group commit coalesces them. Each acked append prints ``B sid base i``; each
+acked kv put prints ``K key``; each acked chunk put prints ``C addrhex``. The parent SIGKILLs the
+child at a random moment and checks the store after reopening.
+"""
+
+import random
+import sys
+
+import os
+import signal
+
+from storage import Store
+from storage import record_batch as rb
+
+INFLIGHT = 6
+
+
+def expected_batch(seed: int, i: int) -> bytes:
+    rnd = random.Random(seed * 1000003 + i)
+    n = 1 + rnd.randrange(4)
+    size = rnd.choice([10, 300, 5000, 40000])
+    return rb.encode([(1000 + j, [(b"i", b"%d" % i)], bytes([rnd.randrange(256)]) * size) for j in range(n)])
+
+
+def kv_value(seed: int, key: bytes) -> bytes:
+    return b"%d:%s" % (seed, key) * 3
+
+
+def main(path, seed, out=None):
+    from twisted.internet import reactor
+
+    seed = int(seed)
+    out = out or sys.stdout
+    store = Store.open(path, fsync="always", reactor=reactor, node_id=1, segment_bytes=256 << 10,
+                       pack_bytes=64 << 10, retention_check_s=0)
+    streams = [m.stream_id for m in store.log.streams() if m.attrs.get("crash")]
+    state = {"i": 0}
+
+    def report(line):
+        out.write(line + "\n")
+        out.flush()
+
+    def start():
+        if len(streams) < 2:
+            d = store.log.create_stream(attrs={"crash": True})
+            d.addCallback(lambda m: (streams.append(m.stream_id), start()))
+            return
+        report("READY")
+        for _ in range(INFLIGHT):
+            pump()
+
+    def pump():
+        i = state["i"]
+        state["i"] += 1
+        sid = streams[i % 2]
+        kind = i % 10
+        if kind == 7:
+            key = b"k%d-%d" % (seed, i)
+            store.kv.put(key, kv_value(seed, key)).addCallback(lambda _: (report("K %s" % key.decode()), pump()))
+        elif kind == 8:
+            data = b"chunk %d %d " % (seed, i) * 50
+            store.chunks.put(data).addCallback(lambda a: (report("C %s" % a.hex()), pump()))
+        else:
+            b = expected_batch(seed, i)
+            store.log.append(sid, b).addCallback(lambda base: (report("B %d %d %d" % (sid, base, i)), pump()))
+
+    reactor.callWhenRunning(start)
+    reactor.run()
+
+
+def serve():
+    import storage.chunks  # noqa: F401  (import everything before forking)
+    import storage.kv  # noqa: F401
+    import storage.log  # noqa: F401
+    import storage.meta  # noqa: F401
+    import twisted.internet.task  # noqa: F401
+    import twisted.internet.threads  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    for line in sys.stdin:
+        path, seed, fifo = line.split()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                out = open(fifo, "w", buffering=1)
+                main(path, seed, out)
+            finally:
+                os._exit(0)
+        sys.stdout.write("%d\n" % pid)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        serve()
+    else:
+        main(*sys.argv[1:])
