@@ -92,6 +92,7 @@ def _preload_into(result, data_dir, node_id, **kw):
                         [(now + b, [(b"seed", seed)], os.urandom(kw.get("body", 100))) for _ in range(kw.get("records", 1))]
                     )
                     yield store.log.append(sid, batch)
+                    result["log_bytes"] = result.get("log_bytes", 0) + len(batch)
                 result["streams"][str(sid)] = store.log.stream(sid).next_offset
             result["chunk_seq"] = store.chunks.last_seq()
         finally:
@@ -131,7 +132,7 @@ def wait_synced(port, want_chunks, want_logs, timeout=300.0):
             time.sleep(0.005)
 
 
-def run_case(base, label, chunks=0, streams=0, batches=0, records=1, body=100):
+def run_case(base, label, chunks=0, streams=0, batches=0, records=1, body=100, fsync="never"):
     from protocols.swarm import codec
     from protocols.swarm.client import BlockingSwarmClient
     from tests.nodeproc import NodeProcess
@@ -144,28 +145,25 @@ def run_case(base, label, chunks=0, streams=0, batches=0, records=1, body=100):
     )
     print("  preloaded node A in %.1fs: %s" % (time.monotonic() - t, json.dumps({k: v for k, v in summary.items() if k != "streams"})))
     off = dict(sbp="none", kv="none", meta="none", chunks="none", http="none")
-    a = NodeProcess(a_dir, name="a", node_id=101, fsync="never", **off).start()
+    a = NodeProcess(a_dir, name="a", node_id=101, fsync=fsync, **off).start()
     b = None
     try:
         with BlockingSwarmClient("127.0.0.1", a.ports["swarm"]) as c:
             info = c.stream_info()
         want_chunks = info.get(codec.CHUNKS_ID, 0)
         want_logs = {k.key: v for k, v in info.items() if k.name == codec.LOG}
-        total_bytes = chunks * 4096 + sum(streams and [batches * (29 + records * (body + 20))] or [0])
-        b = NodeProcess(a_dir, name="b", node_id=102, fsync="never", peer=a.peer_endpoint(), **off)
+        total_bytes = chunks * 4096 + summary.get("log_bytes", 0)
+        b = NodeProcess(a_dir, name="b", node_id=102, fsync=fsync, peer=a.peer_endpoint(), **off)
         t0 = time.monotonic()
         b.start()
         t_ready = time.monotonic()
         t_done = wait_synced(b.ports["swarm"], want_chunks, want_logs)
         e2e = t_done - t0
         sync = t_done - t_ready
-        with open(os.path.join(b.data_dir, "swarm-peers.json")) as f:
-            peers = json.load(f)["peers"]
-        got_bytes = sum(p.get("bytes", 0) for p in peers.values())
         return {
             "label": label,
             "items": want_chunks + sum(batches for _ in range(streams)),
-            "bytes": got_bytes or total_bytes,
+            "bytes": total_bytes,
             "end_to_end_s": e2e,
             "sync_s": sync,
             "b_start_s": t_ready - t0,
@@ -184,14 +182,15 @@ def main(argv=None):
     p.add_argument("--chunks", type=int, default=10000)
     p.add_argument("--log-mib", type=int, default=100)
     p.add_argument("--batch-kib", type=int, default=256, help="record batch size for the log case")
+    p.add_argument("--fsync", default="never", help="both nodes' --fsync policy (default never)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     a = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="swarm-bench-")
     try:
         results = []
         if a.chunks:
-            print("case 1: %d chunks of 4 KiB, node A -> empty node B (loopback, fsync never)" % a.chunks)
-            r = run_case(base, "chunks", chunks=a.chunks)
+            print("case 1: %d chunks of 4 KiB, node A -> empty node B (loopback, fsync %s)" % (a.chunks, a.fsync))
+            r = run_case(base, "chunks", chunks=a.chunks, fsync=a.fsync)
             results.append(r)
             print("  end to end (B process start -> synced): %.3f s  = %.0f chunks/s, %.1f MB/s" % (r["end_to_end_s"], a.chunks / r["end_to_end_s"], r["bytes"] / r["end_to_end_s"] / 1e6))
             print("  sync only  (B ready -> synced):         %.3f s  = %.0f chunks/s, %.1f MB/s" % (r["sync_s"], a.chunks / r["sync_s"], r["bytes"] / r["sync_s"] / 1e6))
@@ -202,7 +201,7 @@ def main(argv=None):
             batch_bytes = records * (body + 40)
             batches = max(1, a.log_mib * 1024 * 1024 // batch_bytes)
             print("case 2: %d MiB of stream log (%d batches of %d records x %d B) in one stream" % (a.log_mib, batches, records, body))
-            r = run_case(base, "log", streams=1, batches=batches, records=records, body=body)
+            r = run_case(base, "log", streams=1, batches=batches, records=records, body=body, fsync=a.fsync)
             results.append(r)
             print("  end to end: %.3f s = %.1f MB/s (%.0f batches/s)" % (r["end_to_end_s"], r["bytes"] / r["end_to_end_s"] / 1e6, batches / r["end_to_end_s"]))
             print("  sync only:  %.3f s = %.1f MB/s (%.0f batches/s)" % (r["sync_s"], r["bytes"] / r["sync_s"] / 1e6, batches / r["sync_s"]))

@@ -37,7 +37,7 @@ from protocols.swarm.codec import (
 OFFER_TIMEOUT = 60.0  # seconds an offer waits for its WantedHashes before it is dropped
 FRAME_BYTES = 4 * 1024 * 1024  # aim for ChunkDelivery frames about this big (a single item may exceed it)
 FRAME_ITEMS = 256
-FETCH_GROUP = 64  # store reads issued at once while delivering
+FETCH_GROUP = 128  # store reads issued at once while delivering
 FETCH_BYTES = 16 * 1024 * 1024
 HASH_CACHE = 65536  # (stream, base offset) -> (length, sha256) of stored LOG batches
 LOG_HASH_WINDOW = 8 * 1024 * 1024  # bytes read at once while hashing LOG batches for an offer
@@ -480,12 +480,15 @@ class SwarmServerProtocol(Protocol):
         frame = []
         frame_bytes = 0
         frame_last = 0
-        for group in _groups(items):
-            yield self._writable()
+        groups = list(_groups(items))
+        # one group read ahead: the store reads the next group while this one is framed and sent
+        pending = batch.source.fetch(groups[0])
+        for n in range(len(groups)):
+            fetched = yield pending
+            pending = batch.source.fetch(groups[n + 1]) if n + 1 < len(groups) else None
             if batch.closed or self.dead:
-                return
-            fetched = yield batch.source.fetch(group)
-            if batch.closed or self.dead:
+                if pending is not None:
+                    pending.addErrback(lambda f: None)
                 return
             for item, digest, data in fetched:
                 if digest is None:
@@ -505,8 +508,15 @@ class SwarmServerProtocol(Protocol):
                 frame_last = item.index
                 stats["items"] += 1
                 stats["bytes"] += len(data)
-        if frame:
-            self.send(ChunkDelivery(batch.req.ruid, frame_last, frame))
+            if frame:
+                # a frame per read group, so the peer verifies and stores while we read on
+                self.send(ChunkDelivery(batch.req.ruid, frame_last, frame))
+                frame, frame_bytes = [], 0
+            yield self._writable()
+            if batch.closed or self.dead:
+                if pending is not None:
+                    pending.addErrback(lambda f: None)
+                return
         self._finish(batch)
 
     # -- shutdown -------------------------------------------------------------------------------
