@@ -1,0 +1,82 @@
+"""Retention, trim and reclamation on real files: expired batches are trimmed in the background,
+WAL segments holding no live batch are deleted, chunk packs with no live chunk are deleted."""
+
+import glob
+import os
+
+import pytest_twisted
+from twisted.internet import reactor, task
+
+from storage import Store
+from tests.storage_helpers.util import base_of, batch
+
+
+def wal_files(path):
+    return sorted(glob.glob(os.path.join(str(path), "wal", "*.wal")))
+
+
+async def sleep(s):
+    await task.deferLater(reactor, s, lambda: None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_retention_trims_and_deletes_segments(tmp_path):
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1, segment_bytes=16 << 10,
+                    retention_check_s=0.05)
+    old = (await st.log.create_stream(retention_period_ms=150)).stream_id
+    keep = (await st.log.create_stream()).stream_id
+    for i in range(40):
+        await st.log.append(old, batch(1, 2000, i))
+    assert len(wal_files(tmp_path)) > 4
+    await sleep(0.4)
+    m = st.log.stream(old)
+    assert m.trim_offset == m.next_offset == 40
+    assert len(wal_files(tmp_path)) == 1  # only the active segment is left
+    # a stream with infinite retention pins the segments holding its live batches
+    await st.log.append(keep, batch(1, 100))
+    for i in range(20):
+        await st.log.append(old, batch(1, 2000, i))
+    await sleep(0.4)
+    assert st.log.stream(old).trim_offset == 60
+    assert len(wal_files(tmp_path)) > 1
+    assert base_of((await st.log.read(keep, 0, 1))[0]) == 0
+    await st.log.trim(keep, 1)
+    await sleep(0.2)
+    assert len(wal_files(tmp_path)) == 1
+    await st.close()
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1, segment_bytes=16 << 10)
+    assert st.log.stream(old).next_offset == 60 and st.log.stream(keep).next_offset == 1
+    assert await st.log.append(old, batch(1, 10)) == 60
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_deleted_stream_frees_segments(tmp_path):
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1, segment_bytes=16 << 10,
+                    retention_check_s=0.05)
+    sid = (await st.log.create_stream()).stream_id
+    for i in range(30):
+        await st.log.append(sid, batch(1, 2000, i))
+    assert len(wal_files(tmp_path)) > 3
+    await st.log.delete_stream(sid)
+    await sleep(0.3)
+    assert len(wal_files(tmp_path)) == 1
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_chunk_packs_are_few_and_reclaimed(tmp_path):
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1, pack_bytes=64 << 10,
+                    retention_check_s=0, chunk_grace_s=0)
+    addrs = [await st.chunks.put(os.urandom(4096)) for _ in range(200)]
+    packs = glob.glob(os.path.join(str(tmp_path), "chunks", "pack-*"))
+    assert 10 <= len(packs) <= 15  # 200 chunks of 4 KiB in 64 KiB packs, not 200 files
+    keep = addrs[-3:]
+    await st.meta.transact(lambda t: t.chunk_incref(keep))
+    assert await st.chunks.sweep_now() == 197
+    assert st.chunks.has_many(addrs) == [False] * 197 + [True] * 3
+    assert len(glob.glob(os.path.join(str(tmp_path), "chunks", "pack-*"))) <= 2
+    assert [a for _, a in st.chunks.by_seq(0, 1 << 40, 1000)] == keep
+    for a in keep:
+        assert len(await st.chunks.get(a)) == 4096
+    await st.close()
