@@ -370,3 +370,21 @@ def test_system_error_and_goaway():
     assert f.flags == 0x07 and f.stream_id == 9 and f.opcode == c.APPEND and f.payload == b""
     assert c.decode_header(f).status.code == 2
     assert c.goaway_frame() == unhex("00000010 17 0002 00 00000000 01 000000 00000000")
+
+
+@settings(max_examples=300, deadline=None)
+@given(th=st.integers(-(1 << 31), (1 << 31) - 1), sid=st.integers(-(1 << 63), (1 << 63) - 1),
+       idx=st.integers(-(1 << 31), (1 << 31) - 1), base=st.integers(-(1 << 63), (1 << 63) - 1),
+       ts=st.integers(-(1 << 63), (1 << 63) - 1))
+def test_hot_encoders_match_generic(th, sid, idx, base, ts):
+    ok = c.T.Status(0, None, b"")
+    got = c.decode_table("AppendResponse", c.encode_append_response_one(th, sid, idx, base, ts))
+    assert got == c.T.AppendResponse(th, ok, [c.T.AppendResult(sid, idx, base, ts, ok)])
+    mod = importlib.import_module("protocols.sbp.fb.AppendResponse")
+    g = mod.AppendResponse.GetRootAs(c.encode_append_response_one(th, sid, idx, base, ts), 0)
+    assert (g.ThrottleTimeMs(), g.AppendResponses(0).BaseOffset(), g.AppendResponses(0).Status().Code()) == (th, base, 0)
+    got = c.decode_table("FetchResponse", c.encode_fetch_response_one(th, sid, idx, base & 0x7FFFFFFF))
+    assert got == c.T.FetchResponse(th, ok, [c.T.FetchResult(sid, idx, base & 0x7FFFFFFF, ok)])
+    if th and sid and idx and base and ts:
+        assert c.encode_append_response_one(th, sid, idx, base, ts) == c.encode_table(
+            "AppendResponse", c.T.AppendResponse(th, ok, [c.T.AppendResult(sid, idx, base, ts, ok)]))

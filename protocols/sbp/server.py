@@ -466,9 +466,13 @@ class SbpServerProtocol(Protocol):
     def _send_append(self, frame, results):
         if self._lost:
             return
-        resp = T.AppendResponse(self.throttle_time_ms(), codec.status(), results)
-        self.transport.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id,
-                                                codec.encode_table("AppendResponse", resp)))
+        if len(results) == 1 and results[0].status.code == codec.OK:
+            r = results[0]
+            header = codec.encode_append_response_one(self.throttle_time_ms(), r.stream_id, r.request_index,
+                                                      r.base_offset, r.stream_append_time_ms)
+        else:
+            header = codec.encode_table("AppendResponse", T.AppendResponse(self.throttle_time_ms(), codec.status(), results))
+        self.transport.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
 
     # -- FETCH -----------------------------------------------------------------------------------
 
@@ -787,7 +791,7 @@ class _FetchOp:
         if self.min_bytes > 1:
             avail = 0
             try:
-                for _base, _count, length in self.log.batches(e.info.stream_id, off, 1 << 30):
+                for _base, _count, length in self.log.batches(e.info.stream_id, off, 4096):
                     avail += length
                     if avail >= self.min_bytes:
                         break
@@ -924,8 +928,12 @@ class _FetchOp:
         metrics = proto.factory.metrics
         for gi, group in enumerate(groups):
             flags = codec.RESPONSE_LAST if (last and gi == len(groups) - 1) else codec.FLAG_RESPONSE
-            results = [T.FetchResult(e.info.stream_id, e.info.request_index, e.nbytes, e.status) for e in group]
-            header = codec.encode_table("FetchResponse", T.FetchResponse(proto.throttle_time_ms(), codec.status(), results))
+            if len(group) == 1 and group[0].status.code == codec.OK:
+                e = group[0]
+                header = codec.encode_fetch_response_one(proto.throttle_time_ms(), e.info.stream_id, e.info.request_index, e.nbytes)
+            else:
+                results = [T.FetchResult(e.info.stream_id, e.info.request_index, e.nbytes, e.status) for e in group]
+                header = codec.encode_table("FetchResponse", T.FetchResponse(proto.throttle_time_ms(), codec.status(), results))
             parts = [b for e in group for b in e.batches]
             metrics["fetch_bytes"] += sum(e.nbytes for e in group)
             proto.transport.writeSequence(codec.encode_frame_parts(codec.FETCH, flags, self.frame.stream_id, header, parts))

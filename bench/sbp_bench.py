@@ -1,0 +1,428 @@
+"""SBP benchmark, side by side with Redis Streams (issue 4; results in docs/benchmarks.md "SBP").
+
+    python bench/sbp_bench.py [--always-records 200000] [--records 1000000] [--latency-seconds 10]
+
+Starts one sbpnode (twistd, SBP listener only) per fsync policy and one Debian redis-server with
+``appendonly yes`` on free loopback ports, in a temp dir. Each measurement runs one load-generating
+process per side that sends pre-encoded requests over a raw socket (so the client costs little on
+either side), one side at a time:
+
+1. append 1 KiB records in 64-record batches, pipelined: ``--fsync always`` vs ``appendfsync always``
+   and ``--fsync interval:1000`` vs ``appendfsync everysec`` (records/s and the ratio);
+2. sequential read of the ``--records`` records appended in (1): FETCH (1 MiB per request) vs
+   ``XRANGE key (last + COUNT 1000``, one request at a time;
+3. append latency p50/p99/p99.9 at a steady 20 MB/s (64 KiB batches paced open-loop), both fsync
+   pairs.
+"""
+
+import argparse
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from protocols.sbp import codec  # noqa: E402
+from protocols.sbp.client import BlockingSbpClient  # noqa: E402
+from storage import record_batch  # noqa: E402
+
+RECORD_SIZE = 1024
+BATCH_RECORDS = 64
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+
+class Node:
+    def __init__(self, base, fsync):
+        from tests.nodeproc import NodeProcess
+
+        opts = {name: "none" for name in ("kv", "meta", "chunks", "swarm", "http")}
+        self.proc = NodeProcess(base, name="sbp-" + fsync.replace(":", "-"), fsync=fsync, log_level="warn", **opts)
+
+    def __enter__(self):
+        self.proc.start()
+        self.port = self.proc.ports["sbp"]
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+
+
+class Redis:
+    def __init__(self, base, appendfsync):
+        self.dir = os.path.join(base, "redis-" + appendfsync)
+        os.makedirs(self.dir, exist_ok=True)
+        self.port = free_port()
+        self.appendfsync = appendfsync
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+             "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
+             "--protected-mode", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- load generators (run in their own process) -------------------------------------------------
+
+
+def record_value(i=0):
+    return (b"%08d" % i + b"x" * RECORD_SIZE)[:RECORD_SIZE]
+
+
+def sbp_append_frames(sid, n_distinct=16):
+    """Pre-encoded APPEND frames, each one batch of 64 x 1 KiB records."""
+    frames = []
+    for k in range(n_distinct):
+        b = record_batch.encode([(1700000000000 + i, [], record_value(k * BATCH_RECORDS + i)) for i in range(BATCH_RECORDS)])
+        header = codec.encode_table("AppendRequest", codec.T.AppendRequest(0, [codec.T.AppendInfo(sid, 0, len(b))]))
+        frames.append(codec.encode_frame(codec.APPEND, 0, k + 1, header, b))
+    return frames
+
+
+def _connect(port):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def sbp_append_load(port, sid, batches, window, q):
+    frames = sbp_append_frames(sid)
+    s = _connect(port)
+    fb = codec.FrameBuffer()
+    sent = acked = errors = 0
+    t0 = time.perf_counter()
+    while acked < batches:
+        if sent < batches and sent - acked < window:
+            n = min(window - (sent - acked), batches - sent)
+            s.sendall(b"".join(frames[(sent + j) % len(frames)] for j in range(n)))
+            sent += n
+        fb.feed(s.recv(1 << 20))
+        while (f := fb.next()) is not None:
+            acked += 1
+            if f.flags != 0x03 or codec.decode_header(f).append_responses[0].status.code:
+                errors += 1
+    el = time.perf_counter() - t0
+    s.close()
+    q.put({"seconds": el, "records": batches * BATCH_RECORDS, "errors": errors})
+
+
+def redis_cmd(*args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def redis_append_load(port, batches, window, q):
+    """XADD of 64 records per pipelined group (the same records SBP appends as one batch)."""
+    groups = [b"".join(redis_cmd(b"XADD", b"s", b"*", b"f", record_value(k * BATCH_RECORDS + i)) for i in range(BATCH_RECORDS)) for k in range(16)]
+    s = _connect(port)
+    sent = 0
+    newlines = 0
+    errors = 0
+    need = 2 * BATCH_RECORDS  # "$15\r\n<id>\r\n" per reply
+    t0 = time.perf_counter()
+    total = batches * need
+    while newlines < total:
+        acked = newlines // need
+        if sent < batches and sent - acked < window:
+            n = min(window - (sent - acked), batches - sent)
+            s.sendall(b"".join(groups[(sent + j) % len(groups)] for j in range(n)))
+            sent += n
+        data = s.recv(1 << 20)
+        if data.startswith(b"-") or b"\n-" in data:
+            errors += 1
+        newlines += data.count(b"\n")
+    el = time.perf_counter() - t0
+    s.close()
+    q.put({"seconds": el, "records": batches * BATCH_RECORDS, "errors": errors})
+
+
+def sbp_read_load(port, sid, total, q):
+    s = _connect(port)
+    fb = codec.FrameBuffer()
+    offset = 0
+    got = 0
+    rid = 0
+    t0 = time.perf_counter()
+    lat = []
+    while got < total:
+        rid += 1
+        header = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, offset, 1 << 20)]))
+        t1 = time.perf_counter()
+        s.sendall(codec.encode_frame(codec.FETCH, 0, rid, header))
+        f = None
+        while f is None:
+            fb.feed(s.recv(4 << 20))
+            f = fb.next()
+        lat.append(time.perf_counter() - t1)
+        payload = f.payload
+        pos = 0
+        n = len(payload)
+        if not n:
+            break
+        while pos < n:
+            h = record_batch.read_header(payload, pos)
+            pos += record_batch.HEADER_SIZE + h.records_len
+            got += h.record_count
+        offset = h.base_offset + h.record_count
+    el = time.perf_counter() - t0
+    s.close()
+    q.put({"seconds": el, "records": got, "requests": rid})
+
+
+_XR_ENTRY = re.compile(rb"\*2\r\n\$\d+\r\n(\d+-\d+)\r\n\*2\r\n\$1\r\nf\r\n\$1024\r\n")
+
+
+def redis_read_load(port, total, q):
+    s = _connect(port)
+    last = b"-"
+    got = 0
+    requests = 0
+    t0 = time.perf_counter()
+    while got < total:
+        requests += 1
+        start = last if last == b"-" else b"(" + last
+        s.sendall(redis_cmd(b"XRANGE", b"s", start, b"+", b"COUNT", b"1000"))
+        buf = bytearray()
+        count = None
+        while True:
+            buf += s.recv(4 << 20)
+            if count is None:
+                i = buf.find(b"\r\n")
+                if i < 0:
+                    continue
+                count = int(buf[1:i])
+                if count == 0:
+                    break
+            # complete when the last entry's value and CRLF are in
+            if buf.endswith(b"\r\n") and len(buf) >= count * (RECORD_SIZE + 40):
+                ids = _XR_ENTRY.findall(buf)
+                if len(ids) == count and len(buf) >= buf.rfind(ids[-1]) + len(ids[-1]) + 20 + RECORD_SIZE:
+                    break
+        if not count:
+            break
+        got += count
+        last = ids[-1]
+    el = time.perf_counter() - t0
+    s.close()
+    q.put({"seconds": el, "records": got, "requests": requests})
+
+
+def sbp_latency_load(port, sid, rate_bps, seconds, q):
+    frames = sbp_append_frames(sid, 4)
+    interval = len(frames[0]) / rate_bps
+    s = _connect(port)
+    s.setblocking(False)
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(s, selectors.EVENT_READ)
+    fb = codec.FrameBuffer()
+    sent_at = {}
+    lat = []
+    n = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    next_send = t0
+    k = 0
+    while True:
+        now = time.perf_counter()
+        if now >= next_send and now < end:
+            k += 1
+            f = bytearray(frames[k % len(frames)])
+            struct.pack_into(">I", f, 8, k)
+            sent_at[k] = time.perf_counter()
+            s.setblocking(True)
+            s.sendall(bytes(f))
+            s.setblocking(False)
+            next_send += interval
+            continue
+        if now >= end and not sent_at:
+            break
+        timeout = max(0.0, min(next_send, end) - now) if now < end else 0.5
+        for _key, _ in sel.select(timeout):
+            try:
+                data = s.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            fb.feed(data)
+            while (fr := fb.next()) is not None:
+                t = sent_at.pop(fr.stream_id, None)
+                if t is not None:
+                    lat.append(time.perf_counter() - t)
+        if now > end + 10:
+            break
+    s.close()
+    q.put({"latencies": lat, "sent": k, "seconds": seconds})
+
+
+def redis_latency_load(port, rate_bps, seconds, q):
+    group = b"".join(redis_cmd(b"XADD", b"lat", b"*", b"f", record_value(i)) for i in range(BATCH_RECORDS))
+    interval = BATCH_RECORDS * RECORD_SIZE / rate_bps
+    s = _connect(port)
+    s.setblocking(False)
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(s, selectors.EVENT_READ)
+    pending = []  # send times of groups in order
+    lat = []
+    newlines = 0
+    need = 2 * BATCH_RECORDS
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    next_send = t0
+    k = 0
+    while True:
+        now = time.perf_counter()
+        if now >= next_send and now < end:
+            k += 1
+            pending.append(time.perf_counter())
+            s.setblocking(True)
+            s.sendall(group)
+            s.setblocking(False)
+            next_send += interval
+            continue
+        if now >= end and not pending:
+            break
+        timeout = max(0.0, min(next_send, end) - now) if now < end else 0.5
+        for _key, _ in sel.select(timeout):
+            try:
+                data = s.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            newlines += data.count(b"\n")
+            while newlines >= need and pending:
+                newlines -= need
+                lat.append(time.perf_counter() - pending.pop(0))
+        if now > end + 10:
+            break
+    s.close()
+    q.put({"latencies": lat, "sent": k, "seconds": seconds})
+
+
+def run_in_process(fn, *args):
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=fn, args=args + (q,))
+    p.start()
+    result = q.get(timeout=3600)
+    p.join()
+    return result
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+
+def pct(values, p):
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(p / 100.0 * len(v)))]
+
+
+def fmt_rate(r):
+    return "%.0f rec/s (%.1f MiB/s)" % (r, r * RECORD_SIZE / 1048576)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--always-records", type=int, default=200_000, help="records appended in the fsync-always pair")
+    ap.add_argument("--records", type=int, default=1_000_000, help="records appended in the interval/everysec pair, then read")
+    ap.add_argument("--window", type=int, default=32, help="pipelined batches in flight")
+    ap.add_argument("--latency-seconds", type=float, default=10.0)
+    ap.add_argument("--rate-mb", type=float, default=20.0, help="MB/s for the latency runs")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir")
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="sbp-bench-")
+    rows = []
+    try:
+        print("records: %d B body, %d per batch; window %d batches; one load process per side" % (RECORD_SIZE, BATCH_RECORDS, args.window))
+        for fsync, appendfsync, n in (("always", "always", args.always_records), ("interval:1000", "everysec", args.records)):
+            batches = n // BATCH_RECORDS
+            with Node(base, fsync) as node:
+                c = BlockingSbpClient("127.0.0.1", node.port)
+                sid = c.create_stream()["stream_id"]
+                lat_sid = c.create_stream()["stream_id"]
+                c.close()
+                sbp = run_in_process(sbp_append_load, node.port, sid, batches, args.window)
+                sbp_rate = sbp["records"] / sbp["seconds"]
+                if fsync != "always":
+                    sbp_read = run_in_process(sbp_read_load, node.port, sid, batches * BATCH_RECORDS)
+                sbp_lat = run_in_process(sbp_latency_load, node.port, lat_sid, args.rate_mb * 1e6, args.latency_seconds)
+            with Redis(base, appendfsync) as redis:
+                red = run_in_process(redis_append_load, redis.port, batches, args.window)
+                red_rate = red["records"] / red["seconds"]
+                if fsync != "always":
+                    red_read = run_in_process(redis_read_load, redis.port, batches * BATCH_RECORDS)
+                red_lat = run_in_process(redis_latency_load, redis.port, args.rate_mb * 1e6, args.latency_seconds)
+            print()
+            print("append, SBP --fsync %s vs Redis appendfsync %s (%d records):" % (fsync, appendfsync, batches * BATCH_RECORDS))
+            print("  SBP   %s  errors=%d" % (fmt_rate(sbp_rate), sbp["errors"]))
+            print("  Redis %s  errors=%d" % (fmt_rate(red_rate), red["errors"]))
+            print("  ratio SBP/Redis = %.2fx" % (sbp_rate / red_rate))
+            rows.append(("append 1 KiB x64, fsync %s / %s" % (fsync, appendfsync), "%.0f rec/s" % sbp_rate, "%.0f rec/s" % red_rate, sbp_rate / red_rate))
+            if fsync != "always":
+                r1 = sbp_read["records"] / sbp_read["seconds"]
+                r2 = red_read["records"] / red_read["seconds"]
+                print("sequential read of %d records (FETCH 1 MiB vs XRANGE COUNT 1000):" % sbp_read["records"])
+                print("  SBP   %s  (%d requests)" % (fmt_rate(r1), sbp_read["requests"]))
+                print("  Redis %s  (%d requests)" % (fmt_rate(r2), red_read["requests"]))
+                print("  ratio SBP/Redis = %.2fx" % (r1 / r2))
+                rows.append(("sequential read %d records" % sbp_read["records"], "%.0f rec/s" % r1, "%.0f rec/s" % r2, r1 / r2))
+            for name, res in (("SBP  ", sbp_lat), ("Redis", red_lat)):
+                lat = [x * 1000 for x in res["latencies"]]
+                print("append latency at %.0f MB/s (64 x 1 KiB per request), %s %s: n=%d p50=%.2f ms p99=%.2f ms p99.9=%.2f ms max=%.2f ms" % (
+                    args.rate_mb, name, fsync if name.startswith("SBP") else appendfsync, len(lat), pct(lat, 50), pct(lat, 99), pct(lat, 99.9), max(lat) if lat else float("nan")))
+            sl = [x * 1000 for x in sbp_lat["latencies"]]
+            rl = [x * 1000 for x in red_lat["latencies"]]
+            rows.append(("append latency p50/p99 at %.0f MB/s, %s / %s" % (args.rate_mb, fsync, appendfsync),
+                         "%.2f / %.2f ms" % (pct(sl, 50), pct(sl, 99)), "%.2f / %.2f ms" % (pct(rl, 50), pct(rl, 99)), None))
+        print()
+        print("| measurement | SBP | Redis | SBP/Redis |")
+        print("|---|---|---|---|")
+        for name, a, b, ratio in rows:
+            print("| %s | %s | %s | %s |" % (name, a, b, "%.2fx" % ratio if ratio else "-"))
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
