@@ -327,3 +327,67 @@ def test_sbp_interop_same_records_both_ways(node):
         data = sbp.fetch(sid, 2)
         records = [r for b in record_batch.split(data) for r in record_batch.decode(b)[1]]
         assert [(r.offset, r.timestamp_ms, r.headers, r.body) for r in records] == [(2, 2000, [(b"k", b"w")], b"from-s2")]
+
+
+def test_restart_keeps_basins_streams_fence_and_timestamps(tmp_path):
+    n = NodeProcess(tmp_path, fsync="always")
+    n.start()
+    try:
+        status, _, body = call(n, "POST", "/v1/basins", {"basin": "kept-basin-1"})
+        assert status == 201, body
+        status, _, _ = call(n, "POST", "/v1/streams", {"stream": "s"}, {"s2-basin": "kept-basin-1"})
+        assert status == 201
+        fence = base64.b64encode(b"fence").decode()
+        status, _, body = call(n, "POST", "/v1/streams/s/records",
+                               {"records": [{"headers": [["", fence]], "body": base64.b64encode(b"tok").decode(),
+                                             "timestamp": 5000}]}, {"s2-basin": "kept-basin-1", "s2-format": "base64"})
+        assert status == 200, body
+        time.sleep(0.3)  # the fencing token is persisted in the stream attrs after the ack
+        assert n.terminate() == 0
+        n.start()
+        _, _, body = call(n, "GET", "/v1/basins")
+        assert "kept-basin-1" in [b["name"] for b in json.loads(body)["basins"]]
+        status, _, body = call(n, "POST", "/v1/streams/s/records", {"records": [{"body": "x"}], "fencing_token": "bad"},
+                               {"s2-basin": "kept-basin-1"})
+        assert status == 412 and json.loads(body) == {"fencing_token_mismatch": "tok"}
+        status, _, body = call(n, "POST", "/v1/streams/s/records",
+                               {"records": [{"body": "x", "timestamp": 10}], "fencing_token": "tok"},
+                               {"s2-basin": "kept-basin-1"})
+        assert status == 200 and json.loads(body)["end"]["timestamp"] == 5000  # never below the last
+        status, _, body = call(n, "GET", "/v1/streams/s/records/tail", headers={"s2-basin": "kept-basin-1"})
+        assert json.loads(body) == {"tail": {"seq_num": 2, "timestamp": 5000}}
+    finally:
+        n.terminate()
+
+
+def test_retention_by_age(node):
+    name = new_stream(node)
+    call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "old", "timestamp": 1000}]})
+    status, _, body = call(node, "PATCH", "/v1/streams/%s" % name, {"retention_policy": {"age": 1}})
+    assert status == 200 and json.loads(body)["retention_policy"] == {"age": 1}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        status, _, body = call(node, "GET", "/v1/streams/%s/records?seq_num=0&wait=1" % name)
+        if status == 200 and not json.loads(body)["records"]:
+            break
+        time.sleep(0.5)
+    assert status == 200 and json.loads(body)["records"] == [], body
+
+
+def test_sigterm_ends_live_sessions(tmp_path):
+    n = NodeProcess(tmp_path, fsync="never")
+    n.start()
+    try:
+        name = new_stream(n)
+        cl = H2(n.ports["http"])
+        sid = cl.request("GET", "/v1/streams/%s/records" % name, headers=[("content-type", "s2s/proto")])
+        cl.pump(lambda: len(cl.responses[sid]["data"]) >= 4)  # the heartbeat at the tail
+        t0 = time.monotonic()
+        n.proc.send_signal(15)
+        cl.pump(lambda: cl.responses[sid]["ended"])
+        frames = codec.S2SReader().feed(cl.responses[sid]["data"])
+        assert frames[-1][0] is True and struct.unpack(">H", frames[-1][1][:2])[0] == 503
+        assert json.loads(frames[-1][1][2:])["code"] == "server_draining"
+        assert n.terminate() == 0 and time.monotonic() - t0 < 10
+    finally:
+        n.terminate()

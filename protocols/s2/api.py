@@ -150,6 +150,10 @@ class S2Api:
             return codec.invalid("batch too large")
         if isinstance(e, errors.InvalidRequest):
             return codec.invalid(str(e))
+        if isinstance(e, getattr(errors, "StoreBusy", ())):
+            return S2Error(503, "unavailable", "the store is busy; retry")
+        if isinstance(e, getattr(errors, "StoreClosed", ())):
+            return S2Error(503, "server_draining", "the node is shutting down")
         if isinstance(e, errors.OffsetOutOfRange):
             return S2Error(416, "read_unwritten", "read position out of range")
         if isinstance(e, defer.CancelledError):
