@@ -101,7 +101,6 @@ class LocalSink:
         self.node_id = node_id
         self.pending_chunks = {}  # addr -> Deferred of the put in progress
         self.log_tail = {}  # sid -> next offset once queued appends land
-        self.log_locks = {}
         self.recent = {}  # sid -> dict of recently appended batch hashes (ordered)
         self.pending_bytes = 0
         self._drained = []
@@ -151,40 +150,41 @@ class LocalSink:
         return digest in self.recent.get(sid, ())
 
     def append(self, sid, base, count, digest, data, origin):
-        """Queue a verified batch; fires True when stored, False when it was already held."""
-        self.log_tail[sid] = max(self.log_tail.get(sid, 0), base + count)
+        """Append a verified batch now (the store checks and advances the stream's assigned
+        offset synchronously, so appends issued in order share group commits); fires True once
+        durable, False when the batch was already held."""
         recent = self.recent.setdefault(sid, {})
         recent[digest] = True
         if len(recent) > RECENT_LOG_HASHES:
             recent.pop(next(iter(recent)))
-        lock = self.log_locks.get(sid)
-        if lock is None:
-            lock = self.log_locks[sid] = defer.DeferredLock()
+        meta = self._meta(sid)
+        if meta is not None and meta.origin is None:
+            return defer.succeed(False)
+        tail = self.log_next(sid)
+        if base < tail:
+            return defer.succeed(False)  # already held (another peer delivered it first)
+        if base > tail:
+            return defer.fail(LookupError("stream %d: batch at %d leaves a gap after %d" % (sid, base, tail)))
+        created = None
+        if meta is None:
+            # the stream exists in the store from this call on; its record is written in order
+            created = self.store.log.create_replica_stream(sid, origin, 1, 0, {})
+            self.log.info("replicating stream {sid} from {origin}", sid=sid, origin=origin)
+        self.log_tail[sid] = base + count
         self.pending_bytes += len(data)
-        d = lock.run(self._append, sid, base, data, origin)
+        d = self.store.log.append_replica(sid, data)
+        if created is not None:
+            d = defer.gatherResults([created, d], consumeErrors=True)
 
         def done(result):
             self._release(len(data))
-            return result
+            if isinstance(result, Failure):
+                self.log_tail.pop(sid, None)  # re-derive the tail from the store
+                return result
+            return True
 
         d.addBoth(done)
         return d
-
-    @defer.inlineCallbacks
-    def _append(self, sid, base, data, origin):
-        meta = self._meta(sid)
-        if meta is None:
-            meta = yield self.store.log.create_replica_stream(sid, origin, 1, 0, {})
-            self.log.info("replicating stream {sid} from {origin}", sid=sid, origin=origin)
-        if meta.origin is None:
-            return False
-        if base < meta.next_offset:
-            return False  # already held (another peer delivered it first)
-        if base > meta.next_offset:
-            self.log_tail[sid] = meta.next_offset
-            raise LookupError("stream %d: batch at %d leaves a gap after %d" % (sid, base, meta.next_offset))
-        yield self.store.log.append_replica(sid, data)
-        return True
 
     # backpressure
     def _release(self, n):
