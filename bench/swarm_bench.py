@@ -183,33 +183,44 @@ def main(argv=None):
     p.add_argument("--log-mib", type=int, default=100)
     p.add_argument("--batch-kib", type=int, default=256, help="record batch size for the log case")
     p.add_argument("--fsync", default="never", help="both nodes' --fsync policy (default never)")
+    p.add_argument("--runs", type=int, default=3, help="repeat each case; report the median (default 3)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     a = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="swarm-bench-")
     try:
         results = []
         if a.chunks:
-            print("case 1: %d chunks of 4 KiB, node A -> empty node B (loopback, fsync %s)" % (a.chunks, a.fsync))
-            r = run_case(base, "chunks", chunks=a.chunks, fsync=a.fsync)
-            results.append(r)
-            print("  end to end (B process start -> synced): %.3f s  = %.0f chunks/s, %.1f MB/s" % (r["end_to_end_s"], a.chunks / r["end_to_end_s"], r["bytes"] / r["end_to_end_s"] / 1e6))
-            print("  sync only  (B ready -> synced):         %.3f s  = %.0f chunks/s, %.1f MB/s" % (r["sync_s"], a.chunks / r["sync_s"], r["bytes"] / r["sync_s"] / 1e6))
-            print("  (B's own start-up: %.3f s)" % r["b_start_s"])
+            print("case 1: %d chunks of 4 KiB, node A -> empty node B (loopback, fsync %s, %d runs)" % (a.chunks, a.fsync, a.runs))
+            runs = [run_case(os.path.join(base, "c%d" % i), "chunks", chunks=a.chunks, fsync=a.fsync) for i in range(a.runs)]
+            results.append(report(runs, a.chunks, "chunks"))
         if a.log_mib:
             body = 4096
             records = max(1, a.batch_kib * 1024 // (body + 40))
             batch_bytes = records * (body + 40)
             batches = max(1, a.log_mib * 1024 * 1024 // batch_bytes)
-            print("case 2: %d MiB of stream log (%d batches of %d records x %d B) in one stream" % (a.log_mib, batches, records, body))
-            r = run_case(base, "log", streams=1, batches=batches, records=records, body=body, fsync=a.fsync)
-            results.append(r)
-            print("  end to end: %.3f s = %.1f MB/s (%.0f batches/s)" % (r["end_to_end_s"], r["bytes"] / r["end_to_end_s"] / 1e6, batches / r["end_to_end_s"]))
-            print("  sync only:  %.3f s = %.1f MB/s (%.0f batches/s)" % (r["sync_s"], r["bytes"] / r["sync_s"] / 1e6, batches / r["sync_s"]))
+            print("case 2: %d MiB of stream log (%d batches of %d records x %d B) in one stream (fsync %s, %d runs)" % (a.log_mib, batches, records, body, a.fsync, a.runs))
+            runs = [run_case(os.path.join(base, "l%d" % i), "log", streams=1, batches=batches, records=records, body=body, fsync=a.fsync) for i in range(a.runs)]
+            results.append(report(runs, batches, "batches"))
         print(json.dumps(results))
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+def report(runs, items, unit):
+    nbytes = runs[0]["bytes"]
+    out = {"label": runs[0]["label"], "items": items, "bytes": nbytes, "runs": runs}
+    for key, text in (("end_to_end_s", "end to end (B process start -> synced)"), ("sync_s", "sync only  (B ready -> synced)        ")):
+        times = sorted(r[key] for r in runs)
+        med = times[len(times) // 2]
+        best = times[0]
+        out[key + "_median"] = med
+        out[key + "_best"] = best
+        print("  %s: median %.3f s = %.0f %s/s, %.1f MB/s   (best %.3f s, all %s)" % (
+            text, med, items / med, unit, nbytes / med / 1e6, best, " ".join("%.3f" % t for t in times)))
+    print("  (B's own start-up, median: %.3f s)" % sorted(r["b_start_s"] for r in runs)[len(runs) // 2])
+    return out
 
 
 if __name__ == "__main__":
