@@ -9,7 +9,7 @@ from twisted.internet import defer
 
 from storage import errors, index
 from storage.index import KEY_KEEP, OP_DEL, OP_PUT, decode_value, encode_key, encode_value
-from storage.store import K_TXN, _Op
+from storage.store import K_OPS, K_TXN, _Op
 
 MAX_KEY = 65535
 MAX_VALUE = 16 << 20
@@ -46,33 +46,19 @@ class KeyValue:
             return None
         return value
 
-    def _write(self, key, ops, result, nbytes):
-        store = self._store
-        try:
-            store._check_writable(nbytes)
-        except errors.StoreError:
-            return defer.fail()
-
-        def fn(raw):
-            for op in ops:
-                if op[0] == OP_PUT:
-                    raw.put(index.KV, op[1], op[2])
-                else:
-                    raw.delete(index.KV, op[1])
-            return result(raw) if result else None
-
-        return store._submit(_Op(K_TXN, fn, nbytes=nbytes))
-
     def put(self, key, value):
+        store = self._store
         try:
             self._check_key(key)
             if len(value) > MAX_VALUE:
                 raise errors.PayloadTooLarge("values are at most 16 MiB")
+            nbytes = len(key) + len(value) + 64
+            store._check_writable(nbytes)
         except errors.StoreError:
             return defer.fail()
         key = bytes(key)
-        lk = encode_key(b"", key)
-        return self._write(key, [(OP_PUT, lk, encode_value(key, b"", bytes(value)))], None, len(key) + len(value) + 64)
+        op = [OP_PUT, index.KV, encode_key(b"", key), encode_value(key, b"", bytes(value))]
+        return store._submit(_Op(K_OPS, [op], nbytes=nbytes))
 
     def delete(self, key):
         """Fires with True if the key existed."""

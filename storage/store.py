@@ -27,7 +27,7 @@ from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS, Wal
 _BATCH_PREFIX = __import__("struct").Struct(">QQ")  # stream_id, append_ms
 _BASE = __import__("struct").Struct(">q")
 
-K_BATCH, K_TXN, K_STOP, K_SYNC = range(4)
+K_BATCH, K_TXN, K_STOP, K_SYNC, K_OPS = range(5)
 
 MAX_GROUP_BYTES = 16 << 20
 QUEUE_HIGH = 64 << 20  # above this many queued bytes the store reports congestion
@@ -233,9 +233,9 @@ class Store:
 
     def _submit(self, op: _Op) -> defer.Deferred:
         self._queued_bytes += op.nbytes
-        with self._cond:
-            self._queue.append(op)
-            if len(self._queue) == 1:
+        self._queue.append(op)  # deque.append is atomic; the lock is taken only to wake the writer
+        if self._writer_idle:
+            with self._cond:
                 self._cond.notify()
         return op.d
 
@@ -269,10 +269,17 @@ class Store:
 
     # -- the writer thread ----------------------------------------------------------------------
 
+    _writer_idle = False
+
     def _take(self, timeout):
         with self._cond:
             if not self._queue:
-                self._cond.wait(timeout)
+                # set under the lock before re-checking: a submitter that sees it notifies after
+                # our wait() released the lock, so no wake-up is lost
+                self._writer_idle = True
+                if not self._queue:
+                    self._cond.wait(timeout)
+                self._writer_idle = False
             group, size = [], 0
             q = self._queue
             while q and (not group or size + q[0].nbytes <= MAX_GROUP_BYTES):
@@ -299,7 +306,7 @@ class Store:
                     stopping = op
                 elif op.kind == K_SYNC:
                     force_sync = True
-            work = [op for op in group if op.kind in (K_BATCH, K_TXN)]
+            work = [op for op in group if op.kind in (K_BATCH, K_TXN, K_OPS)]
             try:
                 if work:
                     self._commit_group(work, policy.always or force_sync)
@@ -338,7 +345,16 @@ class Store:
         txn = self.env.begin(write=True)
         try:
             raw_ops = []
+            merged = []  # consecutive K_OPS share one WAL entry (one msgpack call)
             for op in work:
+                if op.kind == K_OPS:
+                    apply_ops(txn, self.dbs, op.a)
+                    merged.extend(op.a)
+                    op.ok = True
+                    continue
+                if merged:
+                    wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
+                    merged = []
                 if op.kind == K_BATCH:
                     sid, batch, base = op.a, op.b, op.c
                     count = int.from_bytes(batch[9:13], "big", signed=True)
@@ -367,6 +383,8 @@ class Store:
                     if raw.ops:
                         wal.add(T_OPS, (msgpack.packb(raw.ops, use_bin_type=True),))
                     raw_ops.append(raw)
+            if merged:
+                wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
             if self.packs.dirty and durable:
                 self.packs.sync()  # chunk bytes are durable before the WAL entry naming them
             wal.flush()
@@ -430,8 +448,8 @@ class Store:
             if loop.running:
                 loop.stop()
         stop = _Op(K_STOP, nbytes=0)
+        self._queue.append(stop)
         with self._cond:
-            self._queue.append(stop)
             self._cond.notify()
         done = defer.Deferred()
 
