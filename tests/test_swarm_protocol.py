@@ -332,6 +332,20 @@ def test_client_drops_peer_sending_non_batch_on_log(node, clock):
     assert sid not in node.store.log.s
 
 
+def test_client_without_roundtrip(node, clock):
+    svc, w = client(node, clock, roundtrip=False)
+    w.out()
+    w.feed(StreamInfoRes([StreamDescriptor(C, 2, False)]))
+    [req] = w.out()
+    assert req.roundtrip is False
+    w.feed(ChunkDelivery(req.ruid, 2, [chunk(0), chunk(1)]), BatchDone(req.ruid, 2))
+    assert node.store.chunks.last_seq() == 2
+    bad = chunk(5)
+    [nxt] = w.out()
+    w.feed(ChunkDelivery(nxt.ruid, 3, [(bad[0], b"forged")]))
+    assert w.proto.dead and node.store.chunks.last_seq() == 2
+
+
 def test_client_retries_after_batch_in_progress(node, clock):
     svc, w = client(node, clock)
     w.out()

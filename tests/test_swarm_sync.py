@@ -227,3 +227,8 @@ def test_live_sbp_stream_replicated_and_readable_on_follower(tmp_path, node_fact
         with pytest.raises(SbpError) as e:
             cb.append(sid, record_batch.encode([(3000, [], b"nope")]))
         assert a.endpoint("swarm") in str(e.value)
+    # sbpctl peer list through the node's SBP status (node.metrics["peers"])
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "node.cli", "peer", "list", "--endpoint", b.endpoint("sbp"), "--json"], capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert a.endpoint("swarm") in json.loads(out.stdout)["peers"]
