@@ -36,6 +36,7 @@ HEARTBEAT_MIN, HEARTBEAT_MAX = 5.0, 15.0
 READ_CHUNK_BYTES = 1024 * 1024
 SESSION_HIGH_WATER = 4 * 1024 * 1024
 MAX_FRAME_RECORDS = 1000
+SESSION_MAX_INFLIGHT_BYTES = 32 * 1024 * 1024  # append session: stop reading the socket above this
 
 
 def now_ms() -> int:
@@ -1042,11 +1043,19 @@ class AppendSession:
         self.pending = deque()  # [Deferred result slot]
         self.failed = False
         self.ended = False
+        self.inflight = 0
+        self.paused = False
         responder.on_close.append(self._closed)
 
     def _closed(self):
         self.failed = True
         self.pending.clear()
+        self._resume()
+
+    def _resume(self):
+        if self.paused:
+            self.paused = False
+            self.responder.resume_input()
 
     def data(self, data: bytes):
         if self.failed:
@@ -1057,7 +1066,8 @@ class AppendSession:
                 if terminal:
                     raise codec.bad("bad_frame", "clients do not send terminal frames")
                 inp = codec.decode_append_input_proto(payload)
-                slot = [False, None]
+                slot = [False, None, len(payload)]
+                self.inflight += len(payload)
                 self.pending.append(slot)
                 d = defer.ensureDeferred(self.api.append(self.sid, inp))
                 d.addBoth(self._done, slot)
@@ -1065,16 +1075,24 @@ class AppendSession:
                     return
         except S2Error as e:
             self.fail(e)
+            return
+        if self.inflight > SESSION_MAX_INFLIGHT_BYTES and not self.paused:
+            # Backpressure: a client that does not wait for acks stops being read.
+            self.paused = True
+            self.responder.pause_input()
 
     def _done(self, result, slot):
         slot[0] = True
         slot[1] = result
+        self.inflight -= slot[2]
         self._flush()
+        if self.paused and self.inflight <= SESSION_MAX_INFLIGHT_BYTES // 2:
+            self._resume()
 
     def _flush(self):
         out = []
         while self.pending and self.pending[0][0]:
-            _, result = self.pending.popleft()
+            result = self.pending.popleft()[1]
             if hasattr(result, "value"):  # Failure
                 if out:
                     self.responder.write(b"".join(out))
@@ -1103,5 +1121,6 @@ class AppendSession:
             if slot[0] and hasattr(slot[1], "value"):
                 slot[1].trap(Exception)
         self.pending.clear()
+        self._resume()
         self.responder.write(codec.s2s_terminal(err))
         self.responder.finish()

@@ -82,6 +82,12 @@ class H2Responder(BaseResponder):
     def _done(self):
         self.conn.stream_done(self)
 
+    def pause_input(self):
+        self.conn.pause_input(self)
+
+    def resume_input(self):
+        self.conn.resume_input(self)
+
     def abort(self):
         if not self.closed:
             try:
@@ -102,6 +108,7 @@ class H2ServerProtocol(Protocol):
         self.max_body = max_body
         self.streams = {}
         self.paused = False
+        self.input_holders = set()
         self.h2 = None
         self._flushing = False
 
@@ -242,6 +249,17 @@ class H2ServerProtocol(Protocol):
             return
         self.flush()
         r.maybe_drained()
+
+    def pause_input(self, r):
+        if not self.input_holders:
+            self.transport.pauseProducing()
+        self.input_holders.add(r.stream_id)
+
+    def resume_input(self, r):
+        if r.stream_id in self.input_holders:
+            self.input_holders.discard(r.stream_id)
+            if not self.input_holders:
+                self.transport.resumeProducing()
 
     def stream_done(self, r: H2Responder):
         if self.streams.get(r.stream_id) is r:

@@ -64,6 +64,12 @@ class BaseResponder:
     def abort(self):
         raise NotImplementedError
 
+    def pause_input(self):
+        """Stop reading request bytes (the whole connection) until resume_input()."""
+
+    def resume_input(self):
+        pass
+
     # --- API for handlers
     def respond(self, status: int, headers, body: bytes = b""):
         if self.started or self.closed:
