@@ -212,6 +212,9 @@ class _Bytes:
     def __init__(self, data):
         self.data, self.pos = data, 0
 
+    def seek(self, pos):
+        self.pos = pos
+
     def read(self, n):
         out = self.data[self.pos : self.pos + n]
         self.pos += len(out)
@@ -219,11 +222,27 @@ class _Bytes:
 
 
 class _HashingReader:
+    """Reads a source and keeps the SHA-256 of its bytes (each byte once, even when the client
+    seeks back to re-read a retried piece)."""
+
     def __init__(self, f):
         self.f = f
         self.hash = hashlib.sha256()
+        self.pos = 0
+        self.hashed = 0
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos):
+        self.f.seek(pos)
+        self.pos = pos
 
     def read(self, n):
         data = self.f.read(n)
-        self.hash.update(data)
+        end = self.pos + len(data)
+        if end > self.hashed:
+            self.hash.update(memoryview(data)[self.hashed - self.pos :] if self.hashed > self.pos else data)
+            self.hashed = end
+        self.pos = end
         return data

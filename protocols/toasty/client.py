@@ -125,17 +125,16 @@ class FileState:
         )
 
 
-def plan_uploads(state, offset, data, truncate):
-    """The chunk messages that turn ``data`` at ``offset`` into new chunks (CONTRACT §5)."""
+def plan_uploads(state, offset, length, read, truncate):
+    """Yield the chunk messages that write ``length`` bytes at ``offset`` (CONTRACT §5), lazily;
+    ``read(lo, hi)`` returns the new bytes for the absolute range [lo, hi), called in order."""
     cs = state.chunk_size
-    first, count = codec.chunk_span(offset, len(data), cs)
-    end = offset + len(data)
-    view = memoryview(data)
-    uploads = []
+    first, count = codec.chunk_span(offset, length, cs)
+    end = offset + length
     for index in range(first, first + count):
         start = index * cs
         lo, hi = max(offset, start), min(end, start + cs)
-        piece = view[lo - offset : hi - offset]
+        piece = read(lo, hi)
         in_off = lo - start
         k = index - state.first
         old = state.hashes[k] if 0 <= k < len(state.hashes) else codec.ZERO_HASH
@@ -146,9 +145,13 @@ def plan_uploads(state, offset, data, truncate):
         if known:
             if not state.write_locations:
                 raise ToastyError("the metadata server offered no chunk server to write to")
-            chunk = b"".join((bytes(in_off), piece, bytes(cs - in_off - len(piece))))
-            msg = codec.CreateChunk(cs, in_off, chunk[in_off : in_off + len(piece)] if not whole else chunk)
-            uploads.append(Upload(index, msg, list(state.write_locations), hashlib.sha256(chunk).digest()))
+            h = hashlib.sha256()
+            if in_off:
+                h.update(bytes(in_off))
+            h.update(piece)
+            if not whole:
+                h.update(bytes(cs - in_off - len(piece)))
+            yield Upload(index, codec.CreateChunk(cs, in_off, piece), state.write_locations, h.digest())
         else:
             patch = bytes(piece)
             if truncate and hi == end:
@@ -157,8 +160,12 @@ def plan_uploads(state, offset, data, truncate):
             holders = state.holders[k] if 0 <= k < len(state.holders) else []
             if not holders:
                 raise ToastyError("chunk %d has no holder to patch" % index)
-            uploads.append(Upload(index, codec.UploadChunk(old, in_off, patch), list(holders), None))
-    return uploads
+            yield Upload(index, codec.UploadChunk(old, in_off, patch), holders, None)
+
+
+def bytes_reader(data, offset):
+    view = memoryview(data)
+    return lambda lo, hi: view[lo - offset : hi - offset]
 
 
 def record_upload(up, target, reply):
@@ -413,7 +420,7 @@ class ToastyClient:
             if state is None:
                 continue
             flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
-            uploads = plan_uploads(state, offset, data, truncate)
+            uploads = list(plan_uploads(state, offset, len(data), bytes_reader(data, offset), truncate))
             yield self._upload_all(uploads)
             reply = yield self.meta.request(write_message(state, path, offset, len(data), flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
@@ -527,14 +534,26 @@ class BlockingConnection:
             pass
 
     def send(self, msg):
+        parts = codec.encode_parts(msg)
         self.pending.append(msg.TYPE)
-        self.sock.sendall(codec.encode(msg))
-
-    def send_raw(self, mtype, data):
-        self.pending.append(mtype)
-        self.sock.sendall(data)
+        if len(parts) > 8:  # many small fields: one buffer (sendmsg takes at most IOV_MAX)
+            self.sock.sendall(b"".join(parts))
+            return
+        total = sum(len(p) for p in parts)
+        sent = self.sock.sendmsg(parts)
+        if sent < total:  # a partial send: finish from where it stopped
+            rest = memoryview(b"".join(parts))[sent:]
+            self.sock.sendall(rest)
 
     def _exact(self, n):
+        if n > 4096:
+            # MSG_WAITALL: one allocation, no zero-fill, usually one call.
+            data = self.sock.recv(n, socket.MSG_WAITALL)
+            if len(data) == n:
+                return data
+            if not data:
+                raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
+            return data + bytes(self._exact(n - len(data)))
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -550,7 +569,10 @@ class BlockingConnection:
         version, mtype, length = HEADER.unpack(self._exact(HEADER_LEN))
         try:
             codec.check_header(version, mtype, length, codec.REPLIES[req_type])
-            return codec.decode_reply(mtype, self._exact(length - HEADER_LEN))
+            body = self._exact(length - HEADER_LEN)
+            if mtype == codec.DOWNLOAD_CHUNK_SUCCESS and len(body) >= 4 and int.from_bytes(body[:4], "little") == len(body) - 4:
+                return codec.DownloadChunkSuccess(memoryview(body)[4:])  # no copy of the data
+            return codec.decode_reply(mtype, body)
         except codec.CodecError as e:
             self.close()
             raise ConnectionError("bad reply from toasty server %s:%d: %s" % (self.address + (e,)))
@@ -649,23 +671,24 @@ class BlockingToastyClient:
         return self.write_stream(path, _BytesSource(data), len(data), offset, truncate, create, chunk_size, progress)
 
     def write_stream(self, path, source, size, offset=0, truncate=False, create=True, chunk_size=None, progress=None):
-        """``source.read(n)`` supplies ``size`` bytes, written piece by piece (<= 1024 chunks each)."""
+        """``source.read(n)`` supplies ``size`` bytes, written piece by piece (<= 1024 chunks each)
+        and read chunk by chunk as the uploads go (memory stays bounded). A retried piece is read
+        again after ``source.seek``."""
         path = _path_bytes(path)
         if size == 0:
-            return self._write_piece(path, b"", offset, truncate, create, chunk_size)
+            return self._write_piece(path, None, offset, 0, truncate, create, chunk_size)
         try:
             cs = self.read_raw(path, offset, 0).chunk_size
         except NotFoundError:
             cs = chunk_size or DEFAULT_CHUNK_SIZE
+        base = source.tell() if hasattr(source, "tell") else 0
         pos, gen, first_piece = 0, None, True
         while pos < size:
             piece_len = min(size - pos, MAX_PIECE_CHUNKS * cs - (offset + pos) % cs)
-            data = source.read(piece_len)
-            if len(data) != piece_len:
-                raise ToastyError("source ended early (%d of %d bytes)" % (pos + len(data), size))
             last = pos + piece_len == size
             # TRUNCATE_AFTER on the first piece drops old bytes past it; later pieces extend.
-            gen = self._write_piece(path, data, offset + pos, truncate and (first_piece or last), create, chunk_size)
+            gen = self._write_piece(path, _SourceReader(source, base + pos, offset + pos), offset + pos, piece_len,
+                                    truncate and (first_piece or last), create, chunk_size)
             first_piece = False
             pos += piece_len
             if progress is not None:
@@ -688,17 +711,19 @@ class BlockingToastyClient:
             raise _error_of(created)
         return FileState(created.gen, chunk_size, write_locations=locations)
 
-    def _write_piece(self, path, data, offset, truncate, create, chunk_size):
+    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size):
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 time.sleep(backoff(attempt))
-            state = self._state(path, offset, len(data), create, chunk_size)
+            state = self._state(path, offset, length, create, chunk_size)
             if state is None:
                 continue
             flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
-            uploads = plan_uploads(state, offset, data, truncate)
-            self._upload_all(uploads)
-            reply = self.meta.call(write_message(state, path, offset, len(data), flags, uploads))
+            uploads = []
+            if length:
+                reader.rewind()
+                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate), uploads)
+            reply = self.meta.call(write_message(state, path, offset, length, flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
                 return reply.gen
             if not should_retry(reply):
@@ -711,10 +736,7 @@ class BlockingToastyClient:
         outstanding = deque()
         for address, msg, ctx in jobs:
             conn = self.chunk_conn(address)
-            if isinstance(msg, tuple):
-                conn.send_raw(*msg)
-            else:
-                conn.send(msg)
+            conn.send(msg)
             outstanding.append((conn, ctx))
             if len(outstanding) >= self.parallel:
                 conn0, ctx0 = outstanding.popleft()
@@ -723,14 +745,18 @@ class BlockingToastyClient:
             conn0, ctx0 = outstanding.popleft()
             on_reply(ctx0, conn0.recv())
 
-    def _upload_all(self, uploads):
+    def _upload_all(self, planned, uploads):
         def jobs():
-            for up in uploads:
-                raw = (up.msg.TYPE, codec.encode(up.msg))
+            for up in planned:
+                uploads.append(up)
                 for target in up.targets:
-                    yield target, raw, (up, target)
+                    yield target, up.msg, (up, target)
 
-        self._run_pipelined(jobs(), lambda ctx, reply: record_upload(ctx[0], ctx[1], reply))
+        def done(ctx, reply):
+            record_upload(ctx[0], ctx[1], reply)
+            ctx[0].msg = None  # the data may go
+
+        self._run_pipelined(jobs(), done)
 
     def read(self, path, offset=0, length=None, verify=True):
         out = []
@@ -786,7 +812,7 @@ class BlockingToastyClient:
                 if verify:
                     verify_chunk(h, data)
             piece = data[lo:hi]
-            out[i] = piece + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
+            out[i] = bytes(piece) + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
 
         self._run_pipelined(jobs, got)
         for piece in out:
@@ -803,10 +829,41 @@ class BlockingToastyClient:
 
 class _BytesSource:
     def __init__(self, data):
-        self.view = memoryview(bytes(data))
+        self.view = memoryview(data)
         self.pos = 0
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos):
+        self.pos = pos
 
     def read(self, n):
         out = self.view[self.pos : self.pos + n]
         self.pos += len(out)
-        return out.tobytes()
+        return out
+
+
+class _SourceReader:
+    """``read(lo, hi)`` for plan_uploads over a sequential source, from source position ``start``
+    (file offset ``offset``); ``rewind`` seeks back for a retried piece."""
+
+    def __init__(self, source, start, offset):
+        self.source, self.start, self.offset = source, start, offset
+        self.next = None
+
+    def rewind(self):
+        if self.next is not None and self.next != self.offset:
+            if not hasattr(self.source, "seek"):
+                raise ToastyError("the source cannot be re-read for a retried WRITE")
+            self.source.seek(self.start)
+        self.next = self.offset
+
+    def read(self, lo, hi):
+        if lo != self.next:
+            raise AssertionError("chunks are read in order")
+        data = self.source.read(hi - lo)
+        if len(data) != hi - lo:
+            raise ToastyError("source ended early (%d bytes short)" % (hi - lo - len(data)))
+        self.next = hi
+        return data

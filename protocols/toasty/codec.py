@@ -401,16 +401,26 @@ def _body(msg) -> list:
     return out
 
 
-def encode(msg) -> bytes:
-    """A whole message: header (with the total length) and body."""
+def encode_parts(msg) -> list:
+    """A whole message as a list of buffers (header first), for scatter-gather sends: a chunk's
+    data is not copied."""
     body = _body(msg)
     length = HEADER_LEN + sum(len(b) for b in body)
     if length > MAX_MESSAGE:
         raise ValueError("message of %d bytes is over the 16 MiB limit" % length)
-    return b"".join([HEADER.pack(VERSION, msg.TYPE, length)] + body)
+    body.insert(0, HEADER.pack(VERSION, msg.TYPE, length))
+    return body
+
+
+def encode(msg) -> bytes:
+    """A whole message: header (with the total length) and body."""
+    return b"".join(encode_parts(msg))
 
 
 # -- decoding ----------------------------------------------------------------------------------
+
+
+_ADDR_CACHE = {}
 
 
 class _Reader:
@@ -462,6 +472,28 @@ class _Reader:
         return n
 
     def addr_list(self) -> AddrList:
+        # The same few server lists repeat in every READ reply (one per chunk): decode each
+        # distinct byte string once. AddrLists handed out are shared; treat them as read-only.
+        buf, pos = self.buf, self.pos
+        if len(buf) - pos >= 8:
+            (n4,) = _U32.unpack_from(buf, pos)
+            at6 = pos + 4 + n4 * _V4.size
+            if n4 <= 16 and at6 + 4 <= len(buf):
+                (n6,) = _U32.unpack_from(buf, at6)
+                end = at6 + 4 + n6 * _V6.size
+                if n6 <= 16 and end <= len(buf):
+                    key = bytes(buf[pos:end])
+                    cached = _ADDR_CACHE.get(key)
+                    if cached is None:
+                        cached = self._addr_list()
+                        if len(_ADDR_CACHE) < 1024:
+                            _ADDR_CACHE[key] = cached
+                    else:
+                        self.pos = end
+                    return cached
+        return self._addr_list()
+
+    def _addr_list(self) -> AddrList:
         a = AddrList()
         for _ in range(self.count(_V4.size)):
             ip, port = self.unpack(_V4)

@@ -12,6 +12,7 @@ unacknowledged write (CREATE, DELETE, WRITE) of the same connection waits for it
 SHA-256 of the zero-padded chunk).
 """
 
+import struct
 from collections import deque
 
 from twisted.internet import defer
@@ -26,6 +27,20 @@ from storage import files
 
 MAX_IN_FLIGHT = 64  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
+READ_SIZE = 256 * 1024
+_CREATE_CHUNK_HEAD = struct.Struct("<III")
+
+
+_METRIC_NAMES = {
+    codec.CREATE: "toasty_create",
+    codec.DELETE: "toasty_delete",
+    codec.LIST: "toasty_list",
+    codec.READ: "toasty_read",
+    codec.WRITE: "toasty_write",
+    codec.CREATE_CHUNK: "toasty_create_chunk",
+    codec.UPLOAD_CHUNK: "toasty_upload_chunk",
+    codec.DOWNLOAD_CHUNK: "toasty_download_chunk",
+}
 
 
 class _Slot:
@@ -54,6 +69,7 @@ class _ToastyServerProtocol(Protocol):
         self._out_paused = False
         self._in_paused = False
         self._framing = False
+        self._drain_wait = False
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -62,6 +78,9 @@ class _ToastyServerProtocol(Protocol):
             self.transport.setTcpNoDelay(True)
         except Exception:
             pass
+        if hasattr(self.transport, "bufferSize"):
+            # Read (and buffer replies) in 256 KiB steps: a 64 KiB chunk message is one read, not two.
+            self.transport.bufferSize = READ_SIZE
         self.transport.registerProducer(self, True)
 
     def connectionLost(self, reason):
@@ -100,7 +119,12 @@ class _ToastyServerProtocol(Protocol):
         self._closed = True
 
     def _update_reading(self):
-        want_pause = self._out_paused or self._in_flight >= MAX_IN_FLIGHT or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES
+        want_pause = (
+            self._out_paused
+            or self._in_flight >= MAX_IN_FLIGHT
+            or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES
+            or self._store_congested()
+        )
         if want_pause and not self._in_paused:
             self._in_paused = True
             self.transport.pauseProducing()
@@ -109,6 +133,22 @@ class _ToastyServerProtocol(Protocol):
             self.transport.resumeProducing()
             if not self._framing:  # else the running _frames loop carries on
                 self._frames()
+
+    def _store_congested(self):
+        """The store's write queue is over its high-water mark: stop reading until it drains."""
+        store = self.node.store
+        if not getattr(store, "congested", False):
+            return False
+        if not self._drain_wait:
+            self._drain_wait = True
+
+            def drained(_):
+                self._drain_wait = False
+                if not self._closed:
+                    self._update_reading()
+
+            store.when_drained().addBoth(drained)
+        return True
 
     # -- framing ------------------------------------------------------------------------------
 
@@ -139,14 +179,23 @@ class _ToastyServerProtocol(Protocol):
                 return
             if avail < length:
                 break
-            body = bytes(buf[self._pos + HEADER_LEN : self._pos + length])
+            pos = self._pos
             self._pos += length
-            try:
-                msg = codec.decode_request(mtype, body)
-            except codec.CodecError as e:
-                self._drop(str(e))
-                return
-            del body
+            msg = None
+            if mtype == codec.CREATE_CHUNK and length >= HEADER_LEN + 12:
+                # The bulk message: slice its data straight out of the buffer (one copy).
+                chunk_size, off, n = _CREATE_CHUNK_HEAD.unpack_from(buf, pos + HEADER_LEN)
+                if n == length - HEADER_LEN - 12:
+                    with memoryview(buf) as view:
+                        msg = codec.CreateChunk(chunk_size, off, view[pos + HEADER_LEN + 12 : pos + length].tobytes())
+            if msg is None:
+                with memoryview(buf) as view:
+                    body = view[pos + HEADER_LEN : pos + length].tobytes()
+                try:
+                    msg = codec.decode_request(mtype, body)
+                except codec.CodecError as e:
+                    self._drop(str(e))
+                    return
             self._start(msg, length)
         if self._pos and not self._closed:
             del buf[: self._pos]
@@ -155,6 +204,9 @@ class _ToastyServerProtocol(Protocol):
     # -- ordered replies ----------------------------------------------------------------------
 
     def _start(self, msg, size):
+        metrics = self.node.metrics
+        key = _METRIC_NAMES[msg.TYPE]
+        metrics[key] = metrics.get(key, 0) + 1
         slot = _Slot()
         self._slots.append(slot)
         self._in_flight += 1
