@@ -147,6 +147,8 @@ class RecordLog:
     def append(self, sid, batch, expect_offset=None):
         """Assign the next offset now; fire with it once the batch is durable."""
         store = self._store
+        if type(batch) is not bytes:
+            batch = bytes(batch)  # the caller's buffer may change once we return
         try:
             s = self._get(sid)
             if s.origin is not None:

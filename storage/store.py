@@ -187,10 +187,19 @@ class Store:
         )
 
     def _every(self, seconds, fn):
-        loop = task.LoopingCall(fn)
+        def tick():
+            d = defer.maybeDeferred(fn)
+            d.addErrback(self._tick_failed, fn)
+            return d
+
+        loop = task.LoopingCall(tick)
         loop.clock = self.reactor
-        loop.start(seconds, now=False).addErrback(lambda f: self.logger.failure("periodic store task failed", f))
+        loop.start(seconds, now=False)
         return loop
+
+    def _tick_failed(self, failure, fn):
+        if not self.closed:  # a tick racing close() fails with StoreClosed: not worth a line
+            self.logger.failure("periodic store task {task} failed", failure, task=fn.__name__)
 
     # -- recovery ---------------------------------------------------------------------------------
 

@@ -163,3 +163,39 @@ async def test_chunks_kv_meta(tmp_path):
     assert st.kv.get(b"\xffz") == b"2" and st.meta.read(lambda t: t.get("t", b"k1")) == {"i": 1}
     assert st.chunks.has(b) and st.chunks.last_seq() == 2
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_offsets_in_call_order_and_acks_in_log_order(tmp_path):
+    st = open_store(tmp_path, fsync="interval:50")
+    a = (await st.log.create_stream()).stream_id
+    b = (await st.log.create_stream()).stream_id
+    acks = []
+    ds = []
+    for i in range(200):
+        sid = a if i % 3 else b
+        d = st.log.append(sid, bytearray(batch(1 + i % 4, 100 * (i % 7), i)))
+        d.addCallback(lambda base, i=i: (acks.append(i), base)[1])
+        ds.append(d)
+    bases = await defer.gatherResults(ds)
+    assert acks == list(range(200))
+    for sid in (a, b):
+        got = await st.log.read(sid, 0, 1 << 30)
+        assert [base_of(g) for g in got] == [base for i, base in enumerate(bases) if (a if i % 3 else b) == sid]
+    kv = [st.kv.put(b"k%03d" % i, b"v%d" % i) for i in range(100)]
+    await defer.gatherResults(kv)
+    assert st.kv.scan_keys(b"k05", 3) == [b"k050", b"k051", b"k052"]
+    assert st.kv.scan_keys(None, 2, prefix=b"k09") == [b"k090", b"k091"]
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_congestion_signal_and_closed_store(tmp_path):
+    st = open_store(tmp_path)
+    assert not st.congested and st.queued_bytes() == 0
+    await st.when_drained()
+    sid = (await st.log.create_stream()).stream_id
+    await st.close()
+    with pytest.raises(errors.StoreClosed):
+        await st.log.append(sid, batch())
+    await st.close()  # idempotent
