@@ -391,3 +391,31 @@ def test_sigterm_ends_live_sessions(tmp_path):
         assert n.terminate() == 0 and time.monotonic() - t0 < 10
     finally:
         n.terminate()
+
+
+def test_sbpctl_s2(node, capsys):
+    from node.cli import main
+
+    ep = ["s2", "--endpoint", "127.0.0.1:%d" % node.ports["http"]]
+    name = "cli-" + uuid.uuid4().hex[:8]
+    assert main(ep + ["create-stream", name, "--retention-secs", "3600"]) == 0
+    assert "sbp stream id" in capsys.readouterr().out
+    assert main(ep + ["append", name, "one", "two", "--header", "k=v"]) == 0
+    assert capsys.readouterr().out.strip() == "appended seq_nums 0..1"
+    assert main(ep + ["read", name, "--count", "5"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["seq_num"], r["body"], r["headers"]) for r in lines] == [(0, "one", [["k", "v"]]), (1, "two", [["k", "v"]])]
+    assert main(ep + ["read", name, "--count", "2", "--follow"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    assert main(ep + ["tail", name]) == 0
+    assert capsys.readouterr().out.startswith("seq_num 2 ")
+    assert main(ep + ["config", name]) == 0
+    assert json.loads(capsys.readouterr().out)["retention_policy"] == {"age": 3600}
+    assert main(ep + ["streams", "--prefix", name]) == 0
+    assert capsys.readouterr().out.split("\t")[0] == name
+    assert main(ep + ["basins"]) == 0
+    assert "sbpnode-default" in capsys.readouterr().out
+    assert main(ep + ["delete-stream", name]) == 0
+    capsys.readouterr()
+    assert main(ep + ["tail", name]) == 1
+    assert "stream_not_found" in capsys.readouterr().err
