@@ -287,7 +287,9 @@ class StreamSync:
             # describe another history (bee's epoch lesson).
             self.conn.log.warn("peer {peer}: {stream} cursor {c} below synced {t}; resetting intervals", peer=self.conn.svc.address, stream=str(self.stream), c=cursor, t=self.intervals.top())
             self.intervals = Intervals()
-            self.conn.svc.save_intervals(self.stream, self.intervals)
+            d = self.conn.svc.save_intervals(self.stream, self.intervals)
+            if d is not None:
+                d.addErrback(self._write_failed)
         self.cursor = cursor
         self.next()
 
@@ -392,6 +394,14 @@ class StreamSync:
             if self.log_buffer or (self.wanted and req.roundtrip):
                 # something is missing (vanished on the peer): cover only what was applied
                 last = self.applied_top if self.applied_top >= req.from_ else 0
+                if not self.applied_top and self.log_buffer:
+                    # the peer's first batch starts past our replica's end (trimmed on its
+                    # owner): a replica cannot start there. Park the stream until reconnect.
+                    self.conn.log.warn(
+                        "peer {peer}: {stream} continues at offset {base}, our copy ends at {end}; not syncing it",
+                        peer=self.conn.svc.address, stream=str(self.stream), base=min(self.log_buffer), end=self.conn.sink.log_next(self.sid),
+                    )
+                    self.stopped = True
             self.log_buffer = {}
         self.wanted = set()
         if last >= req.from_:
@@ -491,6 +501,8 @@ class SyncProtocol(Protocol):
 
     def tick(self):
         now = self.svc.clock.seconds()
+        if self.paused:
+            self.last_rx = now  # we stopped reading (the store is behind), not the peer
         expecting = self.awaiting_info or any(s.expecting() for s in self.streams.values())
         if expecting and now - self.last_rx > self.svc.timeout:
             self.drop("silent for %.1fs" % (now - self.last_rx))
