@@ -60,6 +60,16 @@ async def run(endpoint, args):
         print("append session: %d records in %.2fs: %.0f records/s, %.1f MB/s; ack latency ms p50 %.1f p99 %.1f max %.1f"
               % (n, dt, n / dt, mb / dt, pct(latencies, 50) * 1e3, pct(latencies, 99) * 1e3, max(latencies) * 1e3))
 
+        # Ack latency without queueing: one batch in flight at a time.
+        lat1 = []
+        async with stream.append_session() as session:
+            for _ in range(args.unary):
+                s = time.perf_counter()
+                await (await session.submit(batch))
+                lat1.append(time.perf_counter() - s)
+        print("append session, 1 batch in flight: %d batches: ack latency ms p50 %.1f p99 %.1f max %.1f"
+              % (len(lat1), pct(lat1, 50) * 1e3, pct(lat1, 99) * 1e3, max(lat1) * 1e3))
+
         t0 = time.perf_counter()
         got = 0
         async for rb in stream.read_session(start=SeqNum(0), limit=ReadLimit(count=n)):
