@@ -232,3 +232,23 @@ def test_live_sbp_stream_replicated_and_readable_on_follower(tmp_path, node_fact
     out = subprocess.run([sys.executable, "-m", "node.cli", "peer", "list", "--endpoint", b.endpoint("sbp"), "--json"], capture_output=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert a.endpoint("swarm") in json.loads(out.stdout)["peers"]
+
+
+def test_peer_restart_reconnects_with_backoff(tmp_path, node_factory):
+    port = free_port()
+    preload_subprocess(str(tmp_path / "a-data"), 61, chunks=50, chunk_size=256)
+    opts = dict(OFF, swarm="tcp:%d:interface=127.0.0.1" % port)
+    a = node_factory(name="a", node_id=61, **opts)
+    b = node_factory(name="b", node_id=62, peer="tcp:host=127.0.0.1:port=%d" % port, **OFF)
+    wait_until(lambda: info(b)[codec.CHUNKS_ID] == 50, what="first sync")
+    assert a.terminate() == 0
+    # more data lands on A while it is down (written offline into its store)
+    preload_subprocess(a.data_dir, 61, chunks=30, chunk_size=256)
+    time.sleep(1.0)  # B is retrying with backoff meanwhile
+    a.start()
+    wait_until(lambda: info(b)[codec.CHUNKS_ID] == 80, what="B to reconnect and catch up")
+    assert content(b) == content(a)
+    key = "127.0.0.1:%d" % port
+    # the snapshot file is refreshed once a second
+    wait_until(lambda: peers_snapshot(b).get(key, {}).get("items") == 80, what="stats to show 80 items")
+    assert peers_snapshot(b)[key]["connects"] >= 2
