@@ -5,8 +5,10 @@
 
 Appends ``--records`` records (``--body-bytes`` bodies, in ``--ranges`` ranges, so that many Spark
 partitions) to one stream over SBP, writes the same rows (CONTRACT §8 columns) to one Parquet file,
-starts a ``local[2]`` SparkSession (not timed), then times the same aggregate over every column on
-both sources ``--repeat`` times after one warm-up each, and prints rows/s and the ratio.
+starts a ``local[2]`` SparkSession (not timed), then reads every row and column of both sources
+``--repeat`` times after one warm-up each (Spark's ``noop`` sink, or ``--action agg``) and prints
+rows/s and the ratio. A third source yields the same rows as pre-built Arrow batches: the cost of
+PySpark's Python data source path alone on this machine (an upper bound for any Python source).
 """
 
 import argparse
@@ -75,8 +77,15 @@ def write_parquet(path, sid, records, body_bytes, ts0):
     writer.close()
 
 
-def timed(df, F):
+def timed(df, action):
+    """Seconds to read every row and column of ``df``; returns (seconds, rows seen or None)."""
+    from pyspark.sql import functions as F
+
     t0 = time.perf_counter()
+    if action == "noop":
+        # Spark's own read benchmarks use the noop sink: every column materialised, nothing kept.
+        df.write.format("noop").mode("overwrite").save()
+        return time.perf_counter() - t0, None
     row = df.agg(
         F.count("*").alias("n"),
         F.max("offset"),
@@ -88,6 +97,53 @@ def timed(df, F):
     return time.perf_counter() - t0, row["n"]
 
 
+def ceiling_source(records, body_bytes, partitions):
+    """A Python data source yielding pre-built Arrow batches of the same rows: no I/O, no decoding.
+
+    It measures what PySpark's Python data source path itself costs on this machine, the bound any
+    Python source (ours included) stays under.
+    """
+    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+    class CeilingReader(DataSourceReader):
+        def partitions(self):
+            per = -(-records // partitions)
+            return [InputPartition((i * per, min(records, (i + 1) * per))) for i in range(partitions)]
+
+        def read(self, partition):
+            import numpy as np
+            import pyarrow as pa
+
+            from node.spark.arrow import ARROW_SCHEMA, _empty_headers
+
+            lo, hi = partition.value
+            step = 38_000  # about what one 4 MiB FETCH of 100-byte records holds
+            body = pa.array([os.urandom(body_bytes)] * step, pa.binary())
+            for start in range(lo, hi, step):
+                n = min(step, hi - start)
+                offsets = np.arange(start, start + n, dtype=np.int64)
+                yield pa.RecordBatch.from_arrays(
+                    [pa.array(np.full(n, 1, dtype=np.int64)), pa.array(offsets),
+                     pa.array(offsets * 1000, pa.timestamp("us", tz="UTC")), _empty_headers(n), body.slice(0, n)],
+                    schema=ARROW_SCHEMA,
+                )
+
+    class CeilingSource(DataSource):
+        @classmethod
+        def name(cls):
+            return "sbp_bench_ceiling"
+
+        def schema(self):
+            from node.spark.arrow import SCHEMA_DDL
+
+            return SCHEMA_DDL
+
+        def reader(self, schema):
+            return CeilingReader()
+
+    return CeilingSource
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", help="host:port of a running node's SBP listener (default: start one)")
@@ -96,6 +152,8 @@ def main(argv=None):
     p.add_argument("--ranges", type=int, default=2, help="ranges in the stream = Spark partitions")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--master", default="local[2]")
+    p.add_argument("--action", choices=("noop", "agg"), default="noop",
+                   help="noop: write to Spark's noop sink; agg: aggregate over every column")
     args = p.parse_args(argv)
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -108,7 +166,7 @@ def main(argv=None):
     from node.spark.arrow import split_endpoint
 
     tmp = tempfile.mkdtemp(prefix="spark_bench_")
-    node = None
+    node_proc = None
     spark = None
     try:
         if args.endpoint:
@@ -116,8 +174,8 @@ def main(argv=None):
         else:
             from tests.nodeproc import NodeProcess
 
-            node = NodeProcess(tmp, fsync="never").start()
-            endpoint = node.endpoint("sbp")
+            node_proc = NodeProcess(tmp, fsync="never").start()
+            endpoint = node_proc.endpoint("sbp")
         client = BlockingSbpClient(*split_endpoint(endpoint))
         sid, load_s = load(client, args.records, args.body_bytes, args.ranges)
         client.close()
@@ -127,8 +185,6 @@ def main(argv=None):
         write_parquet(parquet, sid, args.records, args.body_bytes, int(time.time() * 1000))
 
         from pyspark.sql import SparkSession
-        from pyspark.sql import functions as F
-
         import node.spark
 
         t0 = time.perf_counter()
@@ -139,31 +195,36 @@ def main(argv=None):
             .config("spark.driver.host", "127.0.0.1")
             .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.sql.shuffle.partitions", "2")
+            .config("spark.ui.showConsoleProgress", "false")
             .getOrCreate()
         )
         spark.sparkContext.setLogLevel("ERROR")
         node.spark.register(spark)
         print("SparkSession %s started in %.1f s (not timed)" % (args.master, time.perf_counter() - t0))
 
-        sbp_df = spark.read.format("sbp").option("endpoint", endpoint).option("streams", str(sid)).load()
-        pq_df = spark.read.parquet(parquet)
-        results = {}
-        for name, df in (("sbp", sbp_df), ("parquet", pq_df)):
-            warm, n = timed(df, F)
+        spark.dataSource.register(ceiling_source(args.records, args.body_bytes, args.ranges))
+        sources = (
+            ("sbp", spark.read.format("sbp").option("endpoint", endpoint).option("streams", str(sid)).load()),
+            ("parquet", spark.read.parquet(parquet)),
+            ("ceiling", spark.read.format("sbp_bench_ceiling").load()),
+        )
+        rates = {}
+        for name, df in sources:
+            warm, n = timed(df, "agg")  # warm-up, and every source really holds the rows
             assert n == args.records, (name, n)
-            times = [timed(df, F)[0] for _ in range(args.repeat)]
-            results[name] = times
-            print("%-8s partitions=%d warm-up %.2f s; runs %s s; median %.2f s = %.0f rows/s"
-                  % (name, df.rdd.getNumPartitions(), warm, " ".join("%.2f" % t for t in times),
-                     statistics.median(times), args.records / statistics.median(times)))
-        sbp_rate = args.records / statistics.median(results["sbp"])
-        pq_rate = args.records / statistics.median(results["parquet"])
-        print("sbp %.0f rows/s, parquet %.0f rows/s, ratio sbp/parquet = %.2f (target >= 0.5)" % (sbp_rate, pq_rate, sbp_rate / pq_rate))
+            times = [timed(df, args.action)[0] for _ in range(args.repeat)]
+            rates[name] = args.records / statistics.median(times)
+            print("%-8s partitions=%d warm-up %.2f s; %s runs %s s; median %.0f rows/s"
+                  % (name, df.rdd.getNumPartitions(), warm, args.action, " ".join("%.2f" % t for t in times), rates[name]))
+        print("sbp %.0f rows/s, parquet %.0f rows/s: ratio sbp/parquet = %.2f (target >= 0.5); "
+              "Python data source ceiling %.0f rows/s = %.2f of parquet; sbp = %.2f of the ceiling"
+              % (rates["sbp"], rates["parquet"], rates["sbp"] / rates["parquet"], rates["ceiling"],
+                 rates["ceiling"] / rates["parquet"], rates["sbp"] / rates["ceiling"]))
     finally:
         if spark is not None:
             spark.stop()
-        if node is not None:
-            node.terminate()
+        if node_proc is not None:
+            node_proc.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -9,6 +9,7 @@ batches): each records block is msgpack-unpacked once and its four fields are tr
 import time
 import zlib
 from itertools import repeat
+from operator import itemgetter
 
 import msgpack
 import numpy as np
@@ -37,6 +38,9 @@ ARROW_SCHEMA = pa.schema(
 )
 
 _unpackb = msgpack.unpackb
+_get1 = itemgetter(1)
+_get2 = itemgetter(2)
+_get3 = itemgetter(3)
 
 
 def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
@@ -79,16 +83,18 @@ def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
             raise InvalidBatch("records block of batch at offset %d does not hold %d records" % (base, count))
         if first or last != count:
             records = records[first:last]
+        n = last - first
         try:
-            deltas, ts_deltas, hdrs, body = zip(*records)
-        except (TypeError, ValueError):
+            # The node validated every record at APPEND (CONTRACT §3); spot-check the shape here.
+            if records[0][0] != first or records[-1][0] != last - 1 or len(records[-1]) != 4:
+                raise InvalidBatch("offset_delta sequence broken in batch at offset %d" % base)
+            ts_parts.append(np.fromiter(map(_get1, records), dtype=np.int64, count=n) + base_ts)
+            if any(map(_get2, records)):
+                headers.append((len(bodies), list(map(_get2, records))))
+            bodies.extend(map(_get3, records))
+        except (TypeError, IndexError, ValueError):
             raise InvalidBatch("malformed record in batch at offset %d" % base) from None
-        if deltas != tuple(range(first, last)):
-            raise InvalidBatch("offset_delta sequence broken in batch at offset %d" % base)
         offset_parts.append(np.arange(base + first, base + last, dtype=np.int64))
-        ts_parts.append(np.array(ts_deltas, dtype=np.int64) + base_ts)
-        headers.extend(hdrs)
-        bodies.extend(body)
     if not bodies:
         return None, next_offset
     n = len(bodies)
@@ -98,25 +104,56 @@ def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
         body_arr = pa.array(bodies, type=pa.binary())
     except (TypeError, pa.ArrowInvalid):
         raise InvalidBatch("a record body is not bytes") from None
+    if headers:
+        # Some batch carries headers: spell out every row's list (empty for the batches without).
+        per_row = []
+        for row, hdrs in headers:
+            per_row.extend(repeat((), row - len(per_row)))
+            per_row.extend(hdrs)
+        per_row.extend(repeat((), n - len(per_row)))
+        headers_arr = _headers_array(per_row)
+    else:
+        headers_arr = _empty_headers(n)
     columns = [
         pa.array(np.full(n, stream_id, dtype=np.int64)),
         pa.array(offsets),
         pa.array(ts_ms * 1000, type=TIMESTAMP_TYPE),
-        _headers_array(headers),
+        headers_arr,
         body_arr,
     ]
     return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA), next_offset
+
+
+def fetch_next_offset(buf) -> int:
+    """One past the last record of the last batch in a FETCH result (header walk only)."""
+    view = memoryview(buf)
+    size = len(view)
+    pos = 0
+    next_offset = -1
+    while pos < size:
+        if size - pos < HEADER_SIZE:
+            raise InvalidBatch("truncated batch header at byte %d" % pos)
+        magic, base, count, _, _, rlen = HEADER.unpack_from(view, pos)
+        if magic != MAGIC or rlen < 0:
+            raise InvalidBatch("malformed batch at byte %d" % pos)
+        pos += HEADER_SIZE + rlen
+        next_offset = base + count
+    if pos != size:
+        raise InvalidBatch("truncated batch at the end of a FETCH result")
+    return next_offset
+
+
+def _empty_headers(n):
+    """``n`` empty header lists (the common case): list offsets all zero."""
+    empty = pa.StructArray.from_arrays([pa.array([], pa.binary()), pa.array([], pa.binary())], fields=list(HEADER_TYPE))
+    return pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), empty, type=HEADERS_TYPE)
 
 
 def _headers_array(headers):
     """``list<struct<name, value>>`` from per-record header sequences of [name, value] pairs."""
     n = len(headers)
     if not any(headers):
-        # The common case: no headers at all. Every list is empty: offsets all zero.
-        empty = pa.StructArray.from_arrays(
-            [pa.array([], pa.binary()), pa.array([], pa.binary())], fields=list(HEADER_TYPE)
-        )
-        return pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), empty, type=HEADERS_TYPE)
+        return _empty_headers(n)
     lengths = np.fromiter(map(len, headers), dtype=np.int32, count=n)
     list_offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(lengths, out=list_offsets[1:])

@@ -14,7 +14,7 @@ Options (strings, as Spark passes them):
   an offset, or a JSON object; exclusive.
 - ``max_records_per_trigger`` (streaming reads): admission control, the most records one
   micro-batch takes over all streams (default: no limit).
-- ``fetch_bytes``: FETCH ``batch_max_bytes`` (default 1 MiB); ``timeout``: socket timeout seconds.
+- ``fetch_bytes``: FETCH ``batch_max_bytes`` (default 4 MiB); ``timeout``: socket timeout seconds.
 - Writes: ``stream`` (target stream id; without it each row goes to its ``stream_id`` column's
   stream), ``batch_bytes`` (record batch size, default 1 MiB), ``report_path`` (the driver writes the
   appended offsets there as JSON on commit).
@@ -23,6 +23,8 @@ Options (strings, as Spark passes them):
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import List, Tuple
@@ -38,13 +40,23 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
 
-from node.spark.arrow import SCHEMA_DDL, arrow_to_records, encode_records, fetch_to_arrow, parse_streams, split_endpoint
+from node.spark.arrow import (
+    SCHEMA_DDL,
+    arrow_to_records,
+    encode_records,
+    fetch_next_offset,
+    fetch_to_arrow,
+    parse_streams,
+    split_endpoint,
+)
 
 # Spark's Python workers run no Twisted log observer, so this module logs through the standard
 # library, which Spark's worker stderr (the executor log) captures.
 log = logging.getLogger("sbpnode.spark")
 
-DEFAULT_FETCH_BYTES = 1 << 20
+DEFAULT_FETCH_BYTES = 4 << 20
+# FETCH results a partition's fetch thread may hold ahead of the decoder.
+FETCH_AHEAD = 2
 DEFAULT_TIMEOUT = 30.0
 # APPEND requests carry several record batches; a few MiB amortises one round trip (and, with
 # --fsync always, one group commit) over many batches while staying far below the 16 MiB frame.
@@ -140,28 +152,74 @@ def read_partition(p: SbpPartition):
     """FETCH ``[p.start, p.end)`` and yield one Arrow RecordBatch per FETCH result."""
     if not isinstance(p, SbpPartition):
         return  # Spark plans one bare InputPartition when partitions() finds nothing to read
-    offset = p.start
-    client = _client(p.endpoint, p.timeout)
-    try:
-        while offset < p.end:
+    for offset, buf in _fetch_ahead(p):
+        batch, _ = fetch_to_arrow(buf, p.stream_id, offset, p.end)
+        if batch is not None:
+            yield batch
+
+
+_DONE = object()
+
+
+def _fetch_ahead(p: SbpPartition, depth: int = FETCH_AHEAD):
+    """``(fetch_offset, FETCH result)`` pairs covering ``[p.start, p.end)``.
+
+    A thread issues the FETCHes while the caller decodes: the node serves the next result while this
+    one is converted (the socket wait releases the GIL), so a partition reads at about the node's
+    rate instead of node time + decode time. At most ``depth`` results wait in memory.
+    """
+    results = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item):
+        while not stop.is_set():
             try:
-                buf = client.fetch(p.stream_id, offset, batch_max_bytes=p.fetch_bytes)
-            except Exception as e:  # SbpError or a socket error: say what was being read
-                e.add_note("sbp: FETCH stream %d at offset %d from %s" % (p.stream_id, offset, p.endpoint))
-                raise
-            if not buf:
-                raise RuntimeError(
-                    "sbp: stream %d ended at offset %d before the planned end %d (trimmed or deleted?)"
-                    % (p.stream_id, offset, p.end)
-                )
-            batch, next_offset = fetch_to_arrow(buf, p.stream_id, offset, p.end)
-            if next_offset <= offset:
-                raise RuntimeError("sbp: FETCH at %d of stream %d made no progress" % (offset, p.stream_id))
-            offset = next_offset
-            if batch is not None:
-                yield batch
+                results.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def fetcher():
+        client = _client(p.endpoint, p.timeout)
+        offset = p.start
+        try:
+            while offset < p.end and not stop.is_set():
+                try:
+                    buf = client.fetch(p.stream_id, offset, batch_max_bytes=p.fetch_bytes)
+                except Exception as e:  # SbpError or a socket error: say what was being read
+                    e.add_note("sbp: FETCH stream %d at offset %d from %s" % (p.stream_id, offset, p.endpoint))
+                    raise
+                if not buf:
+                    raise RuntimeError(
+                        "sbp: stream %d ended at offset %d before the planned end %d (trimmed or deleted?)"
+                        % (p.stream_id, offset, p.end)
+                    )
+                next_offset = fetch_next_offset(buf)
+                if next_offset <= offset:
+                    raise RuntimeError("sbp: FETCH at %d of stream %d made no progress" % (offset, p.stream_id))
+                if not put((offset, buf)):
+                    return
+                offset = next_offset
+            put(_DONE)
+        except BaseException as e:
+            put(e)
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=fetcher, name="sbp-fetch-%d" % p.stream_id, daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = results.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
     finally:
-        client.close()
+        stop.set()
+        thread.join()
 
 
 class SbpBatchReader(DataSourceReader):
