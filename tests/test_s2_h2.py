@@ -184,3 +184,33 @@ def test_sniffer_routes_http2_prior_knowledge():
     cl.send()
     assert cl.response(sid) == ("200", b"got:x", True)
     assert isinstance(cl.p.inner, H2ServerProtocol)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.integers(1, 50))
+def test_garbage_after_preface_never_raises(data, chunk):
+    t = StringTransport()
+    p = SniffingProtocol(FakeFactory())
+    p.makeConnection(t)
+    stream = PREFACE + data
+    for i in range(0, len(stream), chunk):
+        p.dataReceived(stream[i:i + chunk])  # must not raise; may close the connection
+    p.connectionLost(None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([b"POST /echo", b"GET /nope", b"/session"]), max_size=5), st.binary(max_size=100))
+def test_valid_h2_requests_with_random_bodies(paths, body):
+    cl = Client(h2proto)
+    cl.send()
+    sids = []
+    for path in paths:
+        method, _, target = path.rpartition(b" ")
+        sids.append(cl.request((method or b"POST").decode(), target.decode(), body))
+    cl.send()
+    for sid in sids:
+        assert cl.response(sid)[0] in ("200", "404", "413")

@@ -403,3 +403,32 @@ def test_tls_alpn_h2(tmp_path, monkeypatch):
             assert resp.status == 200
     finally:
         node.terminate()
+
+
+def test_ensure_and_limits(endpoint):
+    from s2_sdk import EnsureStatus
+
+    async def main():
+        async with client(endpoint) as s2:
+            basin = s2.basin("sbpnode-default")
+            name = unique("ens")
+            r = await basin.ensure_stream(name)
+            assert r.status == EnsureStatus.CREATED
+            r = await basin.ensure_stream(name)
+            assert r.status == EnsureStatus.CONFIG_UNCHANGED
+            r = await basin.ensure_stream(name, config=StreamConfig(retention_policy=60))
+            assert r.status == EnsureStatus.CONFIG_UPDATED
+            assert (await basin.get_stream_config(name)).retention_policy == 60
+            st = basin.stream(name)
+            # A full batch: 1000 records; unary reads are capped at 1000 records.
+            await st.append(AppendInput(records=[Record(body=b"")] * 1000))
+            await st.append(AppendInput(records=[Record(body=b"x", headers=[(b"h", b"")])] * 1000))
+            batch = await st.read(start=SeqNum(0), limit=ReadLimit(count=5000))
+            assert len(batch.records) == 1000 and batch.records[0].body == b""
+            batch = await st.read(start=SeqNum(1000), limit=ReadLimit(count=1))
+            assert batch.records[0].headers == [(b"h", b"")]
+            # A bound that stops before the first record: 200 with no records.
+            batch = await st.read(start=SeqNum(0), until_timestamp=1)
+            assert batch.records == []
+
+    run(main())
