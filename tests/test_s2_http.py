@@ -419,3 +419,12 @@ def test_sbpctl_s2(node, capsys):
     capsys.readouterr()
     assert main(ep + ["tail", name]) == 1
     assert "stream_not_found" in capsys.readouterr().err
+
+
+def test_basin_from_host_subdomain(node):
+    status, _, _ = call(node, "POST", "/v1/basins", {"basin": "host-basin-1"})
+    assert status == 201
+    status, _, body = call(node, "POST", "/v1/streams", {"stream": "hs"}, {"host": "host-basin-1.b.example:80"})
+    assert status == 201, body
+    _, _, body = call(node, "GET", "/v1/streams", headers={"s2-basin": "host-basin-1"})
+    assert [s["name"] for s in json.loads(body)["streams"]] == ["hs"]

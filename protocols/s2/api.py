@@ -15,6 +15,7 @@ appends queued behind that load are released in arrival order.
 
 import hmac
 import random
+import re
 import time
 from collections import deque
 
@@ -360,7 +361,13 @@ class S2Api:
         return None
 
     def _req_basin(self, req):
-        return req.header("s2-basin") or DEFAULT_BASIN
+        # s2-basin first (s2-sdk with a plain endpoint, s2-lite style); else S2's cloud form
+        # {basin}.b.<host> in Host / :authority; else the default basin.
+        basin = req.header("s2-basin")
+        if basin:
+            return basin
+        m = _BASIN_HOST.match(req.header("host", ""))
+        return m.group(1) if m else DEFAULT_BASIN
 
     async def _stream(self, req, auto_create=None):
         basin = self._req_basin(req)
@@ -881,6 +888,9 @@ class S2Api:
     def shutdown(self):
         for s in list(self.sessions):
             s.stop(draining=True)
+
+
+_BASIN_HOST = re.compile(r"^([a-z0-9][a-z0-9-]{6,46}[a-z0-9])\.b\.")
 
 
 def _no_method():

@@ -207,6 +207,8 @@ class H2ServerProtocol(Protocol):
             http_version="2",
             max_body=self.max_body,
         )
+        if ":authority" in pseudo and "host" not in headers:
+            request.headers["host"] = pseudo[":authority"]
         responder = H2Responder(self, event.stream_id, request)
         self.streams[event.stream_id] = responder
         self.handler.dispatch(responder)
