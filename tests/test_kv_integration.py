@@ -194,3 +194,23 @@ def test_sigterm_with_open_connections_then_restart(node_factory):
         assert set(keys) <= got
         with pytest.raises(KvError):
             kv2.scan(c.GET_FF, b"open", 1)  # cursors do not outlive their connection
+
+
+def test_pipelined_reads_see_the_connections_own_writes(node_factory):
+    node = node_factory(fsync="always", **OFF)
+    with BlockingKvClient(*node.address("kv")) as kv:
+        for round_ in range(20):
+            k = b"rw%d" % round_
+            results = kv.pipeline([
+                (c.SET, lambda cid: c.encode_set(cid, k, b"one")),
+                (c.GET, lambda cid: c.encode_get(cid, k)),
+                (c.SET, lambda cid: c.encode_set(cid, k, b"two")),
+                (c.GET, lambda cid: c.encode_get(cid, k)),
+                (c.GET_KEYS, lambda cid: c.encode_scan(c.GET_KEYS, cid, 5, b"nope")),
+                (c.REMOVE, lambda cid: c.encode_remove(cid, k)),
+                (c.GET, lambda cid: c.encode_get(cid, k)),
+                (c.REMOVE, lambda cid: c.encode_remove(cid, k)),
+            ])
+            assert results[:4] == [None, b"one", None, b"two"]
+            assert isinstance(results[4], KvError) and results[4].code == c.E_CURSOR_NOT_FOUND
+            assert results[5:] == [True, None, False]
