@@ -838,16 +838,22 @@ class S2Api:
         waiting.addCallbacks(fired, failed)
         timer = self.reactor.callLater(timeout, waiting.cancel)
 
+        def on_close():
+            if not result.called:
+                result.callback(False)
+
         def cleanup(r):
             if timer.active():
                 timer.cancel()
             if not waiting.called:
                 waiting.cancel()
+            if responder is not None and on_close in responder.on_close:
+                responder.on_close.remove(on_close)
             return r
 
-        result.addBoth(cleanup)
         if responder is not None:
-            responder.on_close.append(lambda: result.called or result.callback(False))
+            responder.on_close.append(on_close)
+        result.addBoth(cleanup)
         return result
 
     async def h_read_sse(self, req, responder, body):
