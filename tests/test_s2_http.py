@@ -428,3 +428,20 @@ def test_basin_from_host_subdomain(node):
     assert status == 201, body
     _, _, body = call(node, "GET", "/v1/streams", headers={"s2-basin": "host-basin-1"})
     assert [s["name"] for s in json.loads(body)["streams"]] == ["hs"]
+
+
+def test_sse_error_event_when_the_stream_is_deleted(node):
+    import threading
+
+    name = new_stream(node)
+    call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "x"}]})
+    out = {}
+    t = threading.Thread(target=lambda: out.update(events=sse(node, "/v1/streams/%s/records?seq_num=0" % name)))
+    t.start()
+    time.sleep(0.5)
+    status, _, _ = call(node, "DELETE", "/v1/streams/%s" % name)
+    assert status == 202
+    t.join(20)
+    events = out["events"]
+    assert [e.get("event") for e in events] == ["batch", "ping", "error"]
+    assert json.loads(events[-1]["data"])["code"] == "stream_not_found"
