@@ -17,6 +17,7 @@ cost microseconds each, so the headers are read and written here by a schema-dri
 table decodes to an instance of a generated dataclass named as in the schema (``codec.T.AppendInfo``).
 """
 
+import binascii
 import dataclasses
 import struct
 import zlib
@@ -120,6 +121,12 @@ _CRC = struct.Struct(">I")
 FRAME_OVERHEAD = PREFIX_SIZE + 4
 
 
+# CRC-32 (zlib's polynomial and values). binascii.crc32 computes the same as zlib.crc32 but keeps
+# the GIL: zlib.crc32 releases it for buffers over 5 KiB, and on a busy node re-acquiring it behind
+# the storage writer thread cost more than the CRC itself (measured: bench/sbp_bench.py).
+_crc32 = binascii.crc32
+crc32 = binascii.crc32
+
 # -- frame ----------------------------------------------------------------------------------------
 
 
@@ -200,7 +207,7 @@ def encode_frame_parts(opcode, flags, stream_id, header=b"", payload_parts=(), h
     crc = 0
     for p in payload_parts:
         plen += len(p)
-        crc = zlib.crc32(p, crc)
+        crc = _crc32(p, crc)
     hlen = len(header)
     length = 16 + hlen + plen
     if length > MAX_FRAME_LENGTH:
@@ -253,7 +260,7 @@ def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES) -> Frame:
     view = memoryview(buf)
     # one copy of the payload (a bytearray slice would copy twice)
     payload = bytes(view[pstart:pend]) if pend > pstart else b""
-    expect = zlib.crc32(payload) if payload else 0
+    expect = _crc32(payload) if payload else 0
     if crc != expect:
         raise BadFrame("payload crc 0x%08x != 0x%08x" % (crc, expect), opcode, stream_id)
     fmt = fmt_hlen >> 24
