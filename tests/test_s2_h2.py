@@ -214,3 +214,12 @@ def test_valid_h2_requests_with_random_bodies(paths, body):
     cl.send()
     for sid in sids:
         assert cl.response(sid)[0] in ("200", "404", "413")
+
+
+def test_non_utf8_path_gets_400():
+    cl = Client(h2proto)
+    cl.send()
+    sid = cl.request("GET", "/v1/streams/%ff%fe")
+    cl.send()
+    status, data, ended = cl.response(sid)
+    assert status == "400" and b"bad_path" in data and ended

@@ -59,6 +59,8 @@ def test_health_and_unknown_routes(node):
     assert status == 404 and headers["content-type"] == "application/json" and json.loads(body)["code"]
     status, _, body = call(node, "DELETE", "/v1/streams/x/records")
     assert status == 405 and "code" in json.loads(body)
+    status, _, body = call(node, "GET", "/v1/streams/%ff%fe/records")
+    assert status == 400 and json.loads(body)["code"] == "bad_path"
 
 
 def test_json_raw_and_base64_formats(node):

@@ -199,14 +199,22 @@ class H2ServerProtocol(Protocol):
                 headers[k] = headers[k] + ", " + v
             else:
                 headers[k] = v
-        request = HttpRequest(
-            pseudo.get(":method", "GET"),
-            pseudo.get(":path", "/"),
-            headers,
-            peer=str(self.transport.getPeer()),
-            http_version="2",
-            max_body=self.max_body,
-        )
+        try:
+            request = HttpRequest(
+                pseudo.get(":method", "GET"),
+                pseudo.get(":path", "/"),
+                headers,
+                peer=str(self.transport.getPeer()),
+                http_version="2",
+                max_body=self.max_body,
+            )
+        except UnicodeDecodeError:
+            request = HttpRequest("GET", "/", {}, http_version="2")
+            responder = H2Responder(self, event.stream_id, request)
+            self.streams[event.stream_id] = responder
+            responder.respond(400, [("content-type", "application/json")],
+                              b'{"code":"bad_path","message":"path segments are not UTF-8"}')
+            return
         if ":authority" in pseudo and "host" not in headers:
             request.headers["host"] = pseudo[":authority"]
         responder = H2Responder(self, event.stream_id, request)
