@@ -24,7 +24,6 @@ ROOT_TABLE = "toasty.root"
 ENT_TABLE = "toasty.ent"
 CHK_TABLE = "toasty.chk"
 GEN_COUNTER = "toasty.gen"
-INODE_COUNTER = "toasty.inode"
 ROOT_KEY = b"/"
 ROOT_INODE = 0
 ROOT_GEN = 1
@@ -95,6 +94,16 @@ class InvalidOperation(FsError):
         super().__init__(E_INVALID, detail)
 
 
+class _CheckTail(Exception):
+    """Raised inside a write transaction (which then writes nothing): check chunk ``addr``'s bytes
+    from ``keep`` on are zero, then run the transaction again."""
+
+    def __init__(self, addr, keep):
+        super().__init__()
+        self.addr = addr
+        self.keep = keep
+
+
 class Entity:
     __slots__ = ("inode", "gen", "is_dir", "chunk_size", "size")
 
@@ -147,12 +156,16 @@ class ReadResult:
         self.size = size
 
 
+_ROOT_PLACEHOLDER = Entity([ROOT_INODE, ROOT_GEN, True, 0, 0])
+
+
 class FileTree:
     """The file tree over ``store.meta`` (refcounts) and ``store.chunks`` (for the zero-tail rule)."""
 
     def __init__(self, store):
         self.store = store
         self.meta = store.meta
+        self._root_ready = False
 
     # -- helpers run inside a meta txn ----------------------------------------------------------
 
@@ -177,7 +190,8 @@ class FileTree:
 
     def _lookup_parent(self, txn, components, create_root=False) -> Entity:
         """The directory holding ``components[-1]``; NotFound / NotADirectory on the way."""
-        entity = self._root(txn, create_root)
+        # Once the root exists only its inode (0) is needed on the way down.
+        entity = _ROOT_PLACEHOLDER if self._root_ready else self._root(txn, create_root)
         for i, name in enumerate(components[:-1]):
             value = txn.get(ENT_TABLE, _ent_key(entity.inode, name))
             if value is None:
@@ -203,7 +217,11 @@ class FileTree:
     # -- operations ---------------------------------------------------------------------------
 
     def ensure_root(self):
-        return self.meta.transact(lambda txn: self._root(txn, create=True).gen)
+        def ready(gen):
+            self._root_ready = True
+            return gen
+
+        return self.meta.transact(lambda txn: self._root(txn, create=True).gen).addCallback(ready)
 
     def create(self, components, is_dir: bool, chunk_size: int = 0):
         """-> Deferred[gen of the new entity]."""
@@ -217,7 +235,7 @@ class FileTree:
             if entity is not None:
                 raise AlreadyExists("%s exists" % _show(components))
             gen = self._new_gen(txn)
-            inode = txn.next_id(INODE_COUNTER)
+            inode = gen  # generations are node-unique, so the creation generation names the inode
             txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), [inode, gen, bool(is_dir), 0 if is_dir else chunk_size, 0])
             return gen
 
@@ -314,9 +332,39 @@ class FileTree:
 
         return self.meta.read(fn)
 
-    @defer.inlineCallbacks
     def write(self, components, expect_gen: int, flags: int, offset: int, length: int, hashes):
         """-> Deferred[new gen]. ``hashes`` are the new addresses of the chunks the range spans."""
+        try:
+            hashes = self._write_args(components, expect_gen, offset, length, hashes)
+        except FsError:
+            return defer.fail()
+        # CONTRACT §5: bytes past the end of file read as zeros if the file grows again, so the
+        # chunk that ends up holding the end of file must be zero past it. Ours are (clients pad
+        # with zeros); when the transaction meets a chunk it has not seen checked, it stops, the
+        # chunk is checked (and replaced by a zero-tailed copy if need be) and it runs again.
+        checked = {}  # chunk address -> address of its checked (zero-tailed) version
+        attempts = [0]
+
+        def attempt(_=None):
+            d = self.meta.transact(lambda txn: self._write_txn(txn, components, expect_gen, flags, offset, length, hashes, checked))
+            d.addErrback(check_tail)
+            return d
+
+        def check_tail(failure):
+            failure.trap(_CheckTail)
+            attempts[0] += 1
+            if attempts[0] > 8:
+                raise BadGeneration("%s kept changing under the write" % _show(components))
+            need = failure.value
+            d = self._zero_tail(need.addr, need.keep)
+            d.addCallback(lambda fixed: checked.__setitem__(need.addr, fixed or need.addr))
+            d.addCallback(attempt)
+            return d
+
+        return attempt()
+
+    @staticmethod
+    def _write_args(components, expect_gen, offset, length, hashes):
         if expect_gen == NO_GENERATION:
             # CONTRACT §5: WRITE refuses expect_gen 0 (the chunk size must be the one the writer saw).
             raise BadGeneration("WRITE needs an expect_gen (0 is refused)")
@@ -330,107 +378,85 @@ class FileTree:
         for h in hashes:
             if h == ZERO_HASH:
                 raise InvalidOperation("the all-zero hash names no chunk")
+        return hashes
 
-        # A snapshot read learns the chunk size and the chunk that ends up holding the new end of
-        # file; the transaction below re-checks everything (the generation pins the snapshot).
-        snap = self.meta.read(lambda txn: self._write_snapshot(txn, components, offset, length, flags))
-        chunk_size, new_size, tail_index, tail_hash = snap
-        first, count = span(offset, length, chunk_size)
+    def _write_txn(self, txn, components, expect_gen, flags, offset, length, hashes, checked):
+        parent, entity = self._lookup(txn, components, create_root=True)
+        if entity is None:
+            if expect_gen == MISSING_GENERATION and flags & CREATE_IF_MISSING:
+                # Created in the same transaction as the write (research §B.9 bug 3 avoided).
+                entity = Entity([None, 0, False, DEFAULT_CHUNK_SIZE, 0])
+            else:
+                raise NotFound("%s does not exist" % _show(components))
+        else:
+            if entity.is_dir:
+                raise IsADirectory("%s is a directory" % _show(components))
+            check_gen(entity, expect_gen, _show(components))
+        cs = entity.chunk_size
+        first, count = span(offset, length, cs)
         if count != len(hashes):
             raise InvalidOperation(
-                "num_chunks is %d but [%d, %d) spans %d chunks of %d bytes" % (len(hashes), offset, offset + length, count, chunk_size)
+                "num_chunks is %d but [%d, %d) spans %d chunks of %d bytes" % (len(hashes), offset, offset + length, count, cs)
             )
-        # CONTRACT §5: bytes past the end of file read as zeros if the file grows again, so the
-        # chunk holding the new end must be zero past it. Ours are (clients pad with zeros); a
-        # chunk that is not is replaced by a zero-tailed copy.
-        replace_tail = None
-        if tail_index is not None:
-            if length and tail_index == first + count - 1:
-                tail_hash = hashes[-1]
-            if tail_hash is not None and tail_hash != ZERO_HASH:
-                fixed = yield self._zero_tail(tail_hash, new_size - tail_index * chunk_size)
-                if fixed is not None:
-                    replace_tail = (tail_index, tail_hash, fixed)
-        if replace_tail is not None and length and tail_index == first + count - 1:
-            hashes[-1] = replace_tail[2]
-            replace_tail = None
-
-        def fn(txn):
-            parent, entity = self._lookup(txn, components, create_root=True)
-            if entity is None:
-                if expect_gen == MISSING_GENERATION and flags & CREATE_IF_MISSING:
-                    # Created in the same transaction as the write (research §B.9 bug 3 avoided).
-                    inode = txn.next_id(INODE_COUNTER)
-                    entity = Entity([inode, 0, False, DEFAULT_CHUNK_SIZE, 0])
-                else:
-                    raise NotFound("%s does not exist" % _show(components))
-            else:
-                if entity.is_dir:
-                    raise IsADirectory("%s is a directory" % _show(components))
-                check_gen(entity, expect_gen, _show(components))
-            if entity.chunk_size != chunk_size:
-                raise BadGeneration("%s changed under the write" % _show(components))
-            missing = [h.hex() for h in set(hashes) if not txn.chunk_has(h)]
-            if missing:
-                raise FsError("Chunk not found", "the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
-            inode = entity.inode
-            released = []
-            if hashes:
-                txn.chunk_incref(hashes)
-            for i, h in enumerate(hashes):
-                key = _chk_key(inode, first + i)
-                old = txn.get(CHK_TABLE, key)
-                if old is not None:
-                    released.append(bytes(old))
-                txn.put(CHK_TABLE, key, h)
-            end = offset + length
-            if flags & TRUNCATE_AFTER:
-                size = end
-                keep = -(-size // chunk_size)  # chunks [0, keep) stay
-                for key, old in self._chunk_refs(txn, inode, keep):
-                    released.append(bytes(old))
-                    txn.delete(CHK_TABLE, key)
-            else:
-                size = max(entity.size, end)
-            if replace_tail is not None:
-                index, old_hash, new_hash = replace_tail
-                key = _chk_key(inode, index)
-                current = txn.get(CHK_TABLE, key)
-                if current is not None and bytes(current) == old_hash:
-                    if not txn.chunk_has(new_hash):
-                        raise FsError("Chunk not found", "the zero-tailed copy vanished")
-                    txn.chunk_incref([new_hash])
-                    released.append(old_hash)
-                    txn.put(CHK_TABLE, key, new_hash)
-            if released:
-                txn.chunk_decref(released)
-            entity.gen = self._new_gen(txn)
-            entity.size = size
-            txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), entity.value())
-            return entity.gen
-
-        gen = yield self.meta.transact(fn)
-        return gen
-
-    def _write_snapshot(self, txn, components, offset, length, flags):
-        _, entity = self._lookup(txn, components)
-        if entity is None:
-            if not (flags & CREATE_IF_MISSING):
-                raise NotFound("%s does not exist" % _show(components))
-            chunk_size, size, inode = DEFAULT_CHUNK_SIZE, 0, None
-        elif entity.is_dir:
-            raise IsADirectory("%s is a directory" % _show(components))
-        else:
-            chunk_size, size, inode = entity.chunk_size, entity.size, entity.inode
+        missing = [h.hex() for h in set(hashes) if not txn.chunk_has(h)]
+        if missing:
+            raise FsError("Chunk not found", "the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
         end = offset + length
-        new_size = end if flags & TRUNCATE_AFTER else max(size, end)
+        size = end if flags & TRUNCATE_AFTER else max(entity.size, end)
+        # The chunk holding the new end of file, when the end moved and is not chunk-aligned.
         tail_index = tail_hash = None
-        if new_size % chunk_size and new_size == end and (length or flags & TRUNCATE_AFTER):
-            tail_index = (new_size - 1) // chunk_size
-            if inode is not None:
-                value = txn.get(CHK_TABLE, _chk_key(inode, tail_index))
+        if size % cs and size == end and (length or flags & TRUNCATE_AFTER):
+            tail_index = (size - 1) // cs
+            if length:
+                tail_hash = hashes[-1]
+            elif entity.inode is not None:
+                value = txn.get(CHK_TABLE, _chk_key(entity.inode, tail_index))
                 tail_hash = bytes(value) if value is not None else None
-        return chunk_size, new_size, tail_index, tail_hash
+            if tail_hash is not None:
+                if tail_hash not in checked:
+                    raise _CheckTail(tail_hash, size - tail_index * cs)
+                if checked[tail_hash] != tail_hash:
+                    if not txn.chunk_has(checked[tail_hash]):
+                        raise FsError("Chunk not found", "the zero-tailed copy vanished")
+                    tail_hash = checked[tail_hash]
+                else:
+                    tail_index = None
+            else:
+                tail_index = None
+        gen = self._new_gen(txn)
+        if entity.inode is None:
+            entity.inode = gen  # created by CREATE_IF_MISSING: the creation generation names it
+        inode = entity.inode
+        new = list(hashes)
+        if tail_index is not None and length:
+            new[-1] = tail_hash
+            tail_index = None
+        released = []
+        if new:
+            txn.chunk_incref(new)
+        for i, h in enumerate(new):
+            key = _chk_key(inode, first + i)
+            old = txn.get(CHK_TABLE, key)
+            if old is not None:
+                released.append(bytes(old))
+            txn.put(CHK_TABLE, key, h)
+        if flags & TRUNCATE_AFTER:
+            keep = -(-size // cs)  # chunks [0, keep) stay
+            for key, old in self._chunk_refs(txn, inode, keep):
+                released.append(bytes(old))
+                txn.delete(CHK_TABLE, key)
+        if tail_index is not None:  # a truncation (length 0) ending inside an existing chunk
+            key = _chk_key(inode, tail_index)
+            old = txn.get(CHK_TABLE, key)
+            txn.chunk_incref([tail_hash])
+            released.append(bytes(old))
+            txn.put(CHK_TABLE, key, tail_hash)
+        if released:
+            txn.chunk_decref(released)
+        entity.gen = gen
+        entity.size = size
+        txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), entity.value())
+        return gen
 
     @defer.inlineCallbacks
     def _zero_tail(self, addr, keep):

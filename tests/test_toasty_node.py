@@ -39,6 +39,9 @@ def test_put_get_stat_list_blocking(node):
         assert c.read("/docs/big") == b"hello world"
         c.write("/docs/big", b"W", offset=6)
         assert c.read("/docs/big") == b"hello World"
+        c.write("/docs/big", b"+", offset=11)  # past the end of file, inside the last chunk
+        assert c.read("/docs/big") == b"hello World+"
+        c.write("/docs/big", b"", offset=11, truncate=True)
         c.write("/docs/big", b"!", offset=9000)  # a hole in between reads as zeros
         assert c.read("/docs/big") == b"hello World" + bytes(9000 - 11) + b"!"
         # a chosen chunk size goes through CREATE first
@@ -115,6 +118,10 @@ async def test_twisted_client_round_trip(node):
         assert gen2 > gen
         expect = data[:65530] + b"abc" + data[65533:]
         assert await c.read("/t/f") == expect
+        await c.write("/t/g", b"A" * 10)
+        await c.write("/t/g", b"B" * 10, offset=10)  # past the end of file, inside its chunk
+        assert await c.read("/t/g") == b"A" * 10 + b"B" * 10
+        await c.delete("/t/g")
         g, items = await c.list("/t")
         assert [i.name for i in items] == [b"f"]
         await c.delete("/t/f")

@@ -200,6 +200,17 @@ def pieces(offset, length, chunk_size):
         pos = piece_end
 
 
+def aligned(offset, length, chunk_size):
+    """The chunk-aligned range around [offset, offset+length): a write's READ must return the
+    current hash of every chunk it touches, including one that holds data only before ``offset``
+    or the end of file before ``offset+length`` (READ reports only readable bytes)."""
+    if not chunk_size:
+        return offset, length
+    lo = offset // chunk_size * chunk_size
+    hi = -(-(offset + length) // chunk_size) * chunk_size
+    return lo, hi - lo
+
+
 def backoff(attempt):
     """Randomised, growing pause before retrying a conflicting WRITE (so racing writers spread out)."""
     return random.uniform(0, 0.002 * 2 ** min(attempt, 8)) if attempt else 0.0
@@ -387,18 +398,24 @@ class ToastyClient:
                     cs = chunk_size or DEFAULT_CHUNK_SIZE
             piece_len = min(total - pos, MAX_PIECE_CHUNKS * cs - (offset + pos) % cs)
             last = pos + piece_len == total
-            gen = yield self._write_piece(path, data[pos : pos + piece_len], offset + pos, truncate and (first_piece or last), create, chunk_size)
+            gen = yield self._write_piece(path, data[pos : pos + piece_len], offset + pos, truncate and (first_piece or last), create, chunk_size, cs)
             first_piece = False
             pos += piece_len
         return gen
 
     @defer.inlineCallbacks
-    def _state(self, path, offset, length, create, chunk_size):
+    def _state(self, path, offset, length, create, chunk_size, cs_hint=None):
         """READ -> FileState; a missing file (with ``create``) is created by CREATE when a chunk
         size other than the default is asked for, else left to WRITE's CREATE_IF_MISSING."""
-        reply = yield self.meta.request(codec.Read(0, path, offset, length))
+        lo, n = aligned(offset, length, cs_hint)
+        reply = yield self.meta.request(codec.Read(0, path, lo, n))
         if isinstance(reply, codec.ReadSuccess):
-            return FileState.from_read(offset, reply)
+            if aligned(offset, length, reply.chunk_size) != (lo, n):
+                lo, n = aligned(offset, length, reply.chunk_size)
+                reply = yield self.meta.request(codec.Read(reply.gen, path, lo, n))
+                if not isinstance(reply, codec.ReadSuccess):
+                    return None  # changed meanwhile: start again
+            return FileState.from_read(lo, reply)
         if not (create and reply.message.startswith(E_NOENT)):
             raise _error_of(reply)
         locations = [a for a in (_server_address(w) for w in reply.write_locations) if a]
@@ -412,11 +429,11 @@ class ToastyClient:
         return FileState(created.gen, chunk_size, write_locations=locations)
 
     @defer.inlineCallbacks
-    def _write_piece(self, path, data, offset, truncate, create, chunk_size):
+    def _write_piece(self, path, data, offset, truncate, create, chunk_size, cs_hint=None):
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 yield task.deferLater(self.reactor, backoff(attempt), lambda: None)
-            state = yield self._state(path, offset, len(data), create, chunk_size)
+            state = yield self._state(path, offset, len(data), create, chunk_size, cs_hint)
             if state is None:
                 continue
             flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
@@ -688,17 +705,23 @@ class BlockingToastyClient:
             last = pos + piece_len == size
             # TRUNCATE_AFTER on the first piece drops old bytes past it; later pieces extend.
             gen = self._write_piece(path, _SourceReader(source, base + pos, offset + pos), offset + pos, piece_len,
-                                    truncate and (first_piece or last), create, chunk_size)
+                                    truncate and (first_piece or last), create, chunk_size, cs)
             first_piece = False
             pos += piece_len
             if progress is not None:
                 progress(piece_len)
         return gen
 
-    def _state(self, path, offset, length, create, chunk_size):
-        reply = self.meta.call(codec.Read(0, path, offset, length))
+    def _state(self, path, offset, length, create, chunk_size, cs_hint=None):
+        lo, n = aligned(offset, length, cs_hint)
+        reply = self.meta.call(codec.Read(0, path, lo, n))
         if isinstance(reply, codec.ReadSuccess):
-            return FileState.from_read(offset, reply)
+            if aligned(offset, length, reply.chunk_size) != (lo, n):
+                lo, n = aligned(offset, length, reply.chunk_size)
+                reply = self.meta.call(codec.Read(reply.gen, path, lo, n))
+                if not isinstance(reply, codec.ReadSuccess):
+                    return None  # changed meanwhile: start again
+            return FileState.from_read(lo, reply)
         if not (create and reply.message.startswith(E_NOENT)):
             raise _error_of(reply)
         locations = [a for a in (_server_address(w) for w in reply.write_locations) if a]
@@ -711,11 +734,11 @@ class BlockingToastyClient:
             raise _error_of(created)
         return FileState(created.gen, chunk_size, write_locations=locations)
 
-    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size):
+    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size, cs_hint=None):
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 time.sleep(backoff(attempt))
-            state = self._state(path, offset, length, create, chunk_size)
+            state = self._state(path, offset, length, create, chunk_size, cs_hint)
             if state is None:
                 continue
             flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)

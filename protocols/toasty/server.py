@@ -25,7 +25,7 @@ from protocols.toasty import codec, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
 from storage import files
 
-MAX_IN_FLIGHT = 64  # requests executing per connection before we stop reading
+MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
 READ_SIZE = 256 * 1024
 _CREATE_CHUNK_HEAD = struct.Struct("<III")
@@ -119,10 +119,12 @@ class _ToastyServerProtocol(Protocol):
         self._closed = True
 
     def _update_reading(self):
+        # Hysteresis: pause at the budget, resume at half of it (not one epoll change per request).
+        div = 2 if self._in_paused else 1
         want_pause = (
             self._out_paused
-            or self._in_flight >= MAX_IN_FLIGHT
-            or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES
+            or self._in_flight >= MAX_IN_FLIGHT // div
+            or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES // div
             or self._store_congested()
         )
         if want_pause and not self._in_paused:
