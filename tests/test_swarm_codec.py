@@ -192,3 +192,25 @@ def test_intervals():
     assert iv.to_list() == [[0, 40]]
     iv.add(5, 3)  # empty: ignored
     assert Intervals([(3, 4), (1, 2)]).to_list() == [[1, 4]]
+
+
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(0, 15)), max_size=12), st.integers(1, 80))
+def test_intervals_match_a_set_model(adds, start):
+    iv = Intervals()
+    model = set()
+    for a, n in adds:
+        iv.add(a, a + n)
+        model.update(range(a, a + n + 1))
+    pairs = iv.to_list()
+    assert set(i for a, b in pairs for i in range(a, b + 1)) == model
+    assert all(pairs[k][1] + 1 < pairs[k + 1][0] for k in range(len(pairs) - 1))  # merged, sorted
+    first, last = iv.next_gap(start)
+    expect = start
+    while expect in model:
+        expect += 1
+    assert first == expect
+    if last is None:
+        assert all(i <= first for i in model) or not [i for i in model if i > first]
+    else:
+        assert last + 1 in model and all(i not in model for i in range(first, last + 1))
+    assert Intervals(pairs) == iv
