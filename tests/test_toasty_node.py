@@ -228,3 +228,28 @@ def test_kill9_mid_write_leaves_old_or_new(node_factory):
             data = c.read(f)
             versions = [v for v in range(acked[f], sent[f] + 1) if data == bytes([v % 251]) * (size - v % 7)]
             assert versions, "%s: %d bytes match no version in %d..%d" % (f, len(data), acked[f], sent[f])
+
+
+@pytest.mark.parametrize("chunk_size", [16, 4096])
+def test_random_writes_match_a_model(node, chunk_size):
+    """Random writes (offsets inside, at and past the end, truncations) read back like a bytearray."""
+    import random
+
+    rnd = random.Random(chunk_size)
+    model = bytearray()
+    with BlockingToastyClient(*node.address("meta")) as c:
+        path = "/model%d" % chunk_size
+        c.write(path, b"", chunk_size=chunk_size)
+        for step in range(60):
+            size = len(model)
+            offset = rnd.choice([0, rnd.randrange(0, size + 1), size, size + rnd.randrange(0, 3 * chunk_size), rnd.randrange(0, 40 * chunk_size)])
+            data = bytes(rnd.getrandbits(8) for _ in range(rnd.choice([0, 1, rnd.randrange(1, 5 * chunk_size)])))
+            truncate = rnd.random() < 0.3
+            c.write(path, data, offset=offset, truncate=truncate)
+            if offset > len(model):
+                model += bytes(offset - len(model))
+            model[offset : offset + len(data)] = data
+            if truncate:
+                del model[offset + len(data) :]
+            assert c.read(path) == bytes(model), step
+        assert c.stat(path)["size"] == len(model)

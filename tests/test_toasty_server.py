@@ -366,3 +366,20 @@ def test_fuzz_random_headers(store, port, data):
     c = _fuzz_conn(store, port)
     c.proto.dataReceived(data)
     assert c.tr.disconnecting and c.tr.value() == b""
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_chunk_with_bytes_past_the_end_is_zero_tailed(meta, chunks):
+    """CONTRACT §5: bytes past the end of file read as zeros when the file grows again, even when a
+    client's chunk carried garbage there."""
+    dirty = await put_chunk(chunks, b"k" * 4096, 4096)
+    w = await meta.call(Write(MISSING, CREATE_IF_MISSING, b"/z", 0, 10, [wc(dirty)]))
+    assert w.TYPE == codec.WRITE_SUCCESS
+    r = await meta.call(Read(0, b"/z", 0, 4096))
+    assert r.file_length == 10 and r.chunks[0].hash != dirty
+    d = await chunks.call(DownloadChunk(r.chunks[0].hash, True))
+    assert d.data == b"k" * 10 + bytes(4086)
+    clean = r.chunks[0].hash
+    w = await meta.call(Write(w.gen, 0, b"/z", 0, 10, [wc(clean)]))  # already clean: kept as is
+    r = await meta.call(Read(0, b"/z", 0, 4096))
+    assert r.chunks[0].hash == clean
