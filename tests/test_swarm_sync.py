@@ -252,3 +252,14 @@ def test_peer_restart_reconnects_with_backoff(tmp_path, node_factory):
     # the snapshot file is refreshed once a second
     wait_until(lambda: peers_snapshot(b).get(key, {}).get("items") == 80, what="stats to show 80 items")
     assert peers_snapshot(b)[key]["connects"] >= 2
+
+
+def test_chain_relays_replicas(tmp_path, node_factory):
+    """A -> B -> C: C learns A's stream from B's replica, under the same id."""
+    preload_subprocess(str(tmp_path / "a-data"), 71, chunks=40, chunk_size=300, streams=1, batches=6, records=2, body=20)
+    a = node_factory(name="a", node_id=71, **OFF)
+    b = node_factory(name="b", node_id=72, peer=a.peer_endpoint(), **OFF)
+    c = node_factory(name="c", node_id=73, peer=b.peer_endpoint(), **OFF)
+    want = info(a)
+    wait_until(lambda: info(c) == want, what="C to get A's data through B")
+    assert content(c) == content(a)
