@@ -59,12 +59,13 @@ def _store_errors():
 class _StreamState:
     """Per-stream S2 state kept in memory: fencing token, last timestamp, next seq we know of."""
 
-    __slots__ = ("sid", "fence", "last_ts", "assigned", "ready", "waiters", "loading")
+    __slots__ = ("sid", "fence", "last_ts", "tail_ts", "assigned", "ready", "waiters", "loading")
 
     def __init__(self, sid, fence):
         self.sid = sid
         self.fence = fence
-        self.last_ts = 0
+        self.last_ts = 0  # highest timestamp handed out (stamping keeps timestamps non-decreasing)
+        self.tail_ts = 0  # timestamp of the last durable record (the tail's timestamp)
         # The next seq_num S2 appends will get: the store's next_offset advances only once a
         # batch is durable, while offsets are assigned at call time.
         self.assigned = -1
@@ -542,7 +543,7 @@ class S2Api:
         while True:
             meta = self.store.log.stream(st.sid)
             nxt = meta.next_offset
-            last_ts = st.last_ts
+            last_ts = st.tail_ts  # kept if the stream is empty or trimmed to its tail
             if nxt > meta.trim_offset:
                 try:
                     batches = await self.store.log.read(st.sid, nxt - 1, 1)
@@ -551,16 +552,17 @@ class S2Api:
                 for b in batches[-1:]:
                     header = record_batch.read_header(b)
                     recs = msgpack.unpackb(memoryview(b)[record_batch.HEADER_SIZE:], use_list=False)
-                    last_ts = max(last_ts, header.base_timestamp_ms + recs[-1][1])
+                    last_ts = header.base_timestamp_ms + recs[-1][1]
             if self.store.log.stream(st.sid).next_offset == nxt:
-                st.last_ts = last_ts
+                st.last_ts = max(st.last_ts, last_ts)
+                st.tail_ts = last_ts
                 st.assigned = max(st.assigned, nxt)
                 st.ready = True
                 return
 
     async def _tail(self, meta):
         st = await self._state(meta)
-        return (self.store.log.stream(meta.stream_id).next_offset, st.last_ts)
+        return (self.store.log.stream(meta.stream_id).next_offset, st.tail_ts)
 
     # -----------------------------------------------------------------------------------------
     # Append
@@ -631,11 +633,13 @@ class S2Api:
             raise codec.seq_num_mismatch(max(st.assigned, self.store.log.stream(sid).next_offset))
         if base + n > st.assigned:
             st.assigned = base + n
+        if last > st.tail_ts:
+            st.tail_ts = last
         self.metrics["appended_records"] += n
         if commands:
             self._apply_trims(sid, base, commands)
         tail_seq = max(self.store.log.stream(sid).next_offset, base + n)
-        return (base, first), (base + n, last), (tail_seq, st.last_ts)
+        return (base, first), (base + n, last), (tail_seq, st.tail_ts)
 
     def _apply_fences(self, st, commands):
         # Fencing is strongly consistent: appends after this one (even in the same session) are
