@@ -432,3 +432,44 @@ def test_ensure_and_limits(endpoint):
             assert batch.records == []
 
     run(main())
+
+
+def test_concurrent_sessions_on_one_stream(endpoint):
+    """Four append sessions and a follower on one stream: every ack's range holds exactly that
+    batch's records, ranges do not overlap, and the follower sees every record once, in order."""
+
+    async def main():
+        async with client(endpoint) as s2:
+            st = await new_stream(s2)
+            total = 4 * 30 * 5
+            seen = []
+
+            async def follow():
+                async for batch in st.read_session(start=SeqNum(0), limit=ReadLimit(count=total), wait=10):
+                    seen.extend((r.seq_num, r.body) for r in batch.records)
+
+            reader = asyncio.ensure_future(follow())
+
+            async def writer(w):
+                acks = []
+                async with st.append_session() as session:
+                    tickets = [await session.submit(AppendInput(records=[Record(body=b"w%d-%d-%d" % (w, b, i))
+                                                                         for i in range(5)]))
+                               for b in range(30)]
+                    for b, t in enumerate(tickets):
+                        acks.append((b, await t))
+                return w, acks
+
+            results = await asyncio.gather(*(writer(w) for w in range(4)))
+            await asyncio.wait_for(reader, 30)
+            assert [s for s, _ in seen] == list(range(total))
+            by_seq = dict(seen)
+            for w, acks in results:
+                starts = [a.start.seq_num for _, a in acks]
+                assert starts == sorted(starts)
+                for b, a in acks:
+                    assert a.end.seq_num - a.start.seq_num == 5
+                    assert [by_seq[s] for s in range(a.start.seq_num, a.end.seq_num)] == [
+                        b"w%d-%d-%d" % (w, b, i) for i in range(5)]
+
+    run(main())
