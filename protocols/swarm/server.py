@@ -531,6 +531,7 @@ class SwarmServerProtocol(Protocol):
 
 class SwarmServerFactory(Factory):
     log = Logger()
+    noisy = False
 
     def __init__(self, store, clock=None, offer_timeout=OFFER_TIMEOUT, stats=None):
         if clock is None:

@@ -578,6 +578,8 @@ class SyncProtocol(Protocol):
 
 
 class SyncFactory(Factory):
+    noisy = False  # ClientService reconnects often; its own retry log line is enough
+
     def __init__(self, svc):
         self.svc = svc
 
@@ -617,7 +619,7 @@ class PeerSyncService(service.MultiService):
         if endpoint is None:
             endpoint = endpoints.clientFromString(node.reactor, endpoint_string)
         self.client = internet.ClientService(
-            endpoint, SyncFactory(self), retryPolicy=internet.backoffPolicy(initialDelay=0.2, maxDelay=5.0), clock=self.clock
+            _RecordingEndpoint(endpoint, self.stats), SyncFactory(self), retryPolicy=internet.backoffPolicy(initialDelay=0.2, maxDelay=5.0), clock=self.clock
         )
         self.client.setServiceParent(self)
 
@@ -690,6 +692,21 @@ class PeerSyncService(service.MultiService):
         d = super().stopService()
         self.stats["connected"] = False
         return d
+
+
+class _RecordingEndpoint:
+    """Passes connects through, keeping the last connection failure in the peer's stats."""
+
+    def __init__(self, endpoint, stats):
+        self.endpoint = endpoint
+        self.stats = stats
+
+    def connect(self, factory):
+        def failed(failure):
+            self.stats["last_error"] = "connect: %s" % failure.getErrorMessage()
+            return failure
+
+        return self.endpoint.connect(factory).addErrback(failed)
 
 
 _LAST_SNAPSHOT = weakref.WeakKeyDictionary()
