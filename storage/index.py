@@ -12,8 +12,9 @@ import struct
 import lmdb
 
 # database numbers (stable: they are written into the WAL)
-SYS, STREAMS, INDEX, KV, META, CHUNKS, CHUNKSEQ, CHUNKREF, CHUNKFREE, PACKS = range(10)
-DB_NAMES = [b"sys", b"streams", b"index", b"kv", b"meta", b"chunks", b"chunkseq", b"chunkref", b"chunkfree", b"packs"]
+SYS, STREAMS, INDEX, KV, META, CHUNKS, CHUNKSEQ, CHUNKREF, CHUNKFREE, PACKS, SEGLIVE = range(11)
+DB_NAMES = [b"sys", b"streams", b"index", b"kv", b"meta", b"chunks", b"chunkseq", b"chunkref", b"chunkfree", b"packs",
+            b"seglive"]
 
 OP_PUT, OP_DEL, OP_DELRANGE = 0, 1, 2
 
@@ -46,30 +47,80 @@ def open_env(path: str, sync: bool, map_size: int = 1 << 38):
     return env, dbs
 
 
-def apply_ops(txn, dbs, ops):
+def apply_ops(txn, dbs, ops, live=None):
     for op in ops:
-        code, db, key = op[0], dbs[op[1]], op[2]
+        code, dbn, key = op[0], op[1], op[2]
+        db = dbs[dbn]
         if code == OP_PUT:
             txn.put(key, op[3], db=db)
         elif code == OP_DEL:
-            txn.delete(key, db=db)
+            old = txn.pop(key, db=db)
+            if old is not None and dbn == INDEX and live is not None:
+                live.drop(old)
         else:
-            delete_range(txn, db, key, op[3])
+            delete_range(txn, db, key, op[3], live.drop if (dbn == INDEX and live is not None) else None)
 
 
-def delete_range(txn, db, start: bytes, end: bytes) -> int:
-    """Delete keys in [start, end)."""
+def delete_range(txn, db, start: bytes, end: bytes, on_value=None) -> int:
+    """Delete keys in [start, end), passing each deleted value to ``on_value``."""
     n = 0
     cur = txn.cursor(db=db)
     if not cur.set_range(start):
         return 0
     while cur.key() < end:
         n += 1
+        if on_value is not None:
+            on_value(cur.value())
         if not cur.delete():
             break
         if not cur.key():
             break
     return n
+
+
+class LiveBytes:
+    """Per-segment deltas of live batch bytes in one transaction (table ``seglive``: segment
+    base -> bytes of batch entries the index still points at). A segment at 0 holds nothing live
+    (its other entries are all behind the checkpoint) and can be deleted."""
+
+    def __init__(self, wal):
+        self.wal = wal
+        self.delta = {}
+
+    def add(self, pos, n, base=None):
+        if base is None:
+            base = self.wal.segment_of(pos)
+        self.delta[base] = self.delta.get(base, 0) + n
+
+    def drop(self, index_value):
+        pos, total = INDEX_VAL.unpack(index_value)[:2]
+        self.add(pos, -total)
+
+    def merge(self, other):
+        for base, n in other.delta.items():
+            self.delta[base] = self.delta.get(base, 0) + n
+
+    def flush(self, txn, dbs):
+        db = dbs[SEGLIVE]
+        for base, n in self.delta.items():
+            if not n or base is None:
+                continue
+            key = U64.pack(base)
+            cur = txn.get(key, db=db)
+            value = (U64.unpack(cur)[0] if cur else 0) + n
+            if value > 0:
+                txn.put(key, U64.pack(value), db=db)
+            elif cur is not None:
+                txn.delete(key, db=db)
+        self.delta = {}
+
+
+def put_batch_index(txn, dbs, key, value, live, pos, total, base=None):
+    """Index one batch entry; an entry re-appended by the segment cleaner replaces its old place."""
+    old = txn.replace(key, value, db=dbs[INDEX])
+    live.add(pos, total, base)
+    if old is not None:
+        live.drop(old)
 
 
 def encode_key(prefix: bytes, key: bytes) -> bytes:
@@ -107,6 +158,7 @@ class RawTxn:
         self.dbs = dbs
         self.store = store
         self.ops = []
+        self.live = LiveBytes(store.wal)
         self.after_commit = []  # callables run in the writer thread once the group committed
         self.on_reactor = []  # callables run on the reactor thread once the group is durable
 
@@ -122,7 +174,7 @@ class RawTxn:
             self.ops.append([OP_DEL, db, key])
 
     def delete_range(self, db: int, start: bytes, end: bytes):
-        if delete_range(self.txn, self.dbs[db], start, end):
+        if delete_range(self.txn, self.dbs[db], start, end, self.live.drop if db == INDEX else None):
             self.ops.append([OP_DELRANGE, db, start, end])
 
     def cursor(self, db: int):

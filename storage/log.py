@@ -14,6 +14,7 @@ from storage.store import K_BATCH, _Op, _Stream, now_ms
 from storage.wal import T_BATCH
 
 _MAX_OFFSET = (1 << 63) - 1
+CLEAN_BELOW = 0.25  # re-append a segment's live batches when they fill less than this share of it
 
 
 class RecordLog:
@@ -461,22 +462,27 @@ class RecordLog:
                     out.append((sid, min(point, nxt)))
         return out
 
+    def gc_now(self):
+        """Run one segment collection pass now (tests, sbpctl); fires with (deleted, relocated)."""
+        return self._store.transact_raw(self._gc_segments)
+
     def _gc_segments(self, raw):
-        """Writer thread: delete WAL segments holding no live batch. The watermark is the lowest
-        WAL position of any stream's first live batch (every stream's batches lie in WAL order)."""
+        """Writer thread: delete every WAL segment whose live batch bytes (table ``seglive``) are 0,
+        and clean at most one mostly-dead segment by re-appending its few live batches at the head
+        (so one long-lived stream cannot pin old segments full of expired data)."""
         store = self._store
         wal = store.wal
-        watermark = wal.end
-        cur = raw.cursor(index.INDEX)
-        sid = 0
-        while cur.set_range(INDEX_KEY.pack(sid, 0)):
-            ksid, _ = INDEX_KEY.unpack(cur.key())
-            pos = INDEX_VAL.unpack(cur.value())[0]
-            watermark = min(watermark, pos)
-            if ksid + 1 >= 1 << 64:
-                break
-            sid = ksid + 1
-        victims = wal.deletable(watermark)
+        live = {}
+        for key, value in raw.cursor(index.SEGLIVE):
+            live[U64.unpack(key)[0]] = U64.unpack(value)[0]
+        old = [b for b in wal.bases if b != wal.active]
+        victims = [b for b in old if live.get(b, 0) <= 0]
+        relocated = 0
+        candidates = [b for b in old if 0 < live.get(b, 0) <= wal.segment_bytes * CLEAN_BELOW]
+        if candidates and len(old) >= 2:
+            target = min(candidates, key=lambda b: live[b])
+            relocated = self._relocate(raw, wal, target)
+            victims.append(target)
         if victims:
             reap = wal.reap()
 
@@ -484,12 +490,36 @@ class RecordLog:
                 import os
                 for fd in reap:
                     os.close(fd)
+                if relocated:
+                    wal.sync()  # the moved batches are on disk before their old copies go
                 for base in victims:
                     wal.delete(base)
-                self.log.info("deleted {n} WAL segments below {watermark}", n=len(victims), watermark=watermark)
+                self.log.info("deleted {n} WAL segments, re-appended {moved} live batches",
+                              n=len(victims), moved=relocated)
 
             raw.after_commit.append(delete)
-        return len(victims)
+        return len(victims), relocated
+
+    def _relocate(self, raw, wal, base):
+        """Re-append the batches of segment ``base`` the index still points at; the new T_BATCH
+        entries replace their index entries (also on replay)."""
+        moved = 0
+        idx = raw.dbs[index.INDEX]
+        for pos, etype, payload in wal.entries(base):
+            if etype != T_BATCH:
+                continue
+            sid = U64.unpack_from(payload, 0)[0]
+            boff = int.from_bytes(payload[17:25], "big", signed=True)
+            key = INDEX_KEY.pack(sid, boff)
+            cur = raw.txn.get(key, db=idx)
+            if cur is None or INDEX_VAL.unpack(cur)[0] != pos:
+                continue
+            _, total, count, append_ms = INDEX_VAL.unpack(cur)
+            new = wal.add(T_BATCH, (payload,))
+            index.put_batch_index(raw.txn, raw.dbs, key, INDEX_VAL.pack(new, total, count, append_ms),
+                                  raw.live, new, total, wal.active)
+            moved += 1
+        return moved
 
 
 def RangeMetaOf(r):

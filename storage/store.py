@@ -210,9 +210,11 @@ class Store:
             raw = txn.get(index.CHECKPOINT, db=self.dbs[index.SYS])
             checkpoint = U64.unpack(raw)[0] if raw else 0
             n = 0
+            live = index.LiveBytes(self.wal)
             for pos, etype, payload in self.wal.scan(checkpoint):
-                self._apply_entry(txn, pos, etype, payload)
+                self._apply_entry(txn, pos, etype, payload, live)
                 n += 1
+            live.flush(txn, self.dbs)
             end = max(self.wal.end, checkpoint)
             self.wal.ensure_at(end)
             txn.put(index.CHECKPOINT, U64.pack(end), db=self.dbs[index.SYS])
@@ -220,15 +222,16 @@ class Store:
             self.env.sync(True)
         return n
 
-    def _apply_entry(self, txn, pos, etype, payload):
+    def _apply_entry(self, txn, pos, etype, payload, live):
         if etype == T_BATCH:
             sid, append_ms = _BATCH_PREFIX.unpack_from(payload, 0)
             base = _BASE.unpack_from(payload, 17)[0]
             count = int.from_bytes(payload[25:29], "big", signed=True)
             total = ENTRY_SIZE + len(payload)
-            txn.put(INDEX_KEY.pack(sid, base), INDEX_VAL.pack(pos, total, count, append_ms), db=self.dbs[index.INDEX])
+            index.put_batch_index(txn, self.dbs, INDEX_KEY.pack(sid, base),
+                                  INDEX_VAL.pack(pos, total, count, append_ms), live, pos, total)
         else:
-            apply_ops(txn, self.dbs, msgpack.unpackb(payload, raw=True, use_list=True))
+            apply_ops(txn, self.dbs, msgpack.unpackb(payload, raw=True, use_list=True), live)
 
     # -- the write queue (reactor thread) -----------------------------------------------------
 
@@ -354,10 +357,11 @@ class Store:
         txn = self.env.begin(write=True)
         try:
             raw_ops = []
+            live = index.LiveBytes(wal)
             merged = []  # consecutive K_OPS share one WAL entry (one msgpack call)
             for op in work:
                 if op.kind == K_OPS:
-                    apply_ops(txn, self.dbs, op.a)
+                    apply_ops(txn, self.dbs, op.a, live)
                     merged.extend(op.a)
                     op.ok = True
                     continue
@@ -375,8 +379,8 @@ class Store:
                         parts = (_BATCH_PREFIX.pack(sid, append_ms), batch[:1], _BASE.pack(base), memoryview(batch)[9:])
                     pos = wal.add(T_BATCH, parts)
                     total = ENTRY_SIZE + 16 + len(batch)
-                    txn.put(INDEX_KEY.pack(sid, base), INDEX_VAL.pack(pos, total, count, append_ms),
-                            db=self.dbs[index.INDEX])
+                    index.put_batch_index(txn, self.dbs, INDEX_KEY.pack(sid, base),
+                                          INDEX_VAL.pack(pos, total, count, append_ms), live, pos, total, wal.active)
                     op.ok, op.value = True, base
                 else:
                     sub = self.env.begin(write=True, parent=txn)
@@ -388,6 +392,7 @@ class Store:
                         op.ok, op.value = False, Failure()
                         continue
                     sub.commit()
+                    live.merge(raw.live)
                     op.ok, op.value, op.raw = True, result, raw
                     if raw.ops:
                         wal.add(T_OPS, (msgpack.packb(raw.ops, use_bin_type=True),))
@@ -399,6 +404,7 @@ class Store:
             wal.flush()
             if durable:
                 wal.sync()
+            live.flush(txn, self.dbs)
             txn.put(index.CHECKPOINT, U64.pack(wal.end), db=self.dbs[index.SYS])
             txn.commit()
             if not durable:

@@ -60,45 +60,54 @@ class Wal:
         self._buf = bytearray()
         self._buf_start = self.end  # global position of _buf[0]
         self._dirty = set()
+        self._sizes = {}  # final sizes of retired segments
 
     # -- recovery ---------------------------------------------------------------------------------
 
     def scan(self, start: int):
         """Yield ``(pos, type, payload)`` for every valid entry from ``start``; at the first invalid
-        or torn entry cut the log there (truncate that segment, remove later ones). Returns via
-        ``self.end`` the new end."""
+        or torn entry cut the log there (truncate that segment, remove later ones)."""
         for base in list(self.bases):
             size = os.fstat(self.fds[base]).st_size
             if base + size <= start:
                 continue
-            off = max(0, start - base)
-            fd = self.fds[base]
-            buf = b""
-            buf_off = off  # file offset of buf[0]
-            while off < size:
-                rel = off - buf_off
-                if len(buf) - rel < ENTRY_SIZE:
-                    buf, buf_off, rel = self._refill(fd, buf, buf_off, rel, ENTRY_SIZE)
-                    if len(buf) < ENTRY_SIZE:
-                        yield from self._cut(base, off)
-                        return
-                length, crc, etype = ENTRY.unpack_from(buf, rel)
-                if length > MAX_PAYLOAD or off + ENTRY_SIZE + length > size or etype not in (T_BATCH, T_OPS):
-                    yield from self._cut(base, off)
-                    return
-                if len(buf) - rel < ENTRY_SIZE + length:
-                    buf, buf_off, rel = self._refill(fd, buf, buf_off, rel, ENTRY_SIZE + length)
-                    if len(buf) < ENTRY_SIZE + length:
-                        yield from self._cut(base, off)
-                        return
-                payload = memoryview(buf)[rel + ENTRY_SIZE: rel + ENTRY_SIZE + length]
-                if entry_crc(base, etype, (payload,)) != crc:
-                    payload.release()
-                    yield from self._cut(base, off)
-                    return
-                yield base + off, etype, bytes(payload)
-                payload.release()
-                off += ENTRY_SIZE + length
+            stop = [size]
+            yield from self.entries(base, max(0, start - base), stop)
+            if stop[0] < size:
+                self._cut(base, stop[0])
+                return
+
+    def entries(self, base: int, off: int = 0, stop=None):
+        """Yield the valid entries of segment ``base`` from file offset ``off``; ``stop[0]`` is set
+        to the offset where the valid entries end."""
+        fd = self.fds[base]
+        size = os.fstat(fd).st_size
+        buf = b""
+        buf_off = off  # file offset of buf[0]
+        while off < size:
+            rel = off - buf_off
+            if len(buf) - rel < ENTRY_SIZE:
+                buf, buf_off, rel = self._refill(fd, buf, buf_off, rel, ENTRY_SIZE)
+                if len(buf) < ENTRY_SIZE:
+                    break
+            length, crc, etype = ENTRY.unpack_from(buf, rel)
+            if length > MAX_PAYLOAD or off + ENTRY_SIZE + length > size or etype not in (T_BATCH, T_OPS):
+                break
+            if len(buf) - rel < ENTRY_SIZE + length:
+                buf, buf_off, rel = self._refill(fd, buf, buf_off, rel, ENTRY_SIZE + length)
+                if len(buf) < ENTRY_SIZE + length:
+                    break
+            payload = memoryview(buf)[rel + ENTRY_SIZE: rel + ENTRY_SIZE + length]
+            ok = entry_crc(base, etype, (payload,)) == crc
+            if ok:
+                data = bytes(payload)
+            payload.release()
+            if not ok:
+                break
+            yield base + off, etype, data
+            off += ENTRY_SIZE + length
+        if stop is not None:
+            stop[0] = min(off, size)
 
     @staticmethod
     def _refill(fd, buf, buf_off, rel, need):
@@ -115,7 +124,6 @@ class Wal:
         self.active = base
         self.end = base + off
         self._buf_start = self.end
-        return iter(())
 
     def ensure_at(self, position: int):
         """Continue writing at ``position`` when the index already covers more than the files hold
@@ -140,6 +148,8 @@ class Wal:
         return pos
 
     def _new_segment(self, base: int):
+        if self.active is not None:
+            self._sizes[self.active] = self.end - self.active if self.end > self.active else 0
         path = os.path.join(self.dir, segment_name(base))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.fds = dict(self.fds)
@@ -188,6 +198,23 @@ class Wal:
         return bool(self._dirty)
 
     # -- reading (any thread) -------------------------------------------------------------------
+
+    def segment_of(self, pos: int):
+        """The base of the segment holding ``pos``, or None if that segment is gone."""
+        bases = self.bases
+        i = bisect.bisect_right(bases, pos) - 1
+        if i < 0:
+            return None
+        base = bases[i]
+        if base == self.active:
+            return base if pos < self.end else None
+        size = self._sizes.get(base)
+        if size is None:
+            fd = self.fds.get(base)
+            if fd is None:
+                return None
+            size = self._sizes[base] = os.fstat(fd).st_size
+        return base if pos < base + size else None
 
     def read(self, pos: int, total: int, etype: int) -> memoryview:
         """The payload of the ``total``-byte entry at ``pos``, CRC-checked."""

@@ -128,6 +128,10 @@ class LogModel(RuleBasedStateMachine):
             assert (sealed.end_offset, new.range_index, new.start_offset) == (m["next"], idx + 1, m["next"])
 
     @rule()
+    def collect(self):
+        wait(self.store.log.gc_now())
+
+    @rule()
     def reopen(self):
         wait(self.store.close())
         self.store = self._open()
@@ -143,6 +147,18 @@ class LogModel(RuleBasedStateMachine):
             assert [[r.range_index, r.start_offset, r.end_offset] for r in meta.ranges] == m["ranges"]
             assert [(b, c) for b, c, _ in self.store.log.batches(sid, m["trim"], 1 << 20)] == \
                 [(b, c) for b, c, _ in m["batches"]]
+        # the per-segment live byte counts match what the index points at
+        from storage import index
+
+        st = self.store
+        want = {}
+        with st.env.begin() as txn:
+            for _, v in txn.cursor(db=st.dbs[index.INDEX]):
+                pos, total = index.INDEX_VAL.unpack(v)[:2]
+                seg = st.wal.segment_of(pos)
+                want[seg] = want.get(seg, 0) + total
+            have = {index.U64.unpack(k)[0]: index.U64.unpack(v)[0] for k, v in txn.cursor(db=st.dbs[index.SEGLIVE])}
+        assert have == want
 
 
 LogModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
