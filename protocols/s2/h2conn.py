@@ -229,6 +229,7 @@ class H2ServerProtocol(Protocol):
             return
         h2 = self.h2
         sid = r.stream_id
+        unflushed = 0
         try:
             while r.out and not self.paused:
                 window = h2.local_flow_control_window(sid)
@@ -244,7 +245,9 @@ class H2ServerProtocol(Protocol):
                     r.out.popleft()
                 r.out_bytes -= len(piece)
                 h2.send_data(sid, piece)
-                if len(h2._data_to_send) > 256 * 1024:
+                unflushed += len(piece)
+                if unflushed > 256 * 1024:
+                    unflushed = 0
                     self.flush()
             if not r.out and r.end_pending:
                 r.end_pending = False
