@@ -68,7 +68,9 @@ class H1Responder(BaseResponder):
     def abort(self):
         if not self.closed:
             self.closed = True
-            self.web.channel.transport.abortConnection()
+            channel = self.web.channel
+            if channel is not None and channel.transport is not None:
+                channel.transport.abortConnection()
 
     def pauseProducing(self):
         self.paused = True
