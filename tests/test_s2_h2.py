@@ -223,3 +223,33 @@ def test_non_utf8_path_gets_400():
     cl.send()
     status, data, ended = cl.response(sid)
     assert status == "400" and b"bad_path" in data and ended
+
+
+def h1_channel(handler=None, max_body=1000):
+    from protocols.s2.server import S2Site
+
+    site = S2Site(handler or StubHandler(), max_body)
+    t = StringTransport()
+    ch = site.buildProtocol(None)
+    ch.makeConnection(t)
+    return ch, t
+
+
+def test_http1_unary_and_streaming_session():
+    ch, t = h1_channel()
+    ch.dataReceived(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+    out = t.value()
+    assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"got:abc")
+    t.clear()
+    # An S2S-style "session" over HTTP/1.1: the whole body at once, a chunked streamed reply.
+    ch.dataReceived(b"POST /session HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nxy")
+    out = t.value()
+    assert out.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in out and b"XY" in out
+    assert out.endswith(b"0\r\n\r\n")
+
+
+def test_http1_declared_body_over_the_limit_is_413_before_reading():
+    ch, t = h1_channel()
+    ch.dataReceived(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+    out = t.value()
+    assert out.startswith(b"HTTP/1.1 413") and b'"code":"invalid"' in out and t.disconnecting
