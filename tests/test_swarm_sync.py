@@ -104,7 +104,7 @@ def test_three_nodes_both_ways_converge(tmp_path, node_factory):
 
 
 def test_restart_mid_batch_resumes(tmp_path, node_factory):
-    preload_subprocess(str(tmp_path / "a-data"), 31, chunks=4000, chunk_size=4096)
+    preload_subprocess(str(tmp_path / "a-data"), 31, chunks=4000, chunk_size=4096, streams=1, batches=300, records=8, body=1000)
     a = node_factory(name="a", node_id=31, **OFF)
     want = info(a)
     b = node_factory(name="b", node_id=32, peer=a.peer_endpoint(), **OFF)
