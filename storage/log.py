@@ -14,6 +14,7 @@ from storage.store import K_BATCH, _Op, _Stream, now_ms
 from storage.wal import T_BATCH
 
 _MAX_OFFSET = (1 << 63) - 1
+_DIRECT_READ = 16 << 10
 CLEAN_BELOW = 0.25  # re-append a segment's live batches when they fill less than this share of it
 
 
@@ -288,10 +289,16 @@ class RecordLog:
         out = []
         i = 0
         while i < len(spans):
-            # coalesce batches that sit back to back in the WAL into one pread
+            if spans[i][1] >= _DIRECT_READ:
+                # big batch: read the 25-byte frame + prefix and the batch separately, so the batch
+                # comes from the kernel straight into the bytes object we return (one copy)
+                out.append(wal.read_batch(*spans[i]))
+                i += 1
+                continue
+            # small batches back to back in the WAL: one pread for the run
             j = i + 1
             end = spans[i][0] + spans[i][1]
-            while j < len(spans) and spans[j][0] == end and end - spans[i][0] < (8 << 20):
+            while j < len(spans) and spans[j][0] == end and spans[j][1] < _DIRECT_READ and end - spans[i][0] < (8 << 20):
                 end += spans[j][1]
                 j += 1
             data, seg_base = wal.read_span(spans[i][0], end - spans[i][0])

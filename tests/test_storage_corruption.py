@@ -117,12 +117,13 @@ async def test_truncated_tail_is_cut(tmp_path):
     await st.close()
 
 
+@pytest.mark.parametrize("size", [100, 30000])  # small batches are read in runs, big ones alone
 @pytest.mark.parametrize("where", ["header", "payload", "base-offset"])
 @pytest_twisted.ensureDeferred
-async def test_corrupt_middle_is_data_corrupted(tmp_path, where):
+async def test_corrupt_middle_is_data_corrupted(tmp_path, where, size):
     st = open_store(tmp_path)
     sid = (await st.log.create_stream()).stream_id
-    originals = [batch(2, 100, i) for i in range(6)]
+    originals = [batch(2, size, i) for i in range(6)]
     for b in originals:
         await st.log.append(sid, b)
     positions = entry_positions(st, sid)
