@@ -694,10 +694,13 @@ class BlockingToastyClient:
         path = _path_bytes(path)
         if size == 0:
             return self._write_piece(path, None, offset, 0, truncate, create, chunk_size)
-        try:
-            cs = self.read_raw(path, offset, 0).chunk_size
-        except NotFoundError:
-            cs = chunk_size or DEFAULT_CHUNK_SIZE
+        probe = self.meta.call(codec.Read(0, path, offset, 0))
+        if isinstance(probe, codec.ReadSuccess):
+            cs, probe = probe.chunk_size, None
+        elif probe.message.startswith(E_NOENT):
+            cs = chunk_size or DEFAULT_CHUNK_SIZE  # the probe doubles as the first piece's READ
+        else:
+            raise _error_of(probe)
         base = source.tell() if hasattr(source, "tell") else 0
         pos, gen, first_piece = 0, None, True
         while pos < size:
@@ -705,16 +708,16 @@ class BlockingToastyClient:
             last = pos + piece_len == size
             # TRUNCATE_AFTER on the first piece drops old bytes past it; later pieces extend.
             gen = self._write_piece(path, _SourceReader(source, base + pos, offset + pos), offset + pos, piece_len,
-                                    truncate and (first_piece or last), create, chunk_size, cs)
-            first_piece = False
+                                    truncate and (first_piece or last), create, chunk_size, cs, probe)
+            first_piece, probe = False, None
             pos += piece_len
             if progress is not None:
                 progress(piece_len)
         return gen
 
-    def _state(self, path, offset, length, create, chunk_size, cs_hint=None):
+    def _state(self, path, offset, length, create, chunk_size, cs_hint=None, probe=None):
         lo, n = aligned(offset, length, cs_hint)
-        reply = self.meta.call(codec.Read(0, path, lo, n))
+        reply = probe if probe is not None else self.meta.call(codec.Read(0, path, lo, n))
         if isinstance(reply, codec.ReadSuccess):
             if aligned(offset, length, reply.chunk_size) != (lo, n):
                 lo, n = aligned(offset, length, reply.chunk_size)
@@ -734,11 +737,11 @@ class BlockingToastyClient:
             raise _error_of(created)
         return FileState(created.gen, chunk_size, write_locations=locations)
 
-    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size, cs_hint=None):
+    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size, cs_hint=None, probe=None):
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 time.sleep(backoff(attempt))
-            state = self._state(path, offset, length, create, chunk_size, cs_hint)
+            state = self._state(path, offset, length, create, chunk_size, cs_hint, probe if not attempt else None)
             if state is None:
                 continue
             flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
