@@ -627,18 +627,23 @@ class S2Api:
             st.tail_ts = last
         self.metrics["appended_records"] += n
         if commands:
+            self._persist_fence(st, commands)
             self._apply_trims(sid, base, commands)
         tail_seq = max(self.store.log.stream(sid).next_offset, base + n)
         return (base, first), (base + n, last), (tail_seq, st.tail_ts)
 
     def _apply_fences(self, st, commands):
         # Fencing is strongly consistent: appends after this one (even in the same session) are
-        # checked against the new token at once; the token is persisted in the stream attrs.
+        # checked against the new token at once.
         for _seq, op, body in commands:
             if op == b"fence":
                 st.fence = body.decode("utf-8")
-                self.store.log.update_stream(st.sid, attrs={"s2_fence": st.fence}).addErrback(
-                    lambda f: self.log.failure("persisting a fencing token failed", f))
+
+    def _persist_fence(self, st, commands):
+        # Once the fence record is durable, the token goes into the stream attrs (restarts).
+        if any(op == b"fence" for _seq, op, _body in commands):
+            self.store.log.update_stream(st.sid, attrs={"s2_fence": st.fence}).addErrback(
+                lambda f: self.log.failure("persisting a fencing token failed", f))
 
     def _apply_trims(self, sid, base, commands):
         for i, op, body in commands:
