@@ -707,12 +707,19 @@ class BlockingToastyClient:
             piece_len = min(size - pos, MAX_PIECE_CHUNKS * cs - (offset + pos) % cs)
             last = pos + piece_len == size
             # TRUNCATE_AFTER on the first piece drops old bytes past it; later pieces extend.
+            reported = [0]
+
+            def report(n, reported=reported, piece_len=piece_len):
+                n = min(n, piece_len - reported[0])  # a retried piece is not counted twice
+                if n > 0 and progress is not None:
+                    reported[0] += n
+                    progress(n)
+
             gen = self._write_piece(path, _SourceReader(source, base + pos, offset + pos), offset + pos, piece_len,
-                                    truncate and (first_piece or last), create, chunk_size, cs, probe)
+                                    truncate and (first_piece or last), create, chunk_size, cs, probe, report)
+            report(piece_len)
             first_piece, probe = False, None
             pos += piece_len
-            if progress is not None:
-                progress(piece_len)
         return gen
 
     def _state(self, path, offset, length, create, chunk_size, cs_hint=None, probe=None):
@@ -737,7 +744,7 @@ class BlockingToastyClient:
             raise _error_of(created)
         return FileState(created.gen, chunk_size, write_locations=locations)
 
-    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size, cs_hint=None, probe=None):
+    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size, cs_hint=None, probe=None, report=None):
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 time.sleep(backoff(attempt))
@@ -748,7 +755,7 @@ class BlockingToastyClient:
             uploads = []
             if length:
                 reader.rewind()
-                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate), uploads)
+                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate), uploads, report if not attempt else None)
             reply = self.meta.call(write_message(state, path, offset, length, flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
                 return reply.gen
@@ -771,7 +778,7 @@ class BlockingToastyClient:
             conn0, ctx0 = outstanding.popleft()
             on_reply(ctx0, conn0.recv())
 
-    def _upload_all(self, planned, uploads):
+    def _upload_all(self, planned, uploads, report=None):
         def jobs():
             for up in planned:
                 uploads.append(up)
@@ -779,8 +786,11 @@ class BlockingToastyClient:
                     yield target, up.msg, (up, target)
 
         def done(ctx, reply):
-            record_upload(ctx[0], ctx[1], reply)
-            ctx[0].msg = None  # the data may go
+            up = ctx[0]
+            record_upload(up, ctx[1], reply)
+            if report is not None and up.msg is not None:
+                report(len(up.msg.data))
+            up.msg = None  # the data may go
 
         self._run_pipelined(jobs(), done)
 
@@ -804,15 +814,13 @@ class BlockingToastyClient:
             rs = self.read_raw(path, pos, want, expect_gen=gen)
             if rs.file_length == 0:
                 break
-            self._download_piece(rs, pos, sink, verify)
+            self._download_piece(rs, pos, sink, verify, progress)
             pos += rs.file_length
-            if progress is not None:
-                progress(rs.file_length)
             if rs.file_length < want:
                 break
         return pos - offset
 
-    def _download_piece(self, rs, offset, sink, verify):
+    def _download_piece(self, rs, offset, sink, verify, progress=None):
         cs = rs.chunk_size
         out = [None] * len(rs.chunks)
         jobs = []
@@ -839,8 +847,12 @@ class BlockingToastyClient:
                     verify_chunk(h, data)
             piece = data[lo:hi]
             out[i] = bytes(piece) + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
+            if progress is not None:
+                progress(hi - lo)
 
         self._run_pipelined(jobs, got)
+        if progress is not None:
+            progress(sum(len(p) for p, c in zip(out, rs.chunks) if c.hash == codec.ZERO_HASH))
         for piece in out:
             sink(piece)
 
