@@ -198,7 +198,7 @@ class _ToastyServerProtocol(Protocol):
                 except codec.CodecError as e:
                     self._drop(str(e))
                     return
-            self._start(msg, length)
+            self._start(msg, self.cost(msg, length))
         if self._pos and not self._closed:
             del buf[: self._pos]
             self._pos = 0
@@ -237,6 +237,10 @@ class _ToastyServerProtocol(Protocol):
         self._update_reading()
 
     # -- subclass API -------------------------------------------------------------------------
+
+    def cost(self, msg, length):
+        """Bytes a request may hold in memory while it runs (the in-flight budget counts these)."""
+        return length
 
     def handle(self, msg):
         raise NotImplementedError
@@ -392,6 +396,14 @@ def build_meta_factory(node):
 
 class ChunkServerProtocol(_ToastyServerProtocol):
     allowed = codec.CHUNK_REQUESTS
+
+    def cost(self, msg, length):
+        # A CREATE_CHUNK builds a chunk_size chunk; a patch or a download loads a stored chunk
+        # (its size unknown until then: counted as 1 MiB) -- so a peer cannot make us hold
+        # gigabytes with small requests.
+        if msg.TYPE == codec.CREATE_CHUNK:
+            return length + msg.chunk_size
+        return length + 1024 * 1024
 
     def error_reply(self, msg, text):
         return codec.ErrorReply(_ERROR_TYPE[msg.TYPE], text)
