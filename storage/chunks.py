@@ -195,8 +195,7 @@ class ChunkStore:
     # -- reads ----------------------------------------------------------------------------------
 
     def _lookup(self, addr):
-        with self._store.env.begin() as txn:
-            raw = txn.get(bytes(addr), db=self._db(index.CHUNKS))
+        raw = self._store.snapshot().get(bytes(addr), db=self._db(index.CHUNKS))
         return CHUNK_VAL.unpack(raw) if raw is not None else None
 
     def get(self, addr, offset=0, length=None):
@@ -220,16 +219,16 @@ class ChunkStore:
 
     def has_many(self, addrs):
         db = self._db(index.CHUNKS)
-        with self._store.env.begin() as txn:
-            return [txn.get(bytes(a), db=db) is not None for a in addrs]
+        txn = self._store.snapshot()
+        return [txn.get(bytes(a), db=db) is not None for a in addrs]
 
     def info(self, addr):
         """(size, seq, pinned, refcount) or None."""
-        with self._store.env.begin() as txn:
-            raw = txn.get(bytes(addr), db=self._db(index.CHUNKS))
-            if raw is None:
-                return None
-            ref = txn.get(bytes(addr), db=self._db(index.CHUNKREF))
+        txn = self._store.snapshot()
+        raw = txn.get(bytes(addr), db=self._db(index.CHUNKS))
+        if raw is None:
+            return None
+        ref = txn.get(bytes(addr), db=self._db(index.CHUNKREF))
         _, _, size, seq, pinned, _ = CHUNK_VAL.unpack(raw)
         return size, seq, bool(pinned), U64.unpack(ref)[0] if ref else 0
 
@@ -240,17 +239,16 @@ class ChunkStore:
         out = []
         if limit <= 0:
             return out
-        with self._store.env.begin() as txn:
-            cur = txn.cursor(db=self._db(index.CHUNKSEQ))
-            if not cur.set_range(U64.pack(max(0, from_seq))):
-                return out
-            for key, addr in cur:
-                seq = U64.unpack(key)[0]
-                if seq > to_seq:
-                    break
-                out.append((seq, addr))
-                if len(out) >= limit:
-                    break
+        cur = self._store.snapshot().cursor(db=self._db(index.CHUNKSEQ))
+        if not cur.set_range(U64.pack(max(0, from_seq))):
+            return out
+        for key, addr in cur:
+            seq = U64.unpack(key)[0]
+            if seq > to_seq:
+                break
+            out.append((seq, addr))
+            if len(out) >= limit:
+                break
         return out
 
     def wait_for_seq(self, seq):
@@ -305,9 +303,8 @@ class ChunkStore:
         store = self._store
         if store.closed or store.failed:
             return None
-        with store.env.begin() as txn:
-            if txn.stat(self._db(index.CHUNKFREE))["entries"] == 0:
-                return None
+        if store.snapshot().stat(self._db(index.CHUNKFREE))["entries"] == 0:
+            return None
         return store.transact_raw(self._sweep)
 
     def _sweep(self, raw, cutoff=None):

@@ -36,15 +36,33 @@ class KeyValue:
             raise errors.InvalidRequest("keys are 1..65535 bytes")
 
     def get(self, key):
-        key = bytes(key)
-        with self._store.env.begin() as txn:
-            stored = txn.get(encode_key(b"", key), db=self._db)
+        if type(key) is not bytes:
+            key = bytes(key)
+        stored = self._store.snapshot().get(key if len(key) <= KEY_KEEP else encode_key(b"", key), db=self._db)
         if stored is None:
             return None
+        if stored[0] == 0:
+            return stored[1:]
         full, value = decode_value(stored)
-        if full is not None and full != key:
-            return None
-        return value
+        return value if full == key else None
+
+    def get_many(self, keys):
+        """[value or None] for each key, from one snapshot."""
+        get = self._store.snapshot().get
+        db = self._db
+        out = []
+        for key in keys:
+            if type(key) is not bytes:
+                key = bytes(key)
+            stored = get(key if len(key) <= KEY_KEEP else encode_key(b"", key), db=db)
+            if stored is None:
+                out.append(None)
+            elif stored[0] == 0:
+                out.append(stored[1:])
+            else:
+                full, value = decode_value(stored)
+                out.append(value if full == key else None)
+        return out
 
     def put(self, key, value):
         store = self._store
@@ -101,11 +119,11 @@ class KeyValue:
         """Pairs with key >= ``start`` (None = from the first key), ascending."""
         if limit <= 0:
             return []
-        with self._store.env.begin() as txn:
-            cur = txn.cursor(db=self._db)
-            if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
-                return []
-            out = self._items(cur, limit + 1, False)
+        txn = self._store.snapshot()
+        cur = txn.cursor(db=self._db)
+        if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
+            return []
+        out = self._items(cur, limit + 1, False)
         if start is not None:
             out = [kv for kv in out if kv[0] >= start]
         return out[:limit]
@@ -114,27 +132,27 @@ class KeyValue:
         """Pairs with key <= ``start`` (None = from the last key), descending."""
         if limit <= 0:
             return []
-        with self._store.env.begin() as txn:
-            cur = txn.cursor(db=self._db)
-            if start is None:
-                if not cur.last():
+        txn = self._store.snapshot()
+        cur = txn.cursor(db=self._db)
+        if start is None:
+            if not cur.last():
+                return []
+        else:
+            start = bytes(start)
+            if cur.set_range(encode_key(b"", start)):
+                if _full(cur) != start and not cur.prev():
                     return []
-            else:
-                start = bytes(start)
-                if cur.set_range(encode_key(b"", start)):
-                    if _full(cur) != start and not cur.prev():
-                        return []
-                elif not cur.last():
-                    return []
-            out = []
-            for lk, stored in cur.iterprev():
-                full, value = decode_value(stored)
-                key = full if full is not None else lk
-                if start is not None and key > start:
-                    continue
-                out.append((key, value))
-                if len(out) >= limit:
-                    break
+            elif not cur.last():
+                return []
+        out = []
+        for lk, stored in cur.iterprev():
+            full, value = decode_value(stored)
+            key = full if full is not None else lk
+            if start is not None and key > start:
+                continue
+            out.append((key, value))
+            if len(out) >= limit:
+                break
         return out
 
     def scan_keys(self, start, limit, prefix=None):
@@ -145,11 +163,11 @@ class KeyValue:
             prefix = bytes(prefix)
             if start is None or bytes(start) < prefix:
                 start = prefix
-        with self._store.env.begin() as txn:
-            cur = txn.cursor(db=self._db)
-            if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
-                return []
-            keys = self._items(cur, limit + 1, False, prefix=prefix, keys_only=True)
+        txn = self._store.snapshot()
+        cur = txn.cursor(db=self._db)
+        if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
+            return []
+        keys = self._items(cur, limit + 1, False, prefix=prefix, keys_only=True)
         if start is not None:
             keys = [k for k in keys if k >= start]
         return keys[:limit]

@@ -319,18 +319,18 @@ class RecordLog:
         self._get(sid)
         out = []
         store = self._store
-        with store.env.begin() as txn:
-            cur = self._locate(txn, sid, max(from_offset, 0))
-            if cur is None:
-                cur = txn.cursor(db=store.dbs[index.INDEX])
-                if not cur.set_range(INDEX_KEY.pack(sid, max(from_offset, 0))):
-                    return out
-            for key, value in cur:
-                ksid, base = INDEX_KEY.unpack(key)
-                if ksid != sid or len(out) >= limit:
-                    break
-                _, length, count, _ = INDEX_VAL.unpack(value)
-                out.append((base, count, length - 25))
+        txn = store.snapshot()
+        cur = self._locate(txn, sid, max(from_offset, 0))
+        if cur is None:
+            cur = txn.cursor(db=store.dbs[index.INDEX])
+            if not cur.set_range(INDEX_KEY.pack(sid, max(from_offset, 0))):
+                return out
+        for key, value in cur:
+            ksid, base = INDEX_KEY.unpack(key)
+            if ksid != sid or len(out) >= limit:
+                break
+            _, length, count, _ = INDEX_VAL.unpack(value)
+            out.append((base, count, length - 25))
         return out
 
     # -- trim, ranges -----------------------------------------------------------------------------

@@ -154,8 +154,7 @@ class Meta:
         return self._store.transact_raw(lambda raw: fn(Txn(raw)), 512)
 
     def read(self, fn):
-        with self._store.env.begin() as txn:
-            return fn(_ReadTxn(txn, self._store.dbs))
+        return fn(_ReadTxn(self._store.snapshot(), self._store.dbs))
 
     def next_id(self, counter_name):
         return self.transact(lambda txn: txn.next_id(counter_name))

@@ -150,6 +150,7 @@ class Store:
         from storage.meta import Meta
 
         self.path = path
+        self._reactor_thread = threading.get_ident()  # Store.open runs on the reactor's thread
         self.policy = policy
         self.reactor = reactor
         self.node_id = node_id
@@ -423,6 +424,7 @@ class Store:
     # -- completion (reactor thread) ------------------------------------------------------------
 
     def _deliver(self, group):
+        self._drop_snapshot()
         log = self.log
         for op in group:
             self._queued_bytes -= op.nbytes
@@ -449,8 +451,25 @@ class Store:
             return defer.fail(errors.StoreClosed("the store is closed"))
         return deferToThreadPool(self.reactor, self._pool, fn, *args)
 
-    def read_txn(self):
-        return self.env.begin(buffers=False)
+    _rtxn = None
+
+    def snapshot(self):
+        """A read-only LMDB transaction for the synchronous reads of the reactor thread. One is
+        reused until the next group is delivered (a begin per read costs more than the read), so
+        every acknowledged write is visible and no snapshot outlives one group commit."""
+        if threading.get_ident() != self._reactor_thread:
+            return self.env.begin()  # another thread: its own snapshot, released when dropped
+        txn = self._rtxn
+        if txn is None:
+            if self.closed and not self._writer.is_alive():
+                raise errors.StoreClosed("the store is closed")
+            txn = self._rtxn = self.env.begin()
+        return txn
+
+    def _drop_snapshot(self):
+        txn, self._rtxn = self._rtxn, None
+        if txn is not None:
+            txn.abort()
 
     # -- close ----------------------------------------------------------------------------------
 
@@ -473,6 +492,7 @@ class Store:
             self.log._close_waiters()
             self.chunks._close_waiters()
             self._pool.stop()
+            self._drop_snapshot()
             self.wal.close()
             self.packs.close()
             self.env.close()
