@@ -551,6 +551,8 @@ class BlockingConnection:
             pass
 
     def send(self, msg):
+        if self.sock.fileno() < 0:
+            raise ConnectionError("toasty connection to %s:%d is closed" % self.address)
         parts = codec.encode_parts(msg)
         self.pending.append(msg.TYPE)
         if len(parts) > 8:  # many small fields: one buffer (sendmsg takes at most IOV_MAX)
@@ -582,6 +584,16 @@ class BlockingConnection:
         return buf
 
     def recv(self):
+        try:
+            return self._recv()
+        except BaseException:
+            # A reply we could not read leaves the stream out of step: never reuse it.
+            self.close()
+            raise
+
+    def _recv(self):
+        if self.sock.fileno() < 0:
+            raise ConnectionError("toasty connection to %s:%d is closed" % self.address)
         req_type = self.pending.popleft()
         version, mtype, length = HEADER.unpack(self._exact(HEADER_LEN))
         try:
@@ -634,7 +646,7 @@ class BlockingToastyClient:
 
     def chunk_conn(self, address):
         c = self._chunk_conns.get(address)
-        if c is None:
+        if c is None or c.sock.fileno() < 0:
             c = self._chunk_conns[address] = BlockingConnection(address[0], address[1], self.timeout)
         return c
 
@@ -766,6 +778,16 @@ class BlockingToastyClient:
     def _run_pipelined(self, jobs, on_reply):
         """``jobs``: iterable of (address, msg or (type, raw bytes), context). Keeps up to
         ``parallel`` outstanding across connections; replies are handled in send order."""
+        try:
+            self._pipelined(jobs, on_reply)
+        except BaseException:
+            # Replies still on the wire would be read as answers to later requests: start afresh.
+            for c in self._chunk_conns.values():
+                c.close()
+            self._chunk_conns.clear()
+            raise
+
+    def _pipelined(self, jobs, on_reply):
         outstanding = deque()
         for address, msg, ctx in jobs:
             conn = self.chunk_conn(address)
@@ -858,7 +880,12 @@ class BlockingToastyClient:
 
     def _download_fallback(self, h, holders, first_error):
         for address in holders:
-            reply = self.chunk_conn(address).call(codec.DownloadChunk(h, True))
+            # A connection of its own: the pooled ones have pipelined requests outstanding.
+            conn = BlockingConnection(address[0], address[1], self.timeout)
+            try:
+                reply = conn.call(codec.DownloadChunk(h, True))
+            finally:
+                conn.close()
             if isinstance(reply, codec.DownloadChunkSuccess):
                 verify_chunk(h, reply.data)
                 return reply.data
