@@ -1,5 +1,7 @@
 """sbpctl fs: the Toasty file service (ls, mkdir, put, get, rm, stat) over the blocking client."""
 
+import argparse
+import functools
 import hashlib
 import os
 import sys
@@ -15,6 +17,11 @@ def register(sub):
     p.add_argument("--timeout", type=float, default=30.0)
     fs = p.add_subparsers(dest="fs_command", metavar="FS_COMMAND")
     p.set_defaults(func=lambda args: _usage(p))
+    # --endpoint/--timeout may also come after the command (SUPPRESS: no default overriding the group's)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--endpoint", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    fs.add_parser = functools.partial(fs.add_parser, parents=[common])
 
     ls = fs.add_parser("ls", help="list a directory")
     ls.add_argument("path", nargs="?", default="/")
