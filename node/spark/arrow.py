@@ -44,7 +44,7 @@ _get2 = itemgetter(2)
 _get3 = itemgetter(3)
 
 
-def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
+def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = True):
     """Decode one FETCH result into rows with ``lo <= offset < hi`` (see ``_fetch_to_arrow``).
 
     The cyclic garbage collector is paused meanwhile: unpacking allocates tens of thousands of
@@ -52,21 +52,22 @@ def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
     the decode time), while none of them can form a cycle.
     """
     if not gc.isenabled():
-        return _fetch_to_arrow(buf, stream_id, lo, hi)
+        return _fetch_to_arrow(buf, stream_id, lo, hi, check_crc)
     gc.disable()
     try:
-        return _fetch_to_arrow(buf, stream_id, lo, hi)
+        return _fetch_to_arrow(buf, stream_id, lo, hi, check_crc)
     finally:
         gc.enable()
 
 
-def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
+def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = True):
     """Decode one FETCH result (concatenated whole batches) into rows with ``lo <= offset < hi``.
 
     Returns ``(record_batch or None, next_offset)``, where next_offset is one past the last record
     of the last batch in ``buf`` (where the next FETCH starts). A batch may start before ``lo``
     (FETCH returns the batch holding the fetch offset, whole) or run past ``hi``; only the rows in
-    ``[lo, hi)`` are kept. Raises InvalidBatch on a malformed batch or a CRC mismatch.
+    ``[lo, hi)`` are kept. Raises InvalidBatch on a malformed batch or (with ``check_crc``) a
+    records block CRC mismatch.
     """
     view = memoryview(buf)
     size = len(view)
@@ -90,7 +91,7 @@ def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
         last = min(hi - base, count)
         if first >= last:
             continue
-        if zlib.crc32(block) != crc:
+        if check_crc and zlib.crc32(block) != crc:
             raise InvalidBatch("records block CRC mismatch in batch at offset %d" % base)
         try:
             records = _unpackb(block, raw=True, use_list=False)

@@ -153,7 +153,9 @@ def read_partition(p: SbpPartition):
     if not isinstance(p, SbpPartition):
         return  # Spark plans one bare InputPartition when partitions() finds nothing to read
     for offset, buf in _fetch_ahead(p):
-        batch, _ = fetch_to_arrow(buf, p.stream_id, offset, p.end)
+        # No second CRC pass: the node checks each stored batch when it reads it (DataCorrupted
+        # otherwise) and the SBP frame's CRC-32 covers the payload on the wire (CONTRACT §3).
+        batch, _ = fetch_to_arrow(buf, p.stream_id, offset, p.end, check_crc=False)
         if batch is not None:
             yield batch
 
