@@ -401,3 +401,22 @@ def test_validate_batch_agrees(recs, flips):
     except record_batch.InvalidBatch:
         got = None
     assert got == expect
+
+
+@pytest_twisted.ensureDeferred
+async def test_many_entry_replies_are_split_into_frames(node):
+    c = Conn(node)
+    (a,) = await create(c)
+    n = server.RESULTS_PER_FRAME * 2 + 10
+    infos = [T.AppendInfo(a, i, 0) for i in range(n - 1)] + [T.AppendInfo(a, n - 1, len(batch(1)))]
+    sid, _ = c.request(codec.APPEND, "AppendRequest", T.AppendRequest(0, infos), batch(1))
+    frames = await c.reply(sid)
+    assert [f.flags for f in frames] == [1, 1, 3]
+    results = [r for f in frames for r in codec.decode_header(f).append_responses]
+    assert sorted(r.request_index for r in results) == list(range(n))
+    assert sum(r.status.code == codec.CORRUPT_BATCH for r in results) == n - 1
+    from protocols.sbp.client import ReplyAssembler, call_append_many
+
+    asm = ReplyAssembler(codec.APPEND)
+    assert [asm.add(f) for f in frames] == [False, False, True]
+    assert len(asm.header.append_responses) == n

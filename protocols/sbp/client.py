@@ -298,6 +298,9 @@ class ReplyAssembler:
                 pos += r.batch_length
             if self.header is None or hdr.status.code:
                 self.header = hdr
+        elif frame.opcode == codec.APPEND and self.header is not None:
+            # a reply split over several frames: gather every frame's results
+            self.header.append_responses.extend(hdr.append_responses)
         else:
             self.header = hdr
         return frame.is_end

@@ -32,6 +32,9 @@ _BATCH_HEADER_SIZE = record_batch.HEADER_SIZE
 # A FETCH reply frame carries at most this much payload so header + payload stay within 16 MiB.
 FRAME_PAYLOAD_CAP = codec.MAX_FRAME_LENGTH - 64 * 1024
 DEFAULT_INFLIGHT_BUDGET = 64 * 1024 * 1024
+# Results per reply frame: keeps a reply's header well inside the 64 KiB left beside the payload
+# cap (a result with its status is under 128 bytes unless its message is long).
+RESULTS_PER_FRAME = 256
 
 
 _G0, _G1, _G2, _G3 = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
@@ -176,6 +179,7 @@ class SbpServerProtocol(Protocol):
         self._closing = False  # GOAWAY sent or received: no new requests; close when idle
         self._lost = False
         self._close_sent = False
+        self._processing = False
         self._fetches = set()  # _FetchOp in progress
         self._idle_waiters = []
 
@@ -287,6 +291,15 @@ class SbpServerProtocol(Protocol):
             self._process()
 
     def _process(self):
+        if self._processing:
+            return  # re-entered from a callback that fired synchronously; the outer loop goes on
+        self._processing = True
+        try:
+            self._process_frames()
+        finally:
+            self._processing = False
+
+    def _process_frames(self):
         frames = self.frames
         while not self._lost and not self._closing:
             if self._reading_paused:
@@ -481,9 +494,15 @@ class SbpServerProtocol(Protocol):
             r = results[0]
             header = codec.encode_append_response_one(self.throttle_time_ms(), r.stream_id, r.request_index,
                                                       r.base_offset, r.stream_append_time_ms)
-        else:
-            header = codec.encode_table("AppendResponse", T.AppendResponse(self.throttle_time_ms(), codec.status(), results))
-        self.transport.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
+            self.transport.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
+            return
+        # a frame of many tiny entries could need a reply header over 16 MiB: split the results
+        # over several frames (0x01 each, the last 0x03), as FETCH does
+        chunks = [results[i:i + RESULTS_PER_FRAME] for i in range(0, len(results), RESULTS_PER_FRAME)] or [[]]
+        for i, chunk in enumerate(chunks):
+            flags = codec.RESPONSE_LAST if i == len(chunks) - 1 else codec.FLAG_RESPONSE
+            header = codec.encode_table("AppendResponse", T.AppendResponse(self.throttle_time_ms(), codec.status(), chunk))
+            self.transport.write(codec.encode_frame(codec.APPEND, flags, frame.stream_id, header))
 
     # -- FETCH -----------------------------------------------------------------------------------
 
@@ -930,7 +949,7 @@ class _FetchOp:
         cur = []
         cur_bytes = 0
         for e in ready:
-            if cur and cur_bytes + e.nbytes > FRAME_PAYLOAD_CAP:
+            if cur and (cur_bytes + e.nbytes > FRAME_PAYLOAD_CAP or len(cur) >= RESULTS_PER_FRAME):
                 groups.append(cur)
                 cur, cur_bytes = [], 0
             cur.append(e)
