@@ -166,7 +166,7 @@ class S2Api:
     def _route(self, req, responder):
         seg = req.segments
         m = req.method
-        if seg == ["health"] and m in ("GET", "HEAD"):
+        if seg == ["health"] and m == "GET":
             return self.h_health
         if self.token is not None:
             auth = req.header("authorization", "")
