@@ -264,3 +264,40 @@ def test_sbpctl_stream(node_factory):
         free = s.getsockname()[1]
     r = sbpctl("stream", "list", "--endpoint=127.0.0.1:%d" % free)
     assert r.returncode == 1 and b"Traceback" not in r.stderr and b"cannot connect" in r.stderr
+
+
+def _rss_mb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def test_slow_fetch_reader_does_not_make_the_node_buffer(node_factory):
+    node = node_factory(fsync="never")
+    c = client_for(node)
+    sid = c.create_stream()["stream_id"]
+    big = batch(64, size=1000)
+    for _ in range(20):
+        c.append(sid, big)  # ~1.3 MiB
+    base_rss = _rss_mb(node.proc.pid)
+    n = 600  # ~780 MiB of replies if the node buffered them all
+    hdr = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, 0, 4 << 20)]))
+    s = socket.create_connection(("127.0.0.1", node.ports["sbp"]))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    s.sendall(b"".join(codec.encode_frame(codec.FETCH, 0, i + 1, hdr) for i in range(n)))
+    time.sleep(2.0)
+    peak = _rss_mb(node.proc.pid)
+    assert peak - base_rss < 250, "node grew by %.0f MiB for a reader that does not read" % (peak - base_rss)
+    # the reader catches up: every reply arrives, whole
+    fb = codec.FrameBuffer()
+    got = 0
+    s.settimeout(30)
+    while got < n:
+        fb.feed(s.recv(1 << 20))
+        while (f := fb.next()) is not None:
+            assert f.flags == 0x03 and len(f.payload) == 20 * len(big)
+            got += 1
+    s.close()
+    c.close()

@@ -869,9 +869,10 @@ class _FetchOp:
             self._complete(e, status_for_failure(f, self.proto.log, "FETCH read"))
 
         def release(_):
+            # write first: a full send buffer pauses reading before the budget is released
             self.reserved -= max_bytes
-            self.proto._end(max_bytes)
             self._flush()
+            self.proto._end(max_bytes)
 
         d.addCallbacks(got, failed)
         d.addBoth(release)
