@@ -434,9 +434,10 @@ class FileTree:
         released = []
         if new:
             txn.chunk_incref(new)
+        fresh = entity.size == 0 and entity.gen == 0  # created just now: no old chunks to release
         for i, h in enumerate(new):
             key = _chk_key(inode, first + i)
-            old = txn.get(CHK_TABLE, key)
+            old = None if fresh else txn.get(CHK_TABLE, key)
             if old is not None:
                 released.append(bytes(old))
             txn.put(CHK_TABLE, key, h)

@@ -222,6 +222,11 @@ class _ToastyServerProtocol(Protocol):
         d.addCallback(self._finish, slot, size)
 
     def _internal_error(self, failure, msg):
+        from storage import errors
+
+        if failure.check(errors.StoreError):  # busy, closing, or failed after an I/O error
+            self.log.warn("toasty request {type} refused by the store: {error}", type=type(msg).__name__, error=failure.value)
+            return self.error_reply(msg, "I/O error: %s" % (failure.value,))
         self.log.failure("toasty request {type} failed", failure, type=type(msg).__name__)
         return self.error_reply(msg, "I/O error")
 
