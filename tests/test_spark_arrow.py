@@ -157,3 +157,34 @@ def test_options():
     for bad in (None, "", " , ", "abc"):
         with pytest.raises(ValueError):
             parse_streams(bad)
+
+
+def test_planning_and_admission():
+    from node.spark.source import _Options, _admit, _bounds, _offset_spec, plan_partitions
+
+    ranges = [
+        {"range_index": 1, "start_offset": 80, "next_offset": 160, "end_offset": 160},
+        {"range_index": 0, "start_offset": 30, "next_offset": 80, "end_offset": 80},  # trimmed to 30
+        {"range_index": 2, "start_offset": 160, "next_offset": 200, "end_offset": -1},
+    ]
+    assert _bounds(ranges) == (30, 200)
+    assert _bounds([]) == (0, 0)
+    opts = _Options({"Endpoint": "node:7700"})
+    parts = plan_partitions(opts, 9, ranges, 50, 170)
+    assert [(p.range_index, p.start, p.end) for p in parts] == [(0, 50, 80), (1, 80, 160), (2, 160, 170)]
+    assert plan_partitions(opts, 9, ranges, 100, 100) == []
+
+    spec = _offset_spec('{"9": 120}', "earliest")
+    assert (spec(9), spec(10)) == (120, "earliest")
+    assert _offset_spec(None, "latest")(9) == "latest"
+    assert _offset_spec("7", "earliest")(1) == 7
+    with pytest.raises(ValueError):
+        _offset_spec("-1", "earliest")
+
+    # Water-filling: equal shares, what a small backlog leaves goes to the others, never over the cap.
+    begin = {1: 0, 2: 100, 3: 5}
+    end = {1: 1000, 2: 103, 3: 1005}
+    got = _admit(begin, end, 100)
+    assert got == {1: 49, 2: 103, 3: 53}  # 3 + 49 + 48 = 100
+    assert _admit(begin, end, 10_000) == end
+    assert _admit(begin, begin, 10) == begin
