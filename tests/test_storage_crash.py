@@ -80,23 +80,33 @@ class ForkServer:
         self.proc.stdout.close()
 
 
-async def verify(path, acked):
+async def verify(path, acked, trims, seals):
     store = Store.open(path, fsync="always", reactor=reactor, node_id=1, segment_bytes=256 << 10,
                        pack_bytes=64 << 10, retention_check_s=0)
     try:
         stored = {}
         for meta in store.log.streams():
+            sid = meta.stream_id
+            assert meta.trim_offset >= trims.get(sid, 0), "an acked trim was lost"
             # every stored batch is whole, valid and contiguous: nothing half-present
-            got = await store.log.read(meta.stream_id, meta.trim_offset, 1 << 40)
-            pos = meta.trim_offset
+            got = await store.log.read(sid, meta.trim_offset, 1 << 40)
+            pos = None
             for b in got:
                 h = rb.validate(b)
-                assert h.base_offset == pos
+                assert pos is None or h.base_offset == pos
+                assert h.base_offset <= meta.trim_offset if pos is None else True
                 pos = h.next_offset
-                stored[(meta.stream_id, h.base_offset)] = b
-            assert pos == meta.next_offset
+                stored[(sid, h.base_offset)] = b
+            assert (pos if pos is not None else meta.trim_offset) == meta.next_offset
+            # ranges: contiguous, only the last open, at least the acked seals
+            rs = meta.ranges
+            assert rs[-1].end_offset == -1 and all(r.end_offset >= 0 for r in rs[:-1])
+            assert all(rs[k].start_offset == rs[k - 1].end_offset for k in range(1, len(rs)))
+            assert rs[-1].range_index >= seals.get(sid, 0)
         for (sid, base), (seed, i) in acked.items():
             want = rb.with_base_offset(expected_batch(seed, i), base)
+            if base + rb.read_header(want).record_count <= store.log.stream(sid).trim_offset:
+                continue  # trimmed since
             assert stored.get((sid, base)) == want, "acked batch %d of stream %d lost or changed" % (base, sid)
         return store
     except BaseException:
@@ -111,14 +121,15 @@ async def test_sigkill_during_appends_loses_no_acked_write(tmp_path):
     path = str(tmp_path / "store")
     acked = {}
     kv_acked, chunks_acked = [], []
+    trims, seals, metas = {}, {}, []
     server = ForkServer(str(tmp_path))
     try:
-        await _kill_loop(server, rnd, path, acked, kv_acked, chunks_acked)
+        await _kill_loop(server, rnd, path, acked, kv_acked, chunks_acked, trims, seals, metas)
     finally:
         server.close()
 
 
-async def _kill_loop(server, rnd, path, acked, kv_acked, chunks_acked):
+async def _kill_loop(server, rnd, path, acked, kv_acked, chunks_acked, trims, seals, metas):
     total_acks = 0
     for kill in range(KILLS):
         seed = kill + 1
@@ -132,18 +143,32 @@ async def _kill_loop(server, rnd, path, acked, kv_acked, chunks_acked):
                 kv_acked.append((seed, rest[0].encode()))
             elif kind == "C":
                 chunks_acked.append(bytes.fromhex(rest[0]))
+            elif kind == "M":
+                metas.append((seed, rest[0].encode()))
+            elif kind == "T":
+                sid, point = map(int, rest)
+                trims[sid] = max(trims.get(sid, 0), point)
+            elif kind == "S":
+                sid = int(rest[0])
+                seals[sid] = seals.get(sid, 0) + 1
         total_acks += len(lines)
         t0 = time.monotonic()
         # the child runs while this test blocks the reactor: the store is closed meanwhile
-        store = await verify(path, acked)
+        store = await verify(path, acked, trims, seals)
         try:
             for seed, key in kv_acked:
                 assert store.kv.get(key) == kv_value(seed, key)
             assert all(store.chunks.has_many(chunks_acked))
             for addr in chunks_acked[-5:]:
                 await store.chunks.get(addr)
+            for seed, key in metas:
+                value = store.meta.read(lambda txn: txn.get("crash", key))
+                assert value is not None and value["seed"] == seed and b"m%d-%d" % (seed, value["i"]) == key
         finally:
             await store.close()
         if os.environ.get("STORAGE_CRASH_DEBUG"):
             print(kill, len(lines), "verify %.3f" % (time.monotonic() - t0))
+    if os.environ.get("STORAGE_CRASH_DEBUG"):
+        print("acks", total_acks, "batches", len(acked), "kv", len(kv_acked), "chunks", len(chunks_acked),
+              "meta", len(metas), "trims", trims, "seals", seals, "segments", len(os.listdir(os.path.join(path, "wal"))))
     assert total_acks > KILLS * 5, "the children acked too little to test anything (%d)" % total_acks

@@ -1,5 +1,8 @@
 """Crash-test child: appends with fsync always and reports every ack on stdout, until killed.
 
+Besides appends it puts kv pairs (``K key``), chunks (``C addr``), metadata transactions
+(``M key``), trims (``T sid point``), seals (``S sid end_offset``) and runs segment collection.
+
 usage: python -m tests.storage_helpers.crash_child STORE_DIR SEED, or through ``serve()``: a fork
 server that imports everything once and forks one child per line ``STORE_DIR SEED FIFO`` read on
 stdin (answering the child's pid), so 50+ kills fit in a few seconds of start-up.
@@ -25,7 +28,7 @@ INFLIGHT = 6
 def expected_batch(seed: int, i: int) -> bytes:
     rnd = random.Random(seed * 1000003 + i)
     n = 1 + rnd.randrange(4)
-    size = rnd.choice([10, 300, 5000, 40000])
+    size = rnd.choice([10, 300, 3000, 16000])
     return rb.encode([(1000 + j, [(b"i", b"%d" % i)], bytes([rnd.randrange(256)]) * size) for j in range(n)])
 
 
@@ -60,13 +63,34 @@ def main(path, seed, out=None):
         i = state["i"]
         state["i"] += 1
         sid = streams[i % 2]
-        kind = i % 10
-        if kind == 7:
+        kind = i % 20
+        if kind in (7, 17):
             key = b"k%d-%d" % (seed, i)
             store.kv.put(key, kv_value(seed, key)).addCallback(lambda _: (report("K %s" % key.decode()), pump()))
         elif kind == 8:
             data = b"chunk %d %d " % (seed, i) * 50
             store.chunks.put(data).addCallback(lambda a: (report("C %s" % a.hex()), pump()))
+        elif kind == 18:
+            key = b"m%d-%d" % (seed, i)
+
+            def txn(t):
+                t.put("crash", key, {"seed": seed, "i": i})
+                t.put("crash", b"last", i)
+                return key
+
+            store.meta.transact(txn).addCallback(lambda k: (report("M %s" % k.decode()), pump()))
+        elif kind == 9 and (i // 20) % 4 != 1:
+            # stream 0 keeps only its last few offsets, stream 1 its last 50: old segments end up
+            # mostly dead with a few live batches for the cleaner to move
+            sid = streams[0] if (i // 20) % 2 == 0 else streams[1]
+            point = max(0, store.log.stream(sid).next_offset - (3 if sid == streams[0] else 50))
+            store.log.trim(sid, point).addCallback(lambda m: (report("T %d %d" % (sid, point)), pump()))
+        elif kind == 9:
+            store.log.gc_now().addCallback(lambda _: pump())  # moves live batches, deletes segments
+        elif i % 100 == 19:
+            sid = streams[(i // 100) % 2]
+            store.log.seal_range(sid, store.log.stream(sid).ranges[-1].range_index).addCallback(
+                lambda r: (report("S %d %d" % (sid, r[0].end_offset)), pump()))
         else:
             b = expected_batch(seed, i)
             store.log.append(sid, b).addCallback(lambda base: (report("B %d %d %d" % (sid, base, i)), pump()))
