@@ -151,7 +151,7 @@ def small_files(node, count):
     with BlockingToastyClient(*node.address("meta")) as c:
         for i in range(300):
             t = time.perf_counter()
-            c.write(b"/small/alone%d" % i, payloads[i])
+            c.write(b"/small/alone%d" % i, payloads[i % count])
             lat.append(time.perf_counter() - t)
     return count / elapsed, lat
 

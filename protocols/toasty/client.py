@@ -216,6 +216,10 @@ def backoff(attempt):
     return random.uniform(0, 0.002 * 2 ** min(attempt, 8)) if attempt else 0.0
 
 
+def _sha256(data):
+    return hashlib.sha256(data).digest()
+
+
 def verify_chunk(h, data):
     if hashlib.sha256(data).digest() != h:
         raise ToastyError("chunk %s failed its hash check" % h.hex())
@@ -628,6 +632,7 @@ class BlockingToastyClient:
 
     def __init__(self, host, port, timeout=30.0, parallel=UPLOADS_IN_FLIGHT):
         self.meta = BlockingConnection(host, port, timeout)
+        self._pool = None
         self.timeout = timeout
         self.parallel = parallel
         self._chunk_conns = {}
@@ -637,6 +642,16 @@ class BlockingToastyClient:
         for c in self._chunk_conns.values():
             c.close()
         self._chunk_conns.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def _hasher(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toasty-verify")
+        return self._pool
 
     def __enter__(self):
         return self
@@ -859,6 +874,8 @@ class BlockingToastyClient:
                 raise ToastyError("no chunk server holds chunk %s" % c.hash.hex())
             jobs.append((holders[0], codec.DownloadChunk(c.hash, True), (i, c.hash, lo, hi, holders)))
 
+        checks = []
+
         def got(ctx, reply):
             i, h, lo, hi, holders = ctx
             if isinstance(reply, codec.ErrorReply):
@@ -866,13 +883,17 @@ class BlockingToastyClient:
             else:
                 data = reply.data
                 if verify:
-                    verify_chunk(h, data)
+                    # SHA-256 releases the GIL: hash on a helper thread while we keep receiving.
+                    checks.append((h, self._hasher().submit(_sha256, data)))
             piece = data[lo:hi]
             out[i] = bytes(piece) + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
             if progress is not None:
                 progress(hi - lo)
 
         self._run_pipelined(jobs, got)
+        for h, digest in checks:
+            if digest.result() != h:
+                raise ToastyError("chunk %s failed its hash check" % h.hex())
         if progress is not None:
             progress(sum(len(p) for p, c in zip(out, rs.chunks) if c.hash == codec.ZERO_HASH))
         for piece in out:
