@@ -199,3 +199,30 @@ async def test_congestion_signal_and_closed_store(tmp_path):
     with pytest.raises(errors.StoreClosed):
         await st.log.append(sid, batch())
     await st.close()  # idempotent
+
+
+@pytest_twisted.ensureDeferred
+async def test_fsync_policies_sync_when_they_say(tmp_path):
+    from twisted.internet import task
+
+    st = open_store(tmp_path / "always", fsync="always")
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch())
+    assert not st.wal.dirty  # acked only after the fdatasync
+    await st.close()
+
+    st = open_store(tmp_path / "never", fsync="never")
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch())
+    assert st._unsynced()
+    await st.sync()
+    assert not st._unsynced()
+    await st.close()
+
+    st = open_store(tmp_path / "interval", fsync="interval:50")
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch())
+    assert st._unsynced()
+    await task.deferLater(reactor, 0.3, lambda: None)
+    assert not st._unsynced()
+    await st.close()
