@@ -10,7 +10,6 @@ whose refcount stayed 0 for the grace period; a pack whose live bytes reach 0 is
 import hashlib
 import os
 import struct
-import time
 import zlib
 
 from twisted.internet import defer

@@ -8,7 +8,7 @@ Writes go through the group commit (durable per the fsync policy); reads are syn
 from twisted.internet import defer
 
 from storage import errors, index
-from storage.index import KEY_KEEP, OP_DEL, OP_PUT, decode_value, encode_key, encode_value
+from storage.index import KEY_KEEP, OP_PUT, decode_value, encode_key, encode_value
 from storage.store import K_OPS, K_TXN, _Op
 
 MAX_KEY = 65535

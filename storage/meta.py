@@ -9,7 +9,7 @@ Tables are key prefixes (``table`` + NUL) of one ordered LMDB table; values are 
 import msgpack
 
 from storage import errors, index
-from storage.chunks import CHUNK_VAL, ChunkStore
+from storage.chunks import ChunkStore
 from storage.index import decode_value, encode_key, encode_value
 
 COUNTERS = "__counter"

@@ -7,10 +7,11 @@ transaction of each group; a small thread pool serves reads. See docs/storage.md
 
 import collections
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import msgpack
 from twisted.internet import defer, task
@@ -24,8 +25,8 @@ from storage.index import INDEX_KEY, INDEX_VAL, U64, RawTxn, apply_ops
 from storage.policy import FsyncPolicy
 from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS, Wal
 
-_BATCH_PREFIX = __import__("struct").Struct(">QQ")  # stream_id, append_ms
-_BASE = __import__("struct").Struct(">q")
+_BATCH_PREFIX = struct.Struct(">QQ")  # stream_id, append_ms
+_BASE = struct.Struct(">q")
 
 K_BATCH, K_TXN, K_STOP, K_SYNC, K_OPS = range(5)
 

@@ -10,7 +10,6 @@ import pytest_twisted
 from twisted.internet import reactor
 
 from storage import Store, errors
-from storage import record_batch as rb
 from storage.wal import ENTRY_SIZE
 from tests.storage_helpers.util import base_of, batch
 

@@ -14,7 +14,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 
-from storage import Store, errors
+from storage import Store
 from storage import record_batch as rb
 from tests.storage_helpers.crash_child import expected_batch, kv_value
 
