@@ -125,7 +125,17 @@ class FileState:
         )
 
 
-def plan_uploads(state, offset, length, read, truncate):
+def _chunk_digest(in_off, piece, tail):
+    h = hashlib.sha256()
+    if in_off:
+        h.update(bytes(in_off))
+    h.update(piece)
+    if tail:
+        h.update(bytes(tail))
+    return h.digest()
+
+
+def plan_uploads(state, offset, length, read, truncate, submit=None):
     """Yield the chunk messages that write ``length`` bytes at ``offset`` (CONTRACT §5), lazily;
     ``read(lo, hi)`` returns the new bytes for the absolute range [lo, hi), called in order."""
     cs = state.chunk_size
@@ -145,13 +155,10 @@ def plan_uploads(state, offset, length, read, truncate):
         if known:
             if not state.write_locations:
                 raise ToastyError("the metadata server offered no chunk server to write to")
-            h = hashlib.sha256()
-            if in_off:
-                h.update(bytes(in_off))
-            h.update(piece)
-            if not whole:
-                h.update(bytes(cs - in_off - len(piece)))
-            yield Upload(index, codec.CreateChunk(cs, in_off, piece), state.write_locations, h.digest())
+            tail = cs - in_off - len(piece)
+            # ``submit`` hashes on a helper thread (a Future); record_upload waits for it.
+            expected = submit(_chunk_digest, in_off, piece, tail) if submit else _chunk_digest(in_off, piece, tail)
+            yield Upload(index, codec.CreateChunk(cs, in_off, piece), state.write_locations, expected)
         else:
             patch = bytes(piece)
             if truncate and hi == end:
@@ -174,6 +181,8 @@ def record_upload(up, target, reply):
     if err is not None:
         raise ToastyError("chunk server %s:%d refused chunk %d: %s" % (target[0], target[1], up.index, err.message), reply)
     h = reply.hash
+    if up.expected is not None and not isinstance(up.expected, bytes):
+        up.expected = up.expected.result()
     if up.expected is not None and h != up.expected:
         raise ToastyError("chunk server %s:%d returned hash %s for chunk %d, expected %s" % (target[0], target[1], h.hex(), up.index, up.expected.hex()))
     if up.hash is not None and up.hash != h:
@@ -782,7 +791,7 @@ class BlockingToastyClient:
             uploads = []
             if length:
                 reader.rewind()
-                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate), uploads, report if not attempt else None)
+                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate, self._hasher().submit), uploads, report if not attempt else None)
             reply = self.meta.call(write_message(state, path, offset, length, flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
                 return reply.gen
