@@ -138,6 +138,7 @@ def test_batch_read_equals_appended_across_ranges_and_offsets(spark, sbp_node, c
     assert sub.rdd.getNumPartitions() == 3
     assert rows(sub) == expected(a, batches, 75, 163)
     assert reader(spark, sbp_node, str(a), start_offset=100, end_offset=100).count() == 0
+    assert len(reader(spark, sbp_node, str(a)).limit(3).collect()) == 3  # a task stopped early
     per_stream = reader(spark, sbp_node, "%d,%d" % (a, b), start_offset=json.dumps({str(a): 239}), end_offset="latest")
     assert [(r[0], r[1]) for r in rows(per_stream)] == [(a, 239)] + [(b, o) for o in range(6)]
 
