@@ -24,6 +24,7 @@ PACK_ENTRY_SIZE = PACK_ENTRY.size + 32
 CHUNK_VAL = struct.Struct(">IQIQBQ")  # pack, position, data length, seq, pinned, added ms
 U32 = struct.Struct(">I")
 SWEEP_BATCH = 20000
+COMPACT_BELOW = 0.25  # rewrite a pack's live chunks elsewhere when they fill less than this of it
 
 
 def _pack_crc(pack_id, pos, addr, data):
@@ -88,6 +89,25 @@ class Packs:
         if n != length or raw[8:40] != addr or _pack_crc(pack_id, pos, addr, data) != crc:
             raise errors.DataCorrupted("chunk %s failed its CRC" % addr.hex())
         return data
+
+    def entries(self, pack_id):
+        """(position, addr, size) of every entry framed in the pack, in file order."""
+        fd = self.fds.get(pack_id)
+        if fd is None:
+            return
+        size = os.fstat(fd).st_size
+        pos = 0
+        while pos + PACK_ENTRY_SIZE <= size:
+            head = os.pread(fd, PACK_ENTRY_SIZE, pos)
+            n, _ = PACK_ENTRY.unpack_from(head, 0)
+            if pos + PACK_ENTRY_SIZE + n > size:
+                return
+            yield pos, head[8:40], n
+            pos += PACK_ENTRY_SIZE + n
+
+    def file_size(self, pack_id):
+        fd = self.fds.get(pack_id)
+        return os.fstat(fd).st_size if fd is not None else 0
 
     @property
     def dirty(self):
@@ -302,9 +322,23 @@ class ChunkStore:
         store = self._store
         if store.closed or store.failed:
             return None
-        if store.snapshot().stat(self._db(index.CHUNKFREE))["entries"] == 0:
+        if store.snapshot().stat(self._db(index.CHUNKFREE))["entries"] == 0 and self._compaction_target(
+                store.snapshot().cursor(db=self._db(index.PACKS))) is None:
             return None
         return store.transact_raw(self._sweep)
+
+    def _compaction_target(self, cursor):
+        """The non-active pack with the least live data, if under COMPACT_BELOW of its size."""
+        packs = self._store.packs
+        best = None
+        for key, value in cursor:
+            pack_id, live = U32.unpack(key)[0], U64.unpack(value)[0]
+            if pack_id == packs.active:
+                continue
+            size = packs.file_size(pack_id)
+            if size and live < size * COMPACT_BELOW and (best is None or live < best[1]):
+                best = (pack_id, live)
+        return best[0] if best else None
 
     def _sweep(self, raw, cutoff=None):
         """Writer thread: drop unpinned chunks whose refcount stayed 0 past the grace period."""
@@ -339,16 +373,50 @@ class ChunkStore:
                 empty.append(pack_id)
             else:
                 raw.put(index.PACKS, key, U64.pack(left))
+        moved = 0
+        target = self._compaction_target(raw.cursor(index.PACKS))
+        if target is not None:
+            moved = self._compact(raw, target)
+            empty.append(target)
         if empty or packs.graveyard:
             def drop():
                 packs.reap()
+                if moved:
+                    packs.sync()  # the moved copies are on disk before the old pack goes
                 for pack_id in empty:
                     packs.delete(pack_id)
 
             raw.after_commit.append(drop)
-        if victims:
-            self.log.info("swept {n} unreferenced chunks", n=len(victims))
+        if victims or moved:
+            self.log.info("swept {n} unreferenced chunks, moved {moved} out of pack {pack}",
+                          n=len(victims), moved=moved, pack=target)
         return len(victims)
+
+    def _compact(self, raw, pack_id):
+        """Writer thread: copy the chunks of ``pack_id`` the index still points at to the active
+        pack and repoint them (the index change is a WAL entry, so replay agrees)."""
+        packs = self._store.packs
+        gained = {}
+        moved = 0
+        for pos, addr, size in list(packs.entries(pack_id)):
+            info = raw.get(index.CHUNKS, addr)
+            if info is None:
+                continue
+            fields = list(CHUNK_VAL.unpack(info))
+            if fields[0] != pack_id or fields[1] != pos:
+                continue
+            data = bytes(packs.read(pack_id, pos, size, addr))  # DataCorrupted aborts the sweep
+            new_id, new_pos, total = packs.append(addr, data)
+            fields[0], fields[1] = new_id, new_pos
+            raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(*fields))
+            gained[new_id] = gained.get(new_id, 0) + total
+            moved += 1
+        for new_id, n in gained.items():
+            key = U32.pack(new_id)
+            live = raw.get(index.PACKS, key)
+            raw.put(index.PACKS, key, U64.pack((U64.unpack(live)[0] if live else 0) + n))
+        raw.delete(index.PACKS, U32.pack(pack_id))
+        return moved
 
     def sweep_now(self, grace_s=0.0):
         """Run a sweep at once with the given grace (tests, sbpctl)."""

@@ -135,3 +135,27 @@ async def test_cleaner_moves_live_batches_and_replay_agrees(tmp_path):
     got = await st.log.read(live, 0, 1 << 20)
     assert [g[9:] for g in got] == [b[9:] for b in kept]
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_partly_dead_packs_are_compacted(tmp_path):
+    st = Store.open(str(tmp_path), fsync="always", reactor=reactor, node_id=1, pack_bytes=64 << 10,
+                    retention_check_s=0, chunk_grace_s=0)
+    datas = [os.urandom(4096) for _ in range(60)]
+    addrs = [await st.chunks.put(d) for d in datas]
+    keep = {i for i in range(60) if i % 10 == 0}  # one chunk in ten stays referenced
+    await st.meta.transact(lambda t: t.chunk_incref([addrs[i] for i in keep]))
+    before = len(glob.glob(os.path.join(str(tmp_path), "chunks", "pack-*")))
+    for _ in range(6):
+        await st.chunks.sweep_now()
+    after = len(glob.glob(os.path.join(str(tmp_path), "chunks", "pack-*")))
+    assert before >= 4 and after <= 2
+    for i in keep:
+        assert await st.chunks.get(addrs[i]) == datas[i]
+    assert sorted(a for _, a in st.chunks.by_seq(0, 1 << 40, 1000)) == sorted(addrs[i] for i in keep)
+    await st.close()
+    st = Store.open(str(tmp_path), fsync="always", reactor=reactor, node_id=1, pack_bytes=64 << 10,
+                    retention_check_s=0)
+    for i in keep:
+        assert await st.chunks.get(addrs[i]) == datas[i]
+    await st.close()
