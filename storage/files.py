@@ -162,10 +162,16 @@ _ROOT_PLACEHOLDER = Entity([ROOT_INODE, ROOT_GEN, True, 0, 0])
 class FileTree:
     """The file tree over ``store.meta`` (refcounts) and ``store.chunks`` (for the zero-tail rule)."""
 
-    def __init__(self, store):
+    def __init__(self, store, reactor=None):
         self.store = store
         self.meta = store.meta
         self._root_ready = False
+        if reactor is None:
+            reactor = getattr(store, "reactor", None)
+        if reactor is None:
+            from twisted.internet import reactor
+        self._reactor = reactor
+        self._batch = []
 
     # -- helpers run inside a meta txn ----------------------------------------------------------
 
@@ -346,7 +352,7 @@ class FileTree:
         attempts = [0]
 
         def attempt(_=None):
-            d = self.meta.transact(lambda txn: self._write_txn(txn, components, expect_gen, flags, offset, length, hashes, checked))
+            d = self._batched(lambda txn: self._write_txn(txn, components, expect_gen, flags, offset, length, hashes, checked))
             d.addErrback(check_tail)
             return d
 
@@ -362,6 +368,43 @@ class FileTree:
             return d
 
         return attempt()
+
+    def _batched(self, fn):
+        """Run ``fn(txn)`` in the next shared write transaction: the WRITEs that arrive in one
+        reactor turn (from any connection, in arrival order) go to the store as one transaction,
+        so each costs one entry in it, not a transaction of its own. ``fn`` must raise FsError (or
+        _CheckTail) only before it changes anything -- _write_txn checks everything first --
+        so a refused write leaves no trace; any other exception aborts (and fails) the batch."""
+        d = defer.Deferred()
+        self._batch.append((fn, d))
+        if len(self._batch) == 1:
+            self._reactor.callLater(0, self._flush_batch)
+        return d
+
+    def _flush_batch(self):
+        batch, self._batch = self._batch, []
+
+        def run(txn):
+            results = []
+            for fn, _ in batch:
+                try:
+                    results.append((True, fn(txn)))
+                except (FsError, _CheckTail) as e:
+                    results.append((False, e))
+            return results
+
+        def done(results):
+            for (ok, value), (_, d) in zip(results, batch):
+                if ok:
+                    d.callback(value)
+                else:
+                    d.errback(value)
+
+        def failed(failure):
+            for _, d in batch:
+                d.errback(failure)
+
+        self.meta.transact(run).addCallbacks(done, failed)
 
     @staticmethod
     def _write_args(components, expect_gen, offset, length, hashes):
