@@ -383,3 +383,23 @@ async def test_a_chunk_with_bytes_past_the_end_is_zero_tailed(meta, chunks):
     w = await meta.call(Write(w.gen, 0, b"/z", 0, 10, [wc(clean)]))  # already clean: kept as is
     r = await meta.call(Read(0, b"/z", 0, 4096))
     assert r.chunks[0].hash == clean
+
+
+@pytest_twisted.ensureDeferred
+async def test_writes_batched_in_one_turn_succeed_or_fail_alone(meta, chunks):
+    h = await put_chunk(chunks, b"a", 4096)
+    g = (await meta.call(Create(b"/b", False, 4096))).gen
+    unknown = hashlib.sha256(b"absent").digest()
+    meta.send(
+        Write(g, 0, b"/b", 0, 1, [wc(h)]),  # ok
+        Write(g, 0, b"/b", 0, 1, [wc(h)]),  # same expect_gen: the first moved it on
+        Write(MISSING, CREATE_IF_MISSING, b"/c", 0, 1, [wc(unknown)]),  # chunk not held
+        Write(MISSING, CREATE_IF_MISSING, b"/d", 0, 1, [wc(h)]),  # ok
+    )
+    r1, r2, r3, r4 = await meta.replies(4)
+    assert r1.TYPE == codec.WRITE_SUCCESS and r4.TYPE == codec.WRITE_SUCCESS
+    assert r2.TYPE == codec.WRITE_ERROR and "Generation" in r2.message
+    assert r3.TYPE == codec.WRITE_ERROR and "Chunk not found" in r3.message
+    ls = await meta.call(List_(0, b"/"))
+    assert [i.name for i in ls.items] == [b"b", b"d"]  # the refused create left no trace
+    assert (await meta.call(Read(0, b"/b", 0, 10))).gen == r1.gen
