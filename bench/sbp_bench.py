@@ -18,7 +18,6 @@ either side), one side at a time:
 import argparse
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import socket
@@ -37,6 +36,7 @@ from storage import record_batch  # noqa: E402
 
 RECORD_SIZE = 1024
 BATCH_RECORDS = 64
+FETCH_BYTES = 1 << 20
 
 
 def free_port():
@@ -173,75 +173,106 @@ def redis_append_load(port, batches, window, q):
     q.put({"seconds": el, "records": batches * BATCH_RECORDS, "errors": errors})
 
 
+def _recv_exact_into(s, view):
+    got = 0
+    n = len(view)
+    while got < n:
+        k = s.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("closed")
+        got += k
+
+
 def sbp_read_load(port, sid, total, q):
+    """Sequential FETCHes, one at a time; each reply is received straight into one buffer (no
+    re-buffering), every batch's CRC and the frame's CRC checked in one pass, and the batch headers
+    walked for the next offset."""
     s = _connect(port)
-    fb = codec.FrameBuffer()
+    buf = bytearray(codec.MAX_FRAME_LENGTH + 4)
+    view = memoryview(buf)
     offset = 0
     got = 0
     rid = 0
     t0 = time.perf_counter()
-    lat = []
+    c0 = time.process_time()
     while got < total:
         rid += 1
-        header = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, offset, 1 << 20)]))
-        t1 = time.perf_counter()
+        header = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, offset, FETCH_BYTES)]))
         s.sendall(codec.encode_frame(codec.FETCH, 0, rid, header))
-        f = None
-        while f is None:
-            fb.feed(s.recv(4 << 20))
-            f = fb.next()
-        lat.append(time.perf_counter() - t1)
-        payload = f.payload
-        pos = 0
-        n = len(payload)
-        if not n:
+        _recv_exact_into(s, view[:4])
+        (length,) = struct.unpack_from(">I", buf, 0)
+        _recv_exact_into(s, view[4:4 + length])
+        _length, magic, opcode, flags, stream_id, fmt_hlen = codec.PREFIX.unpack_from(buf, 0)
+        hlen = fmt_hlen & 0xFFFFFF
+        pstart, pend = 16 + hlen, length
+        (crc,) = struct.unpack_from(">I", buf, pend)
+        if pend == pstart:
             break
-        while pos < n:
-            h = record_batch.read_header(payload, pos)
+        # one pass: every batch's records CRC is checked, and the frame CRC is combined from them
+        if flags != 0x03 or crc != codec.batches_crc(buf, pstart, pend, verify=True):
+            raise AssertionError("bad FETCH reply")
+        pos = pstart
+        while pos < pend:
+            h = record_batch.read_header(buf, pos)
             pos += record_batch.HEADER_SIZE + h.records_len
             got += h.record_count
         offset = h.base_offset + h.record_count
     el = time.perf_counter() - t0
     s.close()
-    q.put({"seconds": el, "records": got, "requests": rid})
+    q.put({"seconds": el, "records": got, "requests": rid, "client_cpu": time.process_time() - c0})
 
 
-_XR_ENTRY = re.compile(rb"\*2\r\n\$\d+\r\n(\d+-\d+)\r\n\*2\r\n\$1\r\nf\r\n\$1024\r\n")
+_XR_MARK = b"*2\r\n$"  # twice per XRANGE entry: the entry array and its field-value array
+_XR_VALUE_HEAD = b"*2\r\n$1\r\nf\r\n$%d\r\n" % RECORD_SIZE
 
 
 def redis_read_load(port, total, q):
+    """Sequential XRANGE ... COUNT 1000, one at a time. A reply is complete once it holds 2 x count
+    entry marks and the last value's bytes (values never contain the marks); only the last entry
+    is parsed, for the next start ID. bytes.count/rfind run in C, so the client stays cheap."""
     s = _connect(port)
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
     last = b"-"
     got = 0
     requests = 0
     t0 = time.perf_counter()
+    c0 = time.process_time()
     while got < total:
         requests += 1
         start = last if last == b"-" else b"(" + last
         s.sendall(redis_cmd(b"XRANGE", b"s", start, b"+", b"COUNT", b"1000"))
-        buf = bytearray()
+        n = 0
         count = None
+        marks = 0
         while True:
-            buf += s.recv(4 << 20)
+            old = n
+            k = s.recv_into(view[n:])
+            if not k:
+                raise ConnectionError("closed")
+            n += k
             if count is None:
-                i = buf.find(b"\r\n")
+                i = buf.find(b"\r\n", 0, n)
                 if i < 0:
                     continue
                 count = int(buf[1:i])
                 if count == 0:
                     break
-            # complete when the last entry's value and CRLF are in
-            if buf.endswith(b"\r\n") and len(buf) >= count * (RECORD_SIZE + 40):
-                ids = _XR_ENTRY.findall(buf)
-                if len(ids) == count and len(buf) >= buf.rfind(ids[-1]) + len(ids[-1]) + 20 + RECORD_SIZE:
+            marks += buf.count(_XR_MARK, max(0, old - len(_XR_MARK) + 1), n)
+            if marks >= 2 * count:
+                v = buf.rfind(_XR_VALUE_HEAD, 0, n)
+                if n >= v + len(_XR_VALUE_HEAD) + RECORD_SIZE + 2:
                     break
         if not count:
             break
+        e = buf.rfind(_XR_MARK, 0, buf.rfind(_XR_VALUE_HEAD, 0, n))
+        i = buf.find(b"\r\n", e + len(_XR_MARK))
+        j = buf.find(b"\r\n", i + 2)
         got += count
-        last = ids[-1]
+        last = bytes(buf[i + 2:j])
     el = time.perf_counter() - t0
     s.close()
-    q.put({"seconds": el, "records": got, "requests": requests})
+    q.put({"seconds": el, "records": got, "requests": requests, "client_cpu": time.process_time() - c0})
 
 
 def sbp_latency_load(port, sid, rate_bps, seconds, q):
@@ -337,6 +368,21 @@ def redis_latency_load(port, rate_bps, seconds, q):
     q.put({"latencies": lat, "sent": k, "seconds": seconds})
 
 
+def proc_cpu(pid):
+    """CPU seconds (user + system) a process has used so far."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(pid, fn, *args):
+    """Run a load generator; add the server's CPU seconds over the run to its result."""
+    c0 = proc_cpu(pid)
+    result = run_in_process(fn, *args)
+    result["server_cpu"] = proc_cpu(pid) - c0
+    return result
+
+
 def run_in_process(fn, *args):
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
@@ -348,6 +394,25 @@ def run_in_process(fn, *args):
 
 
 # -- driver -------------------------------------------------------------------------------------
+
+
+def disk_floor(base, n=300):
+    """p50/p99 of one 64 KiB append + fdatasync in the bench's directory: the floor for any
+    fsync-always ack latency on this disk."""
+    path = os.path.join(base, "fsync-probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    data = b"x" * (BATCH_RECORDS * RECORD_SIZE)
+    lat = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            os.write(fd, data)
+            os.fdatasync(fd)
+            lat.append((time.perf_counter() - t) * 1000)
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return pct(lat, 50), pct(lat, 99)
 
 
 def pct(values, p):
@@ -374,36 +439,44 @@ def main():
     rows = []
     try:
         print("records: %d B body, %d per batch; window %d batches; one load process per side" % (RECORD_SIZE, BATCH_RECORDS, args.window))
+        f50, f99 = disk_floor(base)
+        print("disk: 64 KiB write + fdatasync p50=%.2f ms p99=%.2f ms (the floor for fsync-always acks)" % (f50, f99))
         for fsync, appendfsync, n in (("always", "always", args.always_records), ("interval:1000", "everysec", args.records)):
             batches = n // BATCH_RECORDS
+            load = os.getloadavg()[0]
             with Node(base, fsync) as node:
                 c = BlockingSbpClient("127.0.0.1", node.port)
                 sid = c.create_stream()["stream_id"]
                 lat_sid = c.create_stream()["stream_id"]
                 c.close()
-                sbp = run_in_process(sbp_append_load, node.port, sid, batches, args.window)
+                pid = node.proc.proc.pid
+                sbp = measured(pid, sbp_append_load, node.port, sid, batches, args.window)
                 sbp_rate = sbp["records"] / sbp["seconds"]
                 if fsync != "always":
-                    sbp_read = run_in_process(sbp_read_load, node.port, sid, batches * BATCH_RECORDS)
+                    sbp_read = measured(pid, sbp_read_load, node.port, sid, batches * BATCH_RECORDS)
                 sbp_lat = run_in_process(sbp_latency_load, node.port, lat_sid, args.rate_mb * 1e6, args.latency_seconds)
             with Redis(base, appendfsync) as redis:
-                red = run_in_process(redis_append_load, redis.port, batches, args.window)
+                rpid = redis.proc.pid
+                red = measured(rpid, redis_append_load, redis.port, batches, args.window)
                 red_rate = red["records"] / red["seconds"]
                 if fsync != "always":
-                    red_read = run_in_process(redis_read_load, redis.port, batches * BATCH_RECORDS)
+                    red_read = measured(rpid, redis_read_load, redis.port, batches * BATCH_RECORDS)
                 red_lat = run_in_process(redis_latency_load, redis.port, args.rate_mb * 1e6, args.latency_seconds)
             print()
-            print("append, SBP --fsync %s vs Redis appendfsync %s (%d records):" % (fsync, appendfsync, batches * BATCH_RECORDS))
-            print("  SBP   %s  errors=%d" % (fmt_rate(sbp_rate), sbp["errors"]))
-            print("  Redis %s  errors=%d" % (fmt_rate(red_rate), red["errors"]))
+            print("append, SBP --fsync %s vs Redis appendfsync %s (%d records; machine load %.1f at start):" % (
+                fsync, appendfsync, batches * BATCH_RECORDS, load))
+            print("  SBP   %s  errors=%d  server CPU %.2f s" % (fmt_rate(sbp_rate), sbp["errors"], sbp["server_cpu"]))
+            print("  Redis %s  errors=%d  server CPU %.2f s" % (fmt_rate(red_rate), red["errors"], red["server_cpu"]))
             print("  ratio SBP/Redis = %.2fx" % (sbp_rate / red_rate))
             rows.append(("append 1 KiB x64, fsync %s / %s" % (fsync, appendfsync), "%.0f rec/s" % sbp_rate, "%.0f rec/s" % red_rate, sbp_rate / red_rate))
             if fsync != "always":
                 r1 = sbp_read["records"] / sbp_read["seconds"]
                 r2 = red_read["records"] / red_read["seconds"]
                 print("sequential read of %d records (FETCH 1 MiB vs XRANGE COUNT 1000):" % sbp_read["records"])
-                print("  SBP   %s  (%d requests)" % (fmt_rate(r1), sbp_read["requests"]))
-                print("  Redis %s  (%d requests)" % (fmt_rate(r2), red_read["requests"]))
+                print("  SBP   %s  (%d requests; server CPU %.2f s, client CPU %.2f s)" % (
+                    fmt_rate(r1), sbp_read["requests"], sbp_read["server_cpu"], sbp_read["client_cpu"]))
+                print("  Redis %s  (%d requests; server CPU %.2f s, client CPU %.2f s)" % (
+                    fmt_rate(r2), red_read["requests"], red_read["server_cpu"], red_read["client_cpu"]))
                 print("  ratio SBP/Redis = %.2fx" % (r1 / r2))
                 rows.append(("sequential read %d records" % sbp_read["records"], "%.0f rec/s" % r1, "%.0f rec/s" % r2, r1 / r2))
             for name, res in (("SBP  ", sbp_lat), ("Redis", red_lat)):

@@ -390,7 +390,7 @@ def test_validate_batch_agrees(recs, flips):
         b[pos % len(b)] = val
     # also fix the CRC sometimes so the block checks are reached
     if flips and flips[0][1] & 1 and len(b) >= 29:
-        b[17:21] = zlib.crc32(bytes(b[29:])).to_bytes(4, "big")
+        b[21:25] = zlib.crc32(bytes(b[29:])).to_bytes(4, "big")
     b = bytes(b)
     try:
         expect = record_batch.validate(b).record_count
@@ -420,3 +420,23 @@ async def test_many_entry_replies_are_split_into_frames(node):
     asm = ReplyAssembler(codec.APPEND)
     assert [asm.add(f) for f in frames] == [False, False, True]
     assert len(asm.header.append_responses) == n
+
+
+@pytest_twisted.ensureDeferred
+async def test_append_with_bad_payload_crc_is_refused_whole(node, store):
+    c = Conn(node)
+    (a,) = await create(c)
+    b1, b2 = batch(2), batch(3)
+    hdr = codec.encode_table("AppendRequest", T.AppendRequest(0, [T.AppendInfo(a, 0, len(b1)), T.AppendInfo(a, 1, len(b2))]))
+    for flip in (5, 40, len(b1) + 3):  # in a batch header, in a block, in the second batch
+        wire = bytearray(codec.encode_frame(codec.APPEND, 0, 99, hdr, b1 + b2))
+        wire[-4:] = (int.from_bytes(wire[-4:], "big") ^ (1 << flip % 32)).to_bytes(4, "big")
+        c.send(bytes(wire))
+        (f,) = await c.reply(99)
+        assert f.flags == 0x07 and codec.decode_header(f).status.code == codec.INVALID_REQUEST
+    assert store.log.stream(a).next_offset == 0
+    rs = await append(c, [(a, b1), (a, b2)])
+    assert [r.base_offset for r in rs] == [0, 2]
+    # a short entry (under 29 bytes) still counts toward the frame CRC
+    rs = await append(c, [(a, b"\x22\x00"), (a, b1)])
+    assert [r.status.code for r in rs] == [codec.CORRUPT_BATCH, 0]

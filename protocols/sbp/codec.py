@@ -117,6 +117,7 @@ MAX_HEADER_LENGTH = (1 << 24) - 1
 PREFIX = struct.Struct(">IBHBII")
 PREFIX_SIZE = PREFIX.size  # 16
 _CRC = struct.Struct(">I")
+_I32BE = struct.Struct(">i")
 # Bytes a frame costs beyond header + payload: prefix + crc.
 FRAME_OVERHEAD = PREFIX_SIZE + 4
 
@@ -127,13 +128,110 @@ FRAME_OVERHEAD = PREFIX_SIZE + 4
 _crc32 = binascii.crc32
 crc32 = binascii.crc32
 
+
+def _load_crc32_combine():
+    """zlib's crc32_combine(crc1, crc2, len2) through ctypes (about 0.7 us); None without libz."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        lib = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
+        fn = lib.crc32_combine
+        fn.restype = ctypes.c_ulong
+        fn.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long]
+        if fn(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) != zlib.crc32(b"abcd"):
+            return None
+        return fn
+    except Exception:
+        return None
+
+
+_crc32_combine = _load_crc32_combine()
+
+
+def _gf2_times(mat, vec):
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat):
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def _crc32_combine_py(crc1, crc2, len2):
+    """zlib's crc32_combine in Python (the fallback when libz cannot be loaded; slow)."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]
+    even = _gf2_square(odd)
+    odd = _gf2_square(even)
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def crc32_combine(crc1, crc2, len2):
+    """CRC-32 of A + B from crc32(A), crc32(B) and len(B)."""
+    if _crc32_combine is not None:
+        return _crc32_combine(crc1, crc2, len2)
+    return _crc32_combine_py(crc1, crc2, len2)
+
+
+_BATCH_CRC_AT = 21  # record batch: u8 magic, i64 base_offset, i32 count, i64 base_ts, then u32 crc
+_BATCH_HEADER_SIZE = 29
+
+
+def batches_crc(buf, start, end, crc=0, verify=False):
+    """CRC-32 of ``buf[start:end]`` when it holds whole record batches, from each batch's 29-byte
+    header and its stored records-block CRC (combined, no pass over the blocks). With ``verify``,
+    each block's CRC is computed and checked instead (one pass; ValueError on a mismatch).
+    Raises ValueError if the bytes are not whole batches."""
+    view = memoryview(buf)
+    pos = start
+    while pos < end:
+        if end - pos < _BATCH_HEADER_SIZE:
+            raise ValueError("truncated batch header")
+        (stored,) = _CRC.unpack_from(buf, pos + _BATCH_CRC_AT)
+        (records_len,) = _I32BE.unpack_from(buf, pos + 25)
+        bend = pos + _BATCH_HEADER_SIZE + records_len
+        if records_len < 0 or bend > end:
+            raise ValueError("truncated batch")
+        crc = _crc32(view[pos:pos + _BATCH_HEADER_SIZE], crc)
+        if verify:
+            actual = _crc32(view[pos + _BATCH_HEADER_SIZE:bend])
+            if actual != stored:
+                raise ValueError("batch at %d fails its CRC" % pos)
+        crc = crc32_combine(crc, stored, records_len)
+        pos = bend
+    return crc
+
 # -- frame ----------------------------------------------------------------------------------------
 
 
 class Frame:
-    __slots__ = ("opcode", "flags", "stream_id", "header", "payload", "header_format")
+    __slots__ = ("opcode", "flags", "stream_id", "header", "payload", "header_format", "crc")
 
-    def __init__(self, opcode, flags=0, stream_id=0, header=b"", payload=b"", header_format=HEADER_FORMAT_FLATBUFFERS):
+    def __init__(self, opcode, flags=0, stream_id=0, header=b"", payload=b"", header_format=HEADER_FORMAT_FLATBUFFERS, crc=None):
+        # crc: set only when the frame's payload CRC was NOT checked by the decoder (the receiver
+        # promised to check it: FrameBuffer(defer_crc=...)); None once checked.
+        self.crc = crc
         self.opcode = opcode
         self.flags = flags
         self.stream_id = stream_id
@@ -142,7 +240,7 @@ class Frame:
         self.header_format = header_format
 
     def __eq__(self, other):
-        return isinstance(other, Frame) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+        return isinstance(other, Frame) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__ if k != "crc")
 
     def __repr__(self):
         return "Frame(opcode=0x%04x, flags=0x%02x, stream_id=%d, header=%d B, payload=%d B)" % (
@@ -201,13 +299,20 @@ class UnsupportedHeaderFormat(FrameError):
     status = UNSUPPORTED_VERSION
 
 
-def encode_frame_parts(opcode, flags, stream_id, header=b"", payload_parts=(), header_format=HEADER_FORMAT_FLATBUFFERS) -> list:
-    """The frame as a list of ``bytes`` for ``transport.writeSequence`` (payload not copied)."""
+def encode_frame_parts(opcode, flags, stream_id, header=b"", payload_parts=(), header_format=HEADER_FORMAT_FLATBUFFERS,
+                       payload_crc=None) -> list:
+    """The frame as a list of ``bytes`` for ``transport.writeSequence`` (payload not copied).
+    ``payload_crc``: the payload's CRC when already known (e.g. from ``batches_crc``)."""
     plen = 0
     crc = 0
-    for p in payload_parts:
-        plen += len(p)
-        crc = _crc32(p, crc)
+    if payload_crc is None:
+        for p in payload_parts:
+            plen += len(p)
+            crc = _crc32(p, crc)
+    else:
+        for p in payload_parts:
+            plen += len(p)
+        crc = payload_crc if plen else 0
     hlen = len(header)
     length = 16 + hlen + plen
     if length > MAX_FRAME_LENGTH:
@@ -235,10 +340,12 @@ def check_length(frame_length, opcode=0, stream_id=0):
         raise FrameLengthError("frame_length %d out of [16, 16 MiB]" % frame_length, opcode, stream_id)
 
 
-def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES) -> Frame:
+def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=()) -> Frame:
     """Decode the one complete frame at ``buf[pos:end]`` (``end`` = pos + 4 + frame_length).
 
-    Raises FrameError subclasses in the contract's check order.
+    Raises FrameError subclasses in the contract's check order. For opcodes in ``defer_crc`` the
+    payload CRC is not checked here: the frame carries it in ``frame.crc`` and the caller must
+    check it (before acting on the frame) and answer a mismatch as BadFrame.
     """
     length, magic, opcode, flags, stream_id, fmt_hlen = PREFIX.unpack_from(buf, pos)
     check_length(length)
@@ -260,15 +367,17 @@ def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES) -> Frame:
     view = memoryview(buf)
     # one copy of the payload (a bytearray slice would copy twice)
     payload = bytes(view[pstart:pend]) if pend > pstart else b""
-    expect = _crc32(payload) if payload else 0
-    if crc != expect:
-        raise BadFrame("payload crc 0x%08x != 0x%08x" % (crc, expect), opcode, stream_id)
+    deferred = opcode in defer_crc and payload
+    if not deferred:
+        expect = _crc32(payload) if payload else 0
+        if crc != expect:
+            raise BadFrame("payload crc 0x%08x != 0x%08x" % (crc, expect), opcode, stream_id)
     fmt = fmt_hlen >> 24
     if fmt != HEADER_FORMAT_FLATBUFFERS:
         raise UnsupportedHeaderFormat("header format %d is not FlatBuffers (1)" % fmt, opcode, stream_id)
     header = bytes(view[hstart:pstart]) if hlen else b""
     view.release()
-    return Frame(opcode, flags, stream_id, header, payload, fmt)
+    return Frame(opcode, flags, stream_id, header, payload, fmt, crc if deferred else None)
 
 
 def decode(data: bytes) -> Frame:
@@ -287,14 +396,15 @@ class FrameBuffer:
     per read. A declared length is checked before its body is buffered; consumed bytes are dropped
     only once they are over 64 KiB and over half the buffer, so total copying stays linear."""
 
-    __slots__ = ("_buf", "_pos", "known_opcodes")
+    __slots__ = ("_buf", "_pos", "known_opcodes", "defer_crc")
 
     COMPACT_AT = 64 * 1024
 
-    def __init__(self, known_opcodes=OPCODES):
+    def __init__(self, known_opcodes=OPCODES, defer_crc=()):
         self._buf = bytearray()
         self._pos = 0
         self.known_opcodes = known_opcodes
+        self.defer_crc = defer_crc
 
     def feed(self, data) -> None:
         self._buf += data
@@ -321,7 +431,7 @@ class FrameBuffer:
             return None
         self._pos = end
         try:
-            return parse_frame(buf, pos, end, self.known_opcodes)
+            return parse_frame(buf, pos, end, self.known_opcodes, self.defer_crc)
         finally:
             self._compact()
 
