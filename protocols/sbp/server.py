@@ -12,7 +12,6 @@ drains, so the node never buffers more than the replies to requests already acce
 """
 
 import json
-import os
 import time
 from itertools import chain
 from operator import itemgetter
@@ -202,7 +201,7 @@ class SbpServerProtocol(Protocol):
         # FETCH replies run to 16 MiB: hand the kernel up to 4 MiB per send() instead of Twisted's
         # 128 KiB (one reactor iteration each), which halved 1 MiB FETCH round trips.
         if getattr(self.transport, "SEND_LIMIT", None) is not None:
-            self.transport.SEND_LIMIT = 4 << 20 if not os.environ.get("NOSL") else 128 << 10
+            self.transport.SEND_LIMIT = 4 << 20
         self.factory.connections.add(self)
         self.factory.metrics["connections"] += 1
         if self.factory.shutting_down:
