@@ -199,7 +199,7 @@ class SbpServerProtocol(Protocol):
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
         self.transport.registerProducer(self, True)
         # FETCH replies run to 16 MiB: hand the kernel up to 4 MiB per send() instead of Twisted's
-        # 128 KiB (one reactor iteration each), which halved 1 MiB FETCH round trips.
+        # 128 KiB (one reactor iteration each): fewer iterations per big reply.
         if getattr(self.transport, "SEND_LIMIT", None) is not None:
             self.transport.SEND_LIMIT = 4 << 20
         self.factory.connections.add(self)
