@@ -93,8 +93,19 @@ def _progress(total, desc, disabled):
 
 
 def run_ls(args):
+    from protocols.toasty.client import ToastyError
+
     with _client(args) as c:
-        _, items = _call(c.list, args.path)
+        try:
+            _, items = c.list(args.path)
+        except ToastyError as e:
+            if not e.message.startswith("Entity is not a directory"):
+                raise CliError(str(e))
+            info = _call(c.stat, args.path)  # a file: show it, as ls does
+            print("%20d  %s" % (info["gen"], args.path) if args.long else args.path)
+            return 0
+        except ValueError as e:  # InvalidPath
+            raise CliError(str(e))
         for item in items:
             name = _show(item.name) + ("/" if item.is_dir else "")
             print("%20d  %s" % (item.gen, name) if args.long else name)
