@@ -529,3 +529,33 @@ def test_store_congestion_pauses_reading_until_drained():
     kv.complete()
     kv.complete()
     assert [x.client_id for x in replies(tr, [c.SET, c.SET])] == [1, 2]
+
+
+@pytest.mark.parametrize("step", [None, 1, 5, 100])
+def test_runs_of_gets_in_one_read(step):
+    kv = MemoryKv()
+    fill(kv, [b"a", b"b", b"c"])
+    proto, tr = connect(kv)
+    wire = b"".join(c.encode_get(i, k) for i, k in enumerate([b"a", b"x", b"b", b"c"]))
+    wire += c.encode_get(4, b"")  # not a fast-path GET: ends the run, DATA_NOT_FOUND
+    wire += c.encode_get(5, b"a") + c.encode_set(6, b"d", b"vd") + c.encode_get(7, b"d")
+    wire += struct.pack(">QQQHH", 31, 8, 1, 2, 5) + b"abc"  # key runs past total_len: ERR 3
+    wire += c.encode_get(9, b"c")
+    feed(proto, wire, step)
+    r = replies(tr, [c.GET] * 6 + [c.SET] + [c.GET] * 3)
+    assert [x.client_id for x in r] == list(range(10))
+    assert [x.items[0][1] if x.items else x.cmd for x in r] == [
+        b"va", c.DATA_NOT_FOUND, b"vb", b"vc", c.DATA_NOT_FOUND, b"va", c.OK, b"vd", c.ERR, b"vc"
+    ]
+
+
+def test_store_read_failure_is_err0_for_each_get():
+    class FailingKv(MemoryKv):
+        def get_many(self, keys):
+            raise OSError("disk on fire")
+
+    proto, tr = connect(FailingKv())
+    proto.dataReceived(c.encode_get(1, b"a") + c.encode_get(2, b"b"))
+    r = replies(tr, [c.GET, c.GET])
+    assert [(x.client_id, x.cmd, x.error_code) for x in r] == [(1, c.ERR, 0), (2, c.ERR, 0)]
+    assert tr.connected

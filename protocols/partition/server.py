@@ -277,10 +277,8 @@ class KvServerProtocol(Protocol):
         pos = self._pos
         n = len(buf)
         u64 = _U64.unpack_from
-        handled = 0
-        kv_get = self.kv.get
+        self._handled = handled = 0
         slots = self._slots
-        out_append = self._out.append
         while not self._closing:
             if (
                 self._write_paused
@@ -318,22 +316,8 @@ class KvServerProtocol(Protocol):
             if total >= 28:
                 # Fast paths for the hot commands (same rules as the codec, no request object).
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
-                if cmd == GET and klen and 28 + klen <= total and not self._blocked and not self._unacked:
-                    key = bytes(buf[pos + 28 : pos + 28 + klen])
-                    try:
-                        value = kv_get(key)
-                    except Exception as e:
-                        reply = self._store_error(cid, e)
-                    else:
-                        if value is None:
-                            reply = _HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND)
-                        else:
-                            reply = b"".join((_GET_REPLY_HEAD(32 + klen + len(value), cid, 1, OK, klen), key, _U32_PACK(len(value)), value))
-                    if slots:
-                        slots.append([reply])
-                    else:
-                        out_append(reply)
-                    pos += total
+                if cmd == GET and klen and 28 + klen <= total and not self._unacked and not self._blocked and not slots:
+                    pos = self._get_run(buf, pos, n, total, cid, klen)
                     continue
                 if cmd == SET and klen and 32 + klen <= total and not self._blocked:
                     (vlen,) = _U32_FROM(buf, pos + 28 + klen)
@@ -356,7 +340,7 @@ class KvServerProtocol(Protocol):
                 else:
                     self._submit(req)
             pos += total
-        self.metrics["requests"] = self.metrics.get("requests", 0) + handled
+        self.metrics["requests"] = self.metrics.get("requests", 0) + handled + self._handled
         if pos >= n:
             buf.clear()
             pos = 0
@@ -364,6 +348,56 @@ class KvServerProtocol(Protocol):
             del buf[:pos]
             pos = 0
         self._pos = pos
+
+    def _get_run(self, buf, pos, n, total, cid, klen):
+        """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
+        store read; returns the position after the run. Only called with nothing queued ahead,
+        so the replies go straight to the output."""
+        mv = memoryview(buf)
+        try:
+            keys = []
+            cids = []
+            unpack = _HEADER_KEYLEN
+            while True:
+                keys.append(bytes(mv[pos + 28 : pos + 28 + klen]))
+                cids.append(cid)
+                pos += total
+                if n - pos < 28:
+                    break
+                total, cid, _n, cmd, klen = unpack(buf, pos)
+                if cmd != GET or not klen or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
+                    break
+        finally:
+            mv.release()
+        self._handled += len(keys) - 1
+        out = self._out
+        try:
+            values = self._get_many(keys)
+        except Exception as e:
+            self._store_error(cids[0], e)
+            out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
+            return pos
+        head = _GET_REPLY_HEAD
+        u32 = _U32_PACK
+        append = out.append
+        for cid, key, value in zip(cids, keys, values):
+            if value is None:
+                append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+            else:
+                klen = len(key)
+                vlen = len(value)
+                append(head(32 + klen + vlen, cid, 1, OK, klen))
+                append(key)
+                append(u32(vlen))
+                append(value)
+        return pos
+
+    def _get_many(self, keys):
+        get_many = getattr(self.kv, "get_many", None)
+        if get_many is not None:
+            return get_many(keys)
+        get = self.kv.get
+        return [get(k) for k in keys]
 
     # -- ordering ----------------------------------------------------------------------------
 
