@@ -149,6 +149,60 @@ def user_key(prefix: bytes, lmdb_key: bytes, stored: bytes) -> bytes:
     return full if full is not None else lmdb_key[len(prefix):]
 
 
+def iter_ordered(cur, reverse: bool, pfx: bytes = b""):
+    """(user key, value) in true key order from the cursor's position, forward or backward.
+
+    Keys longer than KEY_KEEP share their LMDB key's first KEY_KEEP bytes with every other long key
+    of the same prefix, and those form one contiguous run in LMDB order (a short key can never
+    fall inside it); each run is sorted by full key before it is yielded."""
+    it = cur.iterprev() if reverse else cur.iternext()
+    run, run_prefix = [], None
+    n = len(pfx)
+    for lk, stored in it:
+        if n and not lk.startswith(pfx):
+            break
+        if len(lk) <= KEY_KEEP:
+            if run:
+                run.sort(reverse=reverse)
+                yield from run
+                run = []
+            yield lk[n:], stored[1:]
+        else:
+            p = lk[:KEY_KEEP]
+            if run and p != run_prefix:
+                run.sort(reverse=reverse)
+                yield from run
+                run = []
+            run_prefix = p
+            run.append(decode_value(stored))
+    if run:
+        run.sort(reverse=reverse)
+        yield from run
+
+
+def seek_forward(cur, pfx: bytes, start) -> bool:
+    """Put the cursor at or before the first key >= ``start`` (None: the first key of ``pfx``)."""
+    if start is None:
+        return cur.set_range(pfx) if pfx else cur.first()
+    return cur.set_range((pfx + start)[:KEY_KEEP])
+
+
+def seek_backward(cur, pfx: bytes, start) -> bool:
+    """Put the cursor at or after the last key <= ``start`` (None: the last key of ``pfx``), so a
+    backward iter_ordered() sees every key <= start."""
+    if start is None:
+        if pfx:
+            upper = pfx[:-1] + bytes([pfx[-1] + 1])
+            return cur.prev() if cur.set_range(upper) else cur.last()
+        return cur.last()
+    full = pfx + start
+    if len(full) > KEY_KEEP:  # past the whole run of long keys sharing start's prefix
+        return cur.prev() if cur.set_range(full[:KEY_KEEP] + b"\xff" * 17) else cur.last()
+    if cur.set_range(full):
+        return True if cur.key() == full else cur.prev()
+    return cur.last()
+
+
 class RawTxn:
     """The writer thread's view of one LMDB write transaction: reads see earlier writes of the
     same group; every write is applied at once and recorded for the WAL."""

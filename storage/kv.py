@@ -8,7 +8,8 @@ Writes go through the group commit (durable per the fsync policy); reads are syn
 from twisted.internet import defer
 
 from storage import errors, index
-from storage.index import KEY_KEEP, OP_PUT, decode_value, encode_key, encode_value
+from storage.index import (KEY_KEEP, OP_PUT, decode_value, encode_key, encode_value, iter_ordered,
+                           seek_backward, seek_forward)
 from storage.store import K_OPS, K_TXN, _Op
 
 MAX_KEY = 65535
@@ -100,54 +101,33 @@ class KeyValue:
             return defer.fail()
         return store._submit(_Op(K_TXN, fn, nbytes=len(key) + 64))
 
-    def _items(self, cur, limit, reverse, prefix=None, keys_only=False):
+    def scan_forward(self, start, limit):
+        """Pairs with key >= ``start`` (None = from the first key), ascending."""
         out = []
-        it = cur.iterprev() if reverse else cur.iternext()
-        for lk, stored in it:
-            full, value = decode_value(stored)
-            key = full if full is not None else lk
-            if prefix is not None and not key.startswith(prefix):
-                if (key > prefix) != reverse:
-                    break
+        if limit <= 0:
+            return out
+        start = None if start is None else bytes(start)
+        cur = self._store.snapshot().cursor(db=self._db)
+        if not seek_forward(cur, b"", start):
+            return out
+        for key, value in iter_ordered(cur, False):
+            if start is not None and key < start:
                 continue
-            out.append(key if keys_only else (key, value))
+            out.append((key, value))
             if len(out) >= limit:
                 break
         return out
 
-    def scan_forward(self, start, limit):
-        """Pairs with key >= ``start`` (None = from the first key), ascending."""
-        if limit <= 0:
-            return []
-        txn = self._store.snapshot()
-        cur = txn.cursor(db=self._db)
-        if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
-            return []
-        out = self._items(cur, limit + 1, False)
-        if start is not None:
-            out = [kv for kv in out if kv[0] >= start]
-        return out[:limit]
-
     def scan_backward(self, start, limit):
         """Pairs with key <= ``start`` (None = from the last key), descending."""
-        if limit <= 0:
-            return []
-        txn = self._store.snapshot()
-        cur = txn.cursor(db=self._db)
-        if start is None:
-            if not cur.last():
-                return []
-        else:
-            start = bytes(start)
-            if cur.set_range(encode_key(b"", start)):
-                if _full(cur) != start and not cur.prev():
-                    return []
-            elif not cur.last():
-                return []
         out = []
-        for lk, stored in cur.iterprev():
-            full, value = decode_value(stored)
-            key = full if full is not None else lk
+        if limit <= 0:
+            return out
+        start = None if start is None else bytes(start)
+        cur = self._store.snapshot().cursor(db=self._db)
+        if not seek_backward(cur, b"", start):
+            return out
+        for key, value in iter_ordered(cur, True):
             if start is not None and key > start:
                 continue
             out.append((key, value))
@@ -157,25 +137,26 @@ class KeyValue:
 
     def scan_keys(self, start, limit, prefix=None):
         """Keys >= ``start`` (None = first), ascending, optionally only those with ``prefix``."""
+        out = []
         if limit <= 0:
-            return []
+            return out
+        start = None if start is None else bytes(start)
         if prefix is not None:
             prefix = bytes(prefix)
-            if start is None or bytes(start) < prefix:
+            if start is None or start < prefix:
                 start = prefix
-        txn = self._store.snapshot()
-        cur = txn.cursor(db=self._db)
-        if not (cur.first() if start is None else cur.set_range(encode_key(b"", bytes(start))[:KEY_KEEP])):
-            return []
-        keys = self._items(cur, limit + 1, False, prefix=prefix, keys_only=True)
-        if start is not None:
-            keys = [k for k in keys if k >= start]
-        return keys[:limit]
+        cur = self._store.snapshot().cursor(db=self._db)
+        if not seek_forward(cur, b"", start):
+            return out
+        for key, _ in iter_ordered(cur, False):
+            if start is not None and key < start:
+                continue
+            if prefix is not None and not key.startswith(prefix):
+                break  # keys >= prefix that lack it sort after every key that has it
+            out.append(key)
+            if len(out) >= limit:
+                break
+        return out
 
     def partition_of(self, key):
         return partition_of(key)
-
-
-def _full(cur):
-    full, _ = decode_value(cur.value())
-    return full if full is not None else cur.key()

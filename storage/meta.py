@@ -58,42 +58,21 @@ class _ReadTxn:
         """[(key, value)] of ``table``: keys >= start ascending, or with ``reverse`` keys <= start
         descending (start b"" or None = from the end), optionally only keys with ``prefix``."""
         pfx = _prefix(table)
-        start = bytes(start or b"")
+        start = bytes(start) if start else None
+        prefix = bytes(prefix) if prefix else None
         out = []
         if limit is not None and limit <= 0:
             return out
         cur = self._cursor(index.META)
         if not reverse:
-            first = max(start, bytes(prefix)) if prefix is not None else start
-            if not cur.set_range(encode_key(pfx, first)[: index.KEY_KEEP]):
+            if prefix is not None and (start is None or start < prefix):
+                start = prefix
+            if not index.seek_forward(cur, pfx, start):
                 return out
-            it = cur.iternext()
-        else:
-            if start:
-                if cur.set_range(encode_key(pfx, start)):
-                    full, _ = decode_value(cur.value())
-                    key = full if full is not None else cur.key()[len(pfx):]
-                    if not cur.key().startswith(pfx) or key != start:
-                        if not cur.prev():
-                            return out
-                elif not cur.last():
-                    return out
-            else:
-                upper = pfx[:-1] + b"\x01"
-                if cur.set_range(upper):
-                    if not cur.prev():
-                        return out
-                elif not cur.last():
-                    return out
-            it = cur.iterprev()
-        for lk, stored in it:
-            if not lk.startswith(pfx):
-                break
-            full, value = decode_value(stored)
-            key = full if full is not None else lk[len(pfx):]
-            if not reverse and key < start:
-                continue
-            if reverse and start and key > start:
+        elif not index.seek_backward(cur, pfx, start):
+            return out
+        for key, value in index.iter_ordered(cur, reverse, pfx):
+            if start is not None and (key > start if reverse else key < start):
                 continue
             if prefix is not None and not key.startswith(prefix):
                 if (key > prefix) != reverse:
