@@ -277,6 +277,27 @@ class Store:
         self._drain_waiters.append(d)
         return d
 
+    def stats(self) -> dict:
+        """A snapshot of sizes and counters for ``sbpctl status`` (sync, cheap)."""
+        txn = self.snapshot()
+        entries = {name.decode(): txn.stat(self.dbs[i])["entries"] for i, name in enumerate(index.DB_NAMES)}
+        wal_bytes = sum(self.wal.segment_size(b) for b in self.wal.bases)
+        return {
+            "fsync": str(self.policy),
+            "streams": len(self.log._streams),
+            "batches": entries["index"],
+            "wal_segments": len(self.wal.bases),
+            "wal_bytes": wal_bytes,
+            "wal_position": self.wal.end,
+            "chunks": entries["chunks"],
+            "chunk_packs": len(self.packs.fds),
+            "chunk_last_seq": self.chunks.last_seq(),
+            "kv_keys": entries["kv"],
+            "meta_keys": entries["meta"],
+            "queued_bytes": self._queued_bytes,
+            "failed": self.failed,
+        }
+
     def sync(self) -> defer.Deferred:
         """Make everything written so far durable, whatever the policy."""
         return self._submit(_Op(K_SYNC))

@@ -199,6 +199,12 @@ class Wal:
 
     # -- reading (any thread) -------------------------------------------------------------------
 
+    def segment_size(self, base: int) -> int:
+        if base == self.active:
+            return self.end - base
+        fd = self.fds.get(base)
+        return os.fstat(fd).st_size if fd is not None else 0
+
     def segment_of(self, pos: int):
         """The base of the segment holding ``pos``, or None if that segment is gone."""
         bases = self.bases

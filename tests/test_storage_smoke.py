@@ -142,6 +142,8 @@ async def test_chunks_kv_meta(tmp_path):
     assert [k for k, _ in st.kv.scan_forward(None, 10)] == [b"\x00a", b"m" * 1000, b"\xffz"]
     assert [k for k, _ in st.kv.scan_backward(None, 10)] == [b"\xffz", b"m" * 1000, b"\x00a"]
     assert [k for k, _ in st.kv.scan_backward(b"n", 10)] == [b"m" * 1000, b"\x00a"]
+    stats = st.stats()
+    assert stats["kv_keys"] == 3 and stats["chunks"] == 1 and stats["wal_segments"] == 1 and not stats["failed"]
     assert await st.kv.delete(b"\x00a") is True
     assert await st.kv.delete(b"\x00a") is False
 
