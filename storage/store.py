@@ -326,6 +326,20 @@ class Store:
             return group
 
     def _run_writer(self):
+        try:
+            self._writer_loop()
+        except BaseException as e:  # a bug, not an I/O error: refuse writes rather than hang them
+            self.failed = "writer thread died: %s: %s" % (type(e).__name__, e)
+            self.logger.failure("the store's writer thread died")
+            failure = Failure()
+            with self._cond:
+                rest = list(self._queue)
+                self._queue.clear()
+            for op in rest:
+                op.ok, op.value = False, failure
+            self.reactor.callFromThread(self._deliver, rest)
+
+    def _writer_loop(self):
         policy = self.policy
         interval = policy.interval_ms / 1000.0 if policy.mode == "interval" else None
         last_sync = time.monotonic()
@@ -450,11 +464,14 @@ class Store:
         log = self.log
         for op in group:
             self._queued_bytes -= op.nbytes
-            if op.kind == K_BATCH and op.ok:
-                log._advance(op.a, op.value, int.from_bytes(op.b[9:13], "big", signed=True))
-            if op.ok and op.raw is not None:
-                for fn in op.raw.on_reactor:
-                    fn()
+            try:
+                if op.kind == K_BATCH and op.ok:
+                    log._advance(op.a, op.value, int.from_bytes(op.b[9:13], "big", signed=True))
+                if op.ok and op.raw is not None:
+                    for fn in op.raw.on_reactor:
+                        fn()
+            except Exception:  # never leave the rest of the group unanswered
+                self.logger.failure("store completion step failed")
             if op.ok:
                 op.d.callback(op.value)
             elif op.value is not None:
@@ -522,4 +539,8 @@ class Store:
             done.callback(None)
 
         stop.d.addBoth(finish)
+        if not self._writer.is_alive():  # it died (logged then): nobody will take the stop
+            with self._cond:
+                self._queue.clear()
+            stop.d.callback(None)
         return done

@@ -228,3 +228,29 @@ async def test_fsync_policies_sync_when_they_say(tmp_path):
     await task.deferLater(reactor, 0.3, lambda: None)
     assert not st._unsynced()
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_io_error_fails_the_group_and_later_writes(tmp_path):
+    import os
+
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch())
+    from storage.wal import segment_name
+
+    # swap the active segment's fd for a read-only one: the next pwrite fails with EBADF
+    path = os.path.join(str(tmp_path), "wal", segment_name(st.wal.active))
+    old_fd = st.wal.fds[st.wal.active]
+    st.wal.fds = {**st.wal.fds, st.wal.active: os.open(path, os.O_RDONLY)}
+    os.close(old_fd)
+    with pytest.raises(OSError):
+        await st.log.append(sid, batch())
+    assert st.failed
+    with pytest.raises(errors.StoreError):
+        await st.kv.put(b"k", b"v")
+    assert base_of((await st.log.read(sid, 0, 1))[0]) == 0  # reads go on
+    await st.close()
+    st = open_store(tmp_path)
+    assert st.log.stream(sid).next_offset == 1
+    await st.close()
