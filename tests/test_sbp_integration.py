@@ -301,3 +301,28 @@ def test_slow_fetch_reader_does_not_make_the_node_buffer(node_factory):
             got += 1
     s.close()
     c.close()
+
+
+def test_blocking_client_survives_a_node_restart_for_reads(node_factory):
+    node = node_factory(fsync="always", sbp="tcp:%d:interface=127.0.0.1" % _free_port())
+    c = client_for(node)
+    sid = c.create_stream()["stream_id"]
+    c.append(sid, batch(3))
+    assert node.terminate() == 0
+    node.start()
+    # the node said GOAWAY and closed between requests: the client reconnects before sending
+    assert len(records(c.fetch(sid, 0))) == 3
+    node.terminate()
+    node.start()
+    assert c.append(sid, batch(1)) == 3
+    # killed between requests (no GOAWAY): the stale connection is noticed too
+    node.kill9()
+    node.start()
+    assert c.append(sid, batch(1)) == 4
+    c.close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -6,6 +6,7 @@ Errors are ``SbpError(code, message)`` with the contract's status codes (``codec
 """
 
 import itertools
+import select
 import socket
 import struct
 import time
@@ -271,6 +272,11 @@ def call_ping(data=b""):
     return Call(codec.PING, None, None, lambda resp, payload: payload, [data] if data else [])
 
 
+# Requests that change nothing: the blocking client retries them once after a connection failure.
+_IDEMPOTENT = frozenset([codec.PING, codec.FETCH, codec.LIST_RANGES, codec.DESCRIBE_RANGES, codec.DESCRIBE_STREAMS,
+                         codec.DESCRIBE_PD_CLUSTER, codec.HEARTBEAT])
+
+
 class ReplyAssembler:
     """Collects the frames of one response (several for FETCH) until the end flag."""
 
@@ -328,6 +334,7 @@ class BlockingSbpClient:
         self.timeout = timeout
         self._sock = None
         self._frames = None
+        self._goaway = False
         self._ids = itertools.count(1)
 
     def __getstate__(self):
@@ -351,6 +358,7 @@ class BlockingSbpClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
             self._frames = codec.FrameBuffer()
+            self._goaway = False
         return self
 
     def close(self):
@@ -403,6 +411,7 @@ class BlockingSbpClient:
         while True:
             f = self._read_frame(deadline)
             if f.opcode == codec.GOAWAY and not f.is_response:
+                self._goaway = True
                 continue  # the server is going away: our in-flight request still gets its reply
             if f.stream_id != sid or not f.is_response:
                 continue
@@ -414,7 +423,45 @@ class BlockingSbpClient:
             if done:
                 return asm.value(call)
 
+    def _drop_if_stale(self):
+        """Between requests nothing is due from the server: readable bytes can only be a GOAWAY
+        or the close of a node that went away. Then reconnect before sending, rather than
+        losing the request."""
+        if self._sock is None:
+            return
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable:
+                return
+            data = self._sock.recv(65536, socket.MSG_DONTWAIT)
+        except (OSError, ValueError):
+            self.close()
+            return
+        if not data:
+            self.close()
+            return
+        self._frames.feed(data)
+        try:
+            while (f := self._frames.next()) is not None:
+                if f.opcode == codec.GOAWAY and not f.is_response:
+                    self._goaway = True
+        except codec.FrameError:
+            self._goaway = True
+
     def call(self, call, extra_wait=0.0):
+        self._drop_if_stale()
+        if self._goaway:
+            self.close()  # the server said GOAWAY: new requests go to a new connection
+        fresh = self._sock is None
+        sid = self._next_id()
+        try:
+            self._send(call, sid)
+            return self._await(sid, call, extra_wait)
+        except SbpConnectionError:
+            # A request that cannot have changed anything is retried once on a new connection
+            # (e.g. the node restarted since the last call); APPEND and other writes never are.
+            if fresh or call.opcode not in _IDEMPOTENT:
+                raise
         sid = self._next_id()
         self._send(call, sid)
         return self._await(sid, call, extra_wait)
