@@ -489,7 +489,12 @@ class RecordLog:
         if candidates and len(old) >= 2:
             target = min(candidates, key=lambda b: live[b])
             relocated = self._relocate(raw, wal, target)
-            victims.append(target)
+            left = live[target] + raw.live.delta.get(target, 0)
+            if left == 0:
+                victims.append(target)
+            else:  # an entry the scan could not read is still indexed: keep the segment
+                self.log.error("segment {base} still holds {left} live bytes after cleaning; kept",
+                               base=target, left=left)
         if victims:
             reap = wal.reap()
 

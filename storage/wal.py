@@ -61,6 +61,7 @@ class Wal:
         self._buf_start = self.end  # global position of _buf[0]
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
+        self.batch_pending = False  # a batch entry was written since the last sync
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -141,6 +142,8 @@ class Wal:
             self.flush()
             self._new_segment(self.end)
         pos = self.end
+        if etype == T_BATCH:
+            self.batch_pending = True
         self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts), etype)
         for p in parts:
             self._buf += p
@@ -192,6 +195,7 @@ class Wal:
             if fd is not None:
                 os.fdatasync(fd)
         self._dirty.clear()
+        self.batch_pending = False
 
     @property
     def dirty(self) -> bool:

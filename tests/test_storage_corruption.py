@@ -175,3 +175,29 @@ async def test_corrupt_chunk_is_data_corrupted(tmp_path):
     with pytest.raises(errors.DataCorrupted):
         await st.chunks.get(addr)
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_lost_unsynced_metadata_tail(tmp_path):
+    """Under --fsync always a group of metadata/kv changes only is made durable by the LMDB
+    commit, not a WAL fsync: if its WAL bytes are lost, the store still opens, keeps the change
+    and writes on past the checkpoint."""
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch(2, 100))
+    end_of_batches = st.wal.end
+    await st.kv.put(b"key", b"value")
+    await st.meta.transact(lambda t: t.put("t", b"k", 1))
+    assert st.wal.end > end_of_batches
+    await st.close()
+    (wal,) = wal_files(tmp_path)
+    os.truncate(wal, end_of_batches - int(os.path.basename(wal)[:-4]))  # as if never written back
+    st = open_store(tmp_path)
+    assert st.kv.get(b"key") == b"value" and st.meta.read(lambda t: t.get("t", b"k")) == 1
+    assert await st.log.append(sid, batch(1, 10)) == 2
+    got = await st.log.read(sid, 0, 1 << 20)
+    assert [base_of(g) for g in got] == [0, 2]
+    await st.close()
+    st = open_store(tmp_path)
+    assert [base_of(g) for g in await st.log.read(sid, 0, 1 << 20)] == [0, 2]
+    await st.close()
