@@ -25,6 +25,7 @@ class RecordLog:
         self._store = store
         self._streams = {}
         self._counter = 0
+        self._uncleanable = set()  # segments the cleaner could not empty (a hole after a power cut)
 
     def _load(self):
         store = self._store
@@ -485,7 +486,8 @@ class RecordLog:
         old = [b for b in wal.bases if b != wal.active]
         victims = [b for b in old if live.get(b, 0) <= 0]
         relocated = 0
-        candidates = [b for b in old if 0 < live.get(b, 0) <= wal.segment_bytes * CLEAN_BELOW]
+        candidates = [b for b in old if 0 < live.get(b, 0) <= wal.segment_bytes * CLEAN_BELOW
+                      and b not in self._uncleanable]
         if candidates and len(old) >= 2:
             target = min(candidates, key=lambda b: live[b])
             relocated = self._relocate(raw, wal, target)
@@ -493,6 +495,7 @@ class RecordLog:
             if left == 0:
                 victims.append(target)
             else:  # an entry the scan could not read is still indexed: keep the segment
+                self._uncleanable.add(target)
                 self.log.error("segment {base} still holds {left} live bytes after cleaning; kept",
                                base=target, left=left)
         if victims:
