@@ -440,3 +440,28 @@ async def test_append_with_bad_payload_crc_is_refused_whole(node, store):
     # a short entry (under 29 bytes) still counts toward the frame CRC
     rs = await append(c, [(a, b"\x22\x00"), (a, b1)])
     assert [r.status.code for r in rs] == [codec.CORRUPT_BATCH, 0]
+
+
+@pytest_twisted.ensureDeferred
+async def test_fetch_replies_never_exceed_16_mib(node):
+    c = Conn(node)
+    a, b = await create(c, 2)
+    big = record_batch.encode([(1, [], b"m" * (1 << 20))])  # one ~1 MiB record per batch
+    for _ in range(9):
+        await append(c, [(a, big), (b, big)])
+    # two results of ~9 MiB each cannot share a frame: 0x01 then 0x03, batches whole
+    sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1 << 30), (b, 0, 1 << 30)]))
+    frames = await c.reply(sid, timeout=20)
+    assert [f.flags for f in frames] == [0x01, 0x03]
+    for f in frames:
+        assert len(codec.encode(f)) - 4 <= codec.MAX_FRAME_LENGTH
+        (r,) = codec.decode_header(f).fetch_responses
+        assert r.status.code == 0 and r.batch_length == len(f.payload) == 9 * len(big)
+        assert [record_batch.read_header(x).base_offset for x in record_batch.split(f.payload)] == list(range(9))
+    # one stream holding more than a frame: the result stops at a batch boundary under 16 MiB
+    for _ in range(9):
+        await append(c, [(a, big)])
+    sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1 << 30)]))
+    (f,) = await c.reply(sid, timeout=20)
+    (r,) = codec.decode_header(f).fetch_responses
+    assert f.flags == 0x03 and r.batch_length % len(big) == 0 and 14 * len(big) <= r.batch_length <= server.FRAME_PAYLOAD_CAP
