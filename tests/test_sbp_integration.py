@@ -194,6 +194,14 @@ async def test_twisted_client_follow_and_reconnect(node_factory):
         data, nxt = await it.__anext__()
         assert records(data)[0].offset == 2 and nxt == 6
         it.stop()
+        await follower.done
+        # errors arrive as SbpError through the Deferred
+        with pytest.raises(SbpError) as e:
+            await client.fetch(sid, 99)
+        assert e.value.code == codec.OFFSET_OUT_OF_RANGE
+        gone = client.follow(424242, 0, lambda data, nxt: None)
+        with pytest.raises(SbpError):
+            await gone.done
         many = await client.fetch_many([(sid, 0, 1), (sid, 6, 10)])
         assert len(records(many[0])) == 2 and many[1] == b""
         # the node restarts on another port? no: same port needed for reconnect; kill and restart

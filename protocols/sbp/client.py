@@ -774,14 +774,21 @@ class Follower:
         return self._current
 
     def start(self):
-        return defer.ensureDeferred(self._run()).addBoth(self._finished)
+        d = defer.ensureDeferred(self._run())
+        d.addCallbacks(self._finished, self._failed)
+        return d
 
-    def _finished(self, result):
+    def _finished(self, _):
         if not self.done.called:
-            if isinstance(result, BaseException) or hasattr(result, "value") and not self.stopped:
-                self.done.errback(result)
-            else:
+            self.done.callback(None)
+
+    def _failed(self, failure):
+        # an SbpError (e.g. the stream was deleted) or a callback's exception ends the follow
+        if not self.done.called:
+            if self.stopped:
                 self.done.callback(None)
+            else:
+                self.done.errback(failure)
 
     async def _run(self):
         while not self.stopped:
