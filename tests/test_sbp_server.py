@@ -465,3 +465,51 @@ async def test_fetch_replies_never_exceed_16_mib(node):
     (f,) = await c.reply(sid, timeout=20)
     (r,) = codec.decode_header(f).fetch_responses
     assert f.flags == 0x03 and r.batch_length % len(big) == 0 and 14 * len(big) <= r.batch_length <= server.FRAME_PAYLOAD_CAP
+
+
+async def fetch_one(c, sid, offset, max_bytes):
+    rid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(sid, offset, max_bytes)]))
+    (f,) = await c.reply(rid)
+    (r,) = codec.decode_header(f).fetch_responses
+    return r.status.code, f.payload
+
+
+@pytest_twisted.ensureDeferred
+async def test_read_ahead_serves_sequential_readers_exactly(node, store):
+    c = Conn(node)
+    (a,) = await create(c)
+    bs = [batch(4, b"b%02d" % i + b"." * 300) for i in range(12)]
+    await append(c, [(a, b) for b in bs])
+    one = len(bs[0])
+    # sequential reader, 3 batches per FETCH: each reply equals a fresh store read
+    off = 0
+    while off < 48:
+        code, data = await fetch_one(c, a, off, 3 * one)
+        assert code == 0 and data == b"".join(await store.log.read(a, off, 3 * one))
+        off = records_end(data)
+    assert off == 48
+    assert node.metrics["sbp"]["read_ahead_hits"] == 3  # every FETCH after the first
+    # a read-ahead that stopped at the tail is not served once the stream has grown
+    code, data = await fetch_one(c, a, 40, 1 << 20)  # read-ahead none (reached the tail)
+    await append(c, [(a, batch(4))])
+    code, data = await fetch_one(c, a, 36, 2 * one)  # reads ahead from 44: [44, 48, 52) exists
+    await append(c, [(a, batch(4))])
+    code, data = await fetch_one(c, a, 44, 2 * one)
+    # the read-ahead from 44 saw [44, 52) under max_bytes; the stream grew to 56 since
+    assert records_end(data) == 56 and data == b"".join(await store.log.read(a, 44, 2 * one))
+    await fetch_one(c, a, 44, 10 * one)  # read-ahead from 56 would be at the tail: none
+    code, data = await fetch_one(c, a, 0, one)  # reads ahead from 4 ...
+    await store.log.trim(a, 9)
+    assert (await fetch_one(c, a, 4, one))[0] == codec.OFFSET_OUT_OF_RANGE  # ... but 4 is trimmed now
+    code, data = await fetch_one(c, a, 9, one)
+    assert code == 0 and record_batch.read_header(data).base_offset == 8
+    # a different batch_max_bytes is a fresh read
+    code, data = await fetch_one(c, a, 12, one)
+    code, data2 = await fetch_one(c, a, 16, 2 * one)
+    assert data2 == b"".join(await store.log.read(a, 16, 2 * one))
+
+
+def records_end(data):
+    last = list(record_batch.split(data))[-1]
+    h = record_batch.read_header(last)
+    return h.base_offset + h.record_count

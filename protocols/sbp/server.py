@@ -35,6 +35,8 @@ DEFAULT_INFLIGHT_BUDGET = 64 * 1024 * 1024
 # Results per reply frame: keeps a reply's header well inside the 64 KiB left beside the payload
 # cap (a result with its status is under 128 bytes unless its message is long).
 RESULTS_PER_FRAME = 256
+# Largest FETCH result read ahead for a sequential reader (one per connection).
+READ_AHEAD_MAX = 4 * 1024 * 1024
 
 
 _G0, _G1, _G2, _G3 = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
@@ -133,7 +135,7 @@ class SbpServerFactory(Factory):
         self.connections = set()
         self.shutting_down = False
         metrics = node.metrics.setdefault("sbp", {})
-        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "errors"):
+        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "read_ahead_hits", "errors"):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
@@ -185,6 +187,7 @@ class SbpServerProtocol(Protocol):
         self._lost = False
         self._close_sent = False
         self._processing = False
+        self._read_ahead = None
         self._fetches = set()  # _FetchOp in progress
         self._idle_waiters = []
 
@@ -214,6 +217,7 @@ class SbpServerProtocol(Protocol):
         for op in list(self._fetches):
             op.cancel()
         self._fetches.clear()
+        self._read_ahead = None
         self.frames = codec.FrameBuffer()
         self._fire_idle()
 
@@ -534,6 +538,45 @@ class SbpServerProtocol(Protocol):
 
     # -- FETCH -----------------------------------------------------------------------------------
 
+    def _start_read_ahead(self, sid, offset, max_bytes):
+        """After a single-stream FETCH ending at ``offset`` below the stream's tail, read the next
+        ``max_bytes`` in the store's read pool while the reply travels, so a sequential reader's
+        next FETCH finds it ready. One per connection (the latest), at most READ_AHEAD_MAX bytes."""
+        if max_bytes > READ_AHEAD_MAX or self._lost or self._closing:
+            return
+        try:
+            meta = self.store.log.stream(sid)
+        except errors.StoreError:
+            return
+        if offset >= meta.next_offset or offset < meta.trim_offset:
+            return
+        self._read_ahead = _ReadAhead(self.store.log, sid, offset, max_bytes, meta.next_offset)
+
+    def _read_ahead_or_read(self, sid, offset, max_bytes):
+        """``store.log.read(sid, offset, max_bytes)``, served from the read-ahead when it matches.
+        Stored batches never change, so a read-ahead result is what a read now would return,
+        unless it stopped at the tail (under max_bytes) and the stream has grown since."""
+        ra, self._read_ahead = self._read_ahead, None
+        if ra is None or ra.key != (sid, offset, max_bytes):
+            return self.store.log.read(sid, offset, max_bytes)
+        out = defer.Deferred()
+
+        def deliver(_):
+            try:
+                grown = self.store.log.stream(sid).next_offset != ra.next_at_read
+            except errors.StoreError as exc:
+                out.errback(exc)
+                return
+            if ra.failure is None and (ra.nbytes >= max_bytes or not grown):
+                self.factory.metrics["read_ahead_hits"] += 1
+                out.callback(ra.batches)
+            else:
+                self.store.log.read(sid, offset, max_bytes).chainDeferred(out)
+
+        ra.when_done(deliver)
+        return out
+
+
     def do_fetch(self, frame):
         req = codec.decode_table("FetchRequest", frame.header)
         self.factory.metrics["fetches"] += 1
@@ -763,6 +806,45 @@ class SbpServerProtocol(Protocol):
     }
 
 
+class _ReadAhead:
+    __slots__ = ("key", "next_at_read", "batches", "nbytes", "failure", "done", "_waiters")
+
+    def __init__(self, log, sid, offset, max_bytes, next_at_read):
+        self.key = (sid, offset, max_bytes)
+        self.next_at_read = next_at_read
+        self.batches = None
+        self.nbytes = 0
+        self.failure = None
+        self.done = False
+        self._waiters = []
+        try:
+            d = log.read(sid, offset, max_bytes)
+        except Exception as e:  # pragma: no cover (the store returns failed Deferreds)
+            d = defer.fail(e)
+        d.addCallbacks(self._got, self._failed)
+
+    def _got(self, batches):
+        self.batches = batches
+        self.nbytes = sum(len(b) for b in batches)
+        self._finish()
+
+    def _failed(self, f):
+        self.failure = f
+        self._finish()
+
+    def _finish(self):
+        self.done = True
+        waiters, self._waiters = self._waiters, []
+        for fn in waiters:
+            fn(None)
+
+    def when_done(self, fn):
+        if self.done:
+            fn(None)
+        else:
+            self._waiters.append(fn)
+
+
 class _FetchEntry:
     __slots__ = ("info", "batches", "status", "nbytes", "wait", "done", "parked")
 
@@ -873,7 +955,7 @@ class _FetchOp:
         max_bytes = min(max(info.batch_max_bytes, 1), FRAME_PAYLOAD_CAP)
         self.reserved += max_bytes
         self.proto._begin(max_bytes)
-        d = self.log.read(info.stream_id, info.fetch_offset, max_bytes)
+        d = self.proto._read_ahead_or_read(info.stream_id, info.fetch_offset, max_bytes)
         e.wait = d
 
         def got(batches):
@@ -889,6 +971,10 @@ class _FetchOp:
             e.batches = taken
             e.nbytes = total
             self._complete(e, codec.status() if taken else codec.status(codec.NO_NEW_RECORD, "no new record"))
+            if taken and len(self.entries) == 1:
+                # a sequential reader will ask for what follows: read it ahead
+                last = record_batch.read_header(taken[-1])
+                self.proto._start_read_ahead(info.stream_id, last.base_offset + last.record_count, max_bytes)
 
         def failed(f):
             e.wait = None
