@@ -37,6 +37,8 @@ class LogModel(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="storage-model-")
         self.store = self._open()
         self.streams = {}  # sid -> dict(batches=[(base, count, tail)], trim, ranges=[[idx, start, end]])
+        self.create()
+        self.create()
 
     def _open(self):
         # tiny segments so appends roll segments and retention/GC paths see several files
@@ -161,5 +163,5 @@ class LogModel(RuleBasedStateMachine):
         assert have == want
 
 
-LogModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+LogModel.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 test_log_model = LogModel.TestCase
