@@ -162,7 +162,7 @@ class Store:
         self.env, self.dbs = index.open_env(os.path.join(path, "index"), sync=policy.always)
         self.wal = Wal(os.path.join(path, "wal"), segment_bytes, sync_dir=policy.mode != "never")
         self.packs = Packs(os.path.join(path, "chunks"), pack_bytes, sync_dir=policy.mode != "never")
-        replayed = self._recover()
+        replayed = self.replayed = self._recover()
         self._queue = collections.deque()
         self._cond = threading.Condition()
         self._queued_bytes = 0
