@@ -10,6 +10,7 @@ whose refcount stayed 0 for the grace period; a pack whose live bytes reach 0 is
 import hashlib
 import os
 import struct
+import time
 import zlib
 
 from twisted.internet import defer
@@ -132,15 +133,18 @@ class Packs:
         except FileNotFoundError:
             pass
         if fd is not None:
-            self.graveyard.append(fd)
+            self.graveyard.append((time.monotonic(), fd))
 
-    def reap(self):
-        old, self.graveyard = self.graveyard, []
-        for fd in old:
-            os.close(fd)
+    def reap(self, grace_s: float = 30.0):
+        """Close the fds of packs deleted more than ``grace_s`` ago (readers may still hold them)."""
+        cutoff = time.monotonic() - grace_s
+        for t, fd in self.graveyard:
+            if t <= cutoff:
+                os.close(fd)
+        self.graveyard = [(t, fd) for t, fd in self.graveyard if t > cutoff]
 
     def close(self):
-        for fd in list(self.fds.values()) + self.graveyard:
+        for fd in list(self.fds.values()) + [fd for _, fd in self.graveyard]:
             try:
                 os.close(fd)
             except OSError:
@@ -378,9 +382,9 @@ class ChunkStore:
         if target is not None:
             moved = self._compact(raw, target)
             empty.append(target)
-        if empty or packs.graveyard:
+        packs.reap()
+        if empty:
             def drop():
-                packs.reap()
                 if moved:
                     packs.sync()  # the moved copies are on disk before the old pack goes
                 for pack_id in empty:

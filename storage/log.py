@@ -5,6 +5,8 @@ consecutive offsets in call order; ``next_offset`` (what readers and ``stream()`
 once the batch is durable, in log order.
 """
 
+import os
+
 from twisted.internet import defer
 from twisted.logger import Logger
 
@@ -498,13 +500,10 @@ class RecordLog:
                 self._uncleanable.add(target)
                 self.log.error("segment {base} still holds {left} live bytes after cleaning; kept",
                                base=target, left=left)
+        for fd in wal.reap():
+            os.close(fd)
         if victims:
-            reap = wal.reap()
-
             def delete():
-                import os
-                for fd in reap:
-                    os.close(fd)
                 if relocated:
                     wal.sync()  # the moved batches are on disk before their old copies go
                 for base in victims:

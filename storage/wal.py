@@ -17,6 +17,7 @@ never straddles two segments. Only the writer thread appends; readers ``pread`` 
 import bisect
 import os
 import struct
+import time
 import zlib
 
 from storage.errors import DataCorrupted, OffsetOutOfRange
@@ -30,6 +31,7 @@ T_BATCH = 1  # payload: u64 stream_id | u64 append_ms | record batch
 T_OPS = 2  # payload: msgpack list of raw index operations (storage.store.apply_ops)
 
 SUFFIX = ".wal"
+GRAVE_S = 30.0  # deleted segments' fds stay open this long
 
 
 def entry_crc(base: int, etype: int, parts) -> int:
@@ -301,15 +303,18 @@ class Wal:
         self.bases = [b for b in self.bases if b != base]
         self._dirty.discard(base)
         if fd is not None:
-            self.graveyard.append(fd)
+            self.graveyard.append((time.monotonic(), fd))
 
-    def reap(self):
-        """Close fds of segments deleted before the previous call."""
-        old, self.graveyard = self.graveyard, []
+    def reap(self, grace_s: float = GRAVE_S):
+        """The fds of segments deleted more than ``grace_s`` ago (for the caller to close): a reader
+        that looked an fd up just before the delete finishes with the file it meant."""
+        cutoff = time.monotonic() - grace_s
+        old = [fd for t, fd in self.graveyard if t <= cutoff]
+        self.graveyard = [(t, fd) for t, fd in self.graveyard if t > cutoff]
         return old
 
     def close(self):
-        for fd in list(self.fds.values()) + self.graveyard:
+        for fd in list(self.fds.values()) + [fd for _, fd in self.graveyard]:
             try:
                 os.close(fd)
             except OSError:
