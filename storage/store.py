@@ -220,6 +220,7 @@ class Store:
             end = max(self.wal.end, checkpoint)
             self.wal.ensure_at(end)
             txn.put(index.CHECKPOINT, U64.pack(end), db=self.dbs[index.SYS])
+            self._checkpoint = end
         if n:
             self.env.sync(True)
         return n
@@ -447,8 +448,10 @@ class Store:
             if durable and (wal.batch_pending or not self.policy.always):
                 wal.sync()
             live.flush(txn, self.dbs)
-            txn.put(index.CHECKPOINT, U64.pack(wal.end), db=self.dbs[index.SYS])
+            if wal.end != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
+                txn.put(index.CHECKPOINT, U64.pack(wal.end), db=self.dbs[index.SYS])
             txn.commit()
+            self._checkpoint = wal.end
             if not durable:
                 self._env_dirty = True
         except BaseException:
