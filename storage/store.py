@@ -421,6 +421,7 @@ class Store:
                                           INDEX_VAL.pack(pos, total, count, append_ms), live, pos, total, wal.active)
                     op.ok, op.value = True, base
                 else:
+                    live.flush(txn, self.dbs)  # so the function reads current segment counts
                     sub = self.env.begin(write=True, parent=txn)
                     raw = RawTxn(sub, self.dbs, self)
                     try:

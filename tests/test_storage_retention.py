@@ -19,6 +19,14 @@ async def sleep(s):
     await task.deferLater(reactor, s, lambda: None)
 
 
+async def until(condition, timeout=10.0):
+    """Poll ``condition`` (background retention runs on its own schedule) until true or timeout."""
+    deadline = reactor.seconds() + timeout
+    while not condition():
+        assert reactor.seconds() < deadline, "timed out waiting for the background task"
+        await sleep(0.02)
+
+
 @pytest_twisted.ensureDeferred
 async def test_retention_trims_and_deletes_segments(tmp_path):
     st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1, segment_bytes=16 << 10,
@@ -28,24 +36,19 @@ async def test_retention_trims_and_deletes_segments(tmp_path):
     for i in range(40):
         await st.log.append(old, batch(1, 2000, i))
     assert len(wal_files(tmp_path)) > 4
-    await sleep(0.4)
-    m = st.log.stream(old)
-    assert m.trim_offset == m.next_offset == 40
-    assert len(wal_files(tmp_path)) == 1  # only the active segment is left
+    await until(lambda: st.log.stream(old).trim_offset == 40 and len(wal_files(tmp_path)) == 1)
+    assert st.log.stream(old).next_offset == 40  # only the active segment is left
     # a stream with infinite retention does not pin old segments: the cleaner re-appends its
     # live batch at the head and the segment goes
     kept = batch(1, 100, 77)
     await st.log.append(keep, kept)
     for i in range(20):
         await st.log.append(old, batch(1, 2000, i))
-    await sleep(0.5)
-    assert st.log.stream(old).trim_offset == 60
-    assert len(wal_files(tmp_path)) <= 2
+    await until(lambda: st.log.stream(old).trim_offset == 60 and len(wal_files(tmp_path)) <= 2)
     got = (await st.log.read(keep, 0, 1))[0]
     assert base_of(got) == 0 and got[9:] == kept[9:]
     await st.log.trim(keep, 1)
-    await sleep(0.2)
-    assert len(wal_files(tmp_path)) == 1
+    await until(lambda: len(wal_files(tmp_path)) == 1)
     await st.close()
     st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1, segment_bytes=16 << 10)
     assert st.log.stream(old).next_offset == 60 and st.log.stream(keep).next_offset == 1
@@ -63,8 +66,7 @@ async def test_deleted_stream_frees_segments(tmp_path):
         await st.log.append(sid, batch(1, 2000, i))
     assert len(wal_files(tmp_path)) > 3
     await st.log.delete_stream(sid)
-    await sleep(0.3)
-    assert len(wal_files(tmp_path)) == 1
+    await until(lambda: len(wal_files(tmp_path)) == 1)
     await st.close()
 
 
