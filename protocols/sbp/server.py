@@ -272,8 +272,9 @@ class SbpServerProtocol(Protocol):
         if self._closing and not self._lost and not self._close_sent:
             self._close_sent = True
             self.transport.unregisterProducer()
-            self.transport.loseConnection()
-        if self._lost or self._closing:
+            self.transport.loseConnection()  # after the buffered replies are written
+        if self._lost:
+            # only once the connection is really closed: our last replies have left
             waiters, self._idle_waiters = self._idle_waiters, []
             for d in waiters:
                 d.callback(None)
