@@ -513,3 +513,20 @@ def records_end(data):
     last = list(record_batch.split(data))[-1]
     h = record_batch.read_header(last)
     return h.base_offset + h.record_count
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_goaway_finishes_in_flight_then_closes(node):
+    c = Conn(node)
+    (a,) = await create(c)
+    sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1000)], max_wait_ms=5000))
+    await task.deferLater(reactor, 0.02, lambda: None)
+    c.send(codec.encode_frame(codec.GOAWAY, 0, 0) + codec.encode_frame(codec.PING, 0, 5))
+    await task.deferLater(reactor, 0.05, lambda: None)
+    assert not [f for f in c.poll() if f.stream_id in (5, 0)]  # no reply to GOAWAY, no new requests
+    assert not c.tr.disconnecting
+    await node.store.log.append(a, batch(1))
+    (f,) = await c.reply(sid)
+    assert codec.decode_header(f).fetch_responses[0].status.code == 0
+    await task.deferLater(reactor, 0.01, lambda: None)
+    assert c.tr.disconnecting

@@ -398,11 +398,11 @@ class SbpServerProtocol(Protocol):
         self._reply(frame, resp_name, fields)
 
     def go_away_quietly(self):
+        """The client's GOAWAY: take no new requests; in-flight ones (parked FETCHes included,
+        bounded by their max_wait_ms) finish, then the server closes (CONTRACT §3)."""
         if not self._closing:
             self._closing = True
             self._update_reading()
-            for op in list(self._fetches):
-                op.shutdown()
         self._fire_idle()
 
     # -- conversions -----------------------------------------------------------------------------
