@@ -563,6 +563,8 @@ class SbpServerProtocol(Protocol):
         out = defer.Deferred()
 
         def deliver(_):
+            if out.called:  # cancelled (the connection went away)
+                return
             try:
                 grown = self.store.log.stream(sid).next_offset != ra.next_at_read
             except errors.StoreError as exc:
@@ -572,7 +574,7 @@ class SbpServerProtocol(Protocol):
                 self.factory.metrics["read_ahead_hits"] += 1
                 out.callback(ra.batches)
             else:
-                self.store.log.read(sid, offset, max_bytes).chainDeferred(out)
+                self.store.log.read(sid, offset, max_bytes).addBoth(lambda r: None if out.called else out.callback(r))
 
         ra.when_done(deliver)
         return out
