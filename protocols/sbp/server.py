@@ -470,6 +470,25 @@ class SbpServerProtocol(Protocol):
         max_batch = self.factory.max_batch_bytes
         log = self.store.log
         now_ms = int(time.time() * 1000)
+        if len(infos) == 1 and nbytes <= max_batch:
+            # the common frame, one batch: no per-entry bookkeeping
+            info = infos[0]
+            try:
+                count = validate_batch(frame.payload, block_crcs[0])
+            except record_batch.InvalidBatch:
+                pass  # answered by the general path below
+            else:
+                try:
+                    d = log.append(info.stream_id, frame.payload)
+                except Exception as e:
+                    d = defer.fail(e)
+                metrics["appends"] += 1
+                metrics["append_records"] += count
+                metrics["append_bytes"] += nbytes
+                self._begin(nbytes)
+                d.addCallbacks(self._appended_one, self._append_one_failed,
+                               callbackArgs=(frame, info, now_ms, nbytes), errbackArgs=(frame, info, now_ms, nbytes))
+                return
         results = [None] * len(infos)
         pending = []
         for k, (info, batch) in enumerate(zip(infos, batches)):
@@ -519,6 +538,17 @@ class SbpServerProtocol(Protocol):
 
         all_done.addCallback(send)
         all_done.addErrback(lambda f: self.log.failure("APPEND reply failed", f))
+
+    def _appended_one(self, base, frame, info, now_ms, nbytes):
+        if not self._lost:
+            header = codec.encode_append_response_one(self.throttle_time_ms(), info.stream_id, info.request_index, base, now_ms)
+            self.transport.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
+        self._end(nbytes)
+
+    def _append_one_failed(self, failure, frame, info, now_ms, nbytes):
+        st = status_for_failure(failure, self.log, "APPEND")
+        self._send_append(frame, [T.AppendResult(info.stream_id, info.request_index, 0, now_ms, st)])
+        self._end(nbytes)
 
     def _send_append(self, frame, results):
         if self._lost:
