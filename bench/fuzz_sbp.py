@@ -193,7 +193,12 @@ def main():
         d.addBoth(lambda r: (results.setdefault("error", r) if hasattr(r, "value") else None, store.close().addBoth(lambda _: reactor.stop())))
 
     reactor.callWhenRunning(run_protocol_phase)
-    reactor.run()
+    try:
+        reactor.run()
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     if "error" in results:
         results["error"].raiseException()
     if failures:
