@@ -716,6 +716,18 @@ class SbpClient:
     def allocate_id(self, host=""):
         return self.call(call_allocate_id(host))
 
+    def update_stream(self, stream_id, replica_nums=0, retention_period_ms=0):
+        return self.call(call_update_stream(stream_id, replica_nums, retention_period_ms))
+
+    def describe_range(self, stream_id, range_index):
+        return self.call(call_describe_range(stream_id, range_index))
+
+    def describe_cluster(self):
+        return self.call(call_describe_cluster())
+
+    def status(self):
+        return self.call(call_status())
+
     def follow(self, stream_id, offset, callback=None, batch_max_bytes=1 << 20, max_wait_ms=5000):
         """Read a stream from ``offset`` on, forever (long-poll FETCH at the tail).
 
