@@ -27,12 +27,12 @@ def run(args):
             raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
         info = {"endpoint": "%s:%d" % (host, port), "reachable": True}
     else:
-        try:
-            client = BlockingSbpClient(host, port, timeout=args.timeout)
-        except OSError as e:
-            raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
+        # The client connects lazily: an unreachable node surfaces at the first request.
+        client = BlockingSbpClient(host, port, timeout=args.timeout)
         try:
             info = client.status()
+        except OSError as e:  # SbpConnectionError is a ConnectionError
+            raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
         finally:
             client.close()
     if args.json:
