@@ -1,9 +1,9 @@
 """sbpctl status: is the node up, what does it serve, and the metrics it keeps."""
 
 import json
-import socket
 
 from node.cli import CliError, split_endpoint
+from protocols.sbp.client import BlockingSbpClient
 
 
 def register(sub):
@@ -16,25 +16,14 @@ def register(sub):
 
 def run(args):
     host, port = split_endpoint(args.endpoint, 7700)
+    # The client connects lazily: an unreachable node surfaces at the first request.
+    client = BlockingSbpClient(host, port, timeout=args.timeout)
     try:
-        from protocols.sbp.client import BlockingSbpClient
-    except ImportError:
-        BlockingSbpClient = None
-    if BlockingSbpClient is None or not hasattr(BlockingSbpClient, "status"):
-        try:
-            socket.create_connection((host, port), timeout=args.timeout).close()
-        except OSError as e:
-            raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
-        info = {"endpoint": "%s:%d" % (host, port), "reachable": True}
-    else:
-        # The client connects lazily: an unreachable node surfaces at the first request.
-        client = BlockingSbpClient(host, port, timeout=args.timeout)
-        try:
-            info = client.status()
-        except OSError as e:  # SbpConnectionError is a ConnectionError
-            raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
-        finally:
-            client.close()
+        info = client.status()
+    except OSError as e:  # SbpConnectionError is a ConnectionError
+        raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
+    finally:
+        client.close()
     if args.json:
         print(json.dumps(info, sort_keys=True))
     else:
