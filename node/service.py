@@ -197,8 +197,10 @@ def attach_log_level(node_service: NodeService, application, twistd_options) -> 
     )
     from twisted.python import logfile
 
-    logfilename = (twistd_options or {}).get("logfile") if twistd_options is not None else None
-    nodaemon = bool((twistd_options or {}).get("nodaemon")) if twistd_options is not None else True
+    if twistd_options is None:  # not under twistd (e.g. a test building the service)
+        logfilename, nodaemon = None, True
+    else:
+        logfilename, nodaemon = twistd_options.get("logfile"), bool(twistd_options.get("nodaemon"))
     if logfilename == "-" or (nodaemon and not logfilename):
         out = sys.stdout
     else:
