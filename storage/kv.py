@@ -3,14 +3,20 @@
 One ordered LMDB table holds every partition: partition order equals key order, so partition p is
 the key range [p << 5, (p + 1) << 5) of the first byte and scans cross partitions naturally.
 Writes go through the group commit (durable per the fsync policy); reads are synchronous.
+
+A run of writes (``write_many``) is one queue entry, one ``putmulti`` into the group's LMDB
+transaction and one Deferred. Under ``--fsync always`` the run's raw operations are also framed
+into the WAL (one entry per group), as every other LMDB change is. Under ``interval`` and ``never``
+they are not: the LMDB commit that applies them (to the OS page cache, before the ack) is all a
+kv write has, and all it needs (see docs/storage.md, "Key-value partitions").
 """
 
 from twisted.internet import defer
 
 from storage import errors, index
-from storage.index import (KEY_KEEP, OP_PUT, decode_value, encode_key, encode_value, iter_ordered,
+from storage.index import (KEY_KEEP, OP_DEL, OP_PUT, decode_value, encode_key, encode_value, iter_ordered,
                            seek_backward, seek_forward)
-from storage.store import K_OPS, K_TXN, _Op
+from storage.store import K_DIRECT, _Op
 
 MAX_KEY = 65535
 MAX_VALUE = 16 << 20
@@ -48,58 +54,88 @@ class KeyValue:
         return value if full == key else None
 
     def get_many(self, keys):
-        """[value or None] for each key, from one snapshot."""
+        """[value or None] for each key (any bytes-like object), from one snapshot."""
         get = self._store.snapshot().get
         db = self._db
         out = []
+        append = out.append
         for key in keys:
-            if type(key) is not bytes:
-                key = bytes(key)
-            stored = get(key if len(key) <= KEY_KEEP else encode_key(b"", key), db=db)
+            if len(key) <= KEY_KEEP:
+                stored = get(key, db=db)
+                append(None if stored is None else stored[1:])
+                continue
+            stored = get(encode_key(b"", bytes(key)), db=db)
             if stored is None:
-                out.append(None)
-            elif stored[0] == 0:
-                out.append(stored[1:])
+                append(None)
             else:
                 full, value = decode_value(stored)
-                out.append(value if full == key else None)
+                append(value if full == key else None)
         return out
 
     def put(self, key, value):
-        store = self._store
-        try:
-            self._check_key(key)
-            if len(value) > MAX_VALUE:
-                raise errors.PayloadTooLarge("values are at most 16 MiB")
-            nbytes = len(key) + len(value) + 64
-            store._check_writable(nbytes)
-        except errors.StoreError:
-            return defer.fail()
-        key = bytes(key)
-        op = [OP_PUT, index.KV, encode_key(b"", key), encode_value(key, b"", bytes(value))]
-        return store._submit(_Op(K_OPS, [op], nbytes=nbytes))
+        """Fires with None once durable."""
+        return self.write_many([(key, value)]).addCallback(lambda _: None)
 
     def delete(self, key):
         """Fires with True if the key existed."""
+        return self.write_many([(key, None)]).addCallback(lambda existed: existed[0])
+
+    def write_many(self, ops):
+        """Apply ``[(key, value or None to remove)]`` in order, atomically, in one group commit.
+
+        Fires once durable (per the fsync policy) with one bool per op: True for a put, whether
+        the key existed for a remove. Fails as a whole, before anything is queued, if any key is
+        not 1..65535 bytes (``InvalidRequest``) or any value is over 16 MiB (``PayloadTooLarge``).
+        Keys and values may be any bytes-like object; they are copied before this returns."""
+        items = []
+        append = items.append
+        nbytes = 0
+        removes = False
         try:
-            self._check_key(key)
+            for key, value in ops:
+                klen = len(key)
+                if not 0 < klen <= MAX_KEY or not isinstance(key, (bytes, bytearray, memoryview)):
+                    raise errors.InvalidRequest("keys are 1..65535 bytes")
+                if key.__class__ is not bytes:
+                    key = bytes(key)
+                if value is None:
+                    removes = True
+                    append((key if klen <= KEY_KEEP else encode_key(b"", key), None))
+                    nbytes += klen + 64
+                    continue
+                if len(value) > MAX_VALUE:
+                    raise errors.PayloadTooLarge("values are at most 16 MiB")
+                if klen <= KEY_KEEP:
+                    append((key, b"\x00" + value))  # index.encode_value of a short key
+                else:
+                    append((encode_key(b"", key), encode_value(key, b"", bytes(value))))
+                nbytes += klen + len(value) + 64
+            self._store._check_writable(nbytes)
         except errors.StoreError:
             return defer.fail()
-        key = bytes(key)
-        lk = encode_key(b"", key)
-        store = self._store
+        db = self._db
+        wal = self._store.policy.always
 
-        def fn(raw):
-            existed = raw.get(index.KV, lk) is not None
-            if existed:
-                raw.delete(index.KV, lk)
-            return existed
+        def apply(txn):
+            if not removes:
+                txn.cursor(db=db).putmulti(items)
+                return [True] * len(items), ([[OP_PUT, index.KV, k, v] for k, v in items] if wal else None)
+            existed = []
+            logged = [] if wal else None
+            for k, v in items:
+                if v is None:
+                    found = txn.pop(k, db=db) is not None
+                    existed.append(found)
+                    if found and wal:
+                        logged.append([OP_DEL, index.KV, k])
+                else:
+                    txn.put(k, v, db=db)
+                    existed.append(True)
+                    if wal:
+                        logged.append([OP_PUT, index.KV, k, v])
+            return existed, logged
 
-        try:
-            store._check_writable(64)
-        except errors.StoreError:
-            return defer.fail()
-        return store._submit(_Op(K_TXN, fn, nbytes=len(key) + 64))
+        return self._store._submit(_Op(K_DIRECT, apply, nbytes=nbytes))
 
     def scan_forward(self, start, limit):
         """Pairs with key >= ``start`` (None = from the first key), ascending."""

@@ -29,6 +29,11 @@ _BATCH_PREFIX = struct.Struct(">QQ")  # stream_id, append_ms
 _BASE = struct.Struct(">q")
 
 K_BATCH, K_TXN, K_STOP, K_SYNC, K_OPS = range(5)
+# ``op.a(txn)`` runs in the writer thread directly in the group's LMDB transaction (no nested
+# transaction, no RawTxn) and returns ``(result, raw ops for the WAL or None)``; it must not raise
+# for a caller's error (a raise fails the whole group, as an I/O error does). store.kv's batched
+# writes use it.
+K_DIRECT = 5
 
 MAX_GROUP_BYTES = 16 << 20
 QUEUE_HIGH = 64 << 20  # above this many queued bytes the store reports congestion
@@ -356,7 +361,7 @@ class Store:
                     stopping = op
                 elif op.kind == K_SYNC:
                     force_sync = True
-            work = [op for op in group if op.kind in (K_BATCH, K_TXN, K_OPS)]
+            work = [op for op in group if op.kind in (K_BATCH, K_TXN, K_OPS, K_DIRECT)]
             try:
                 if work:
                     self._commit_group(work, policy.always or force_sync)
@@ -402,6 +407,12 @@ class Store:
                     apply_ops(txn, self.dbs, op.a, live)
                     merged.extend(op.a)
                     op.ok = True
+                    continue
+                if op.kind == K_DIRECT:
+                    op.value, ops = op.a(txn)
+                    op.ok = True
+                    if ops:
+                        merged.extend(ops)
                     continue
                 if merged:
                     wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))

@@ -13,7 +13,7 @@ a waiting read waits too, so a pipelined ``SET k; GET k`` always sees its own wr
 import struct
 from collections import deque
 
-from twisted.internet import defer
+from twisted.internet import defer, tcp
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -45,7 +45,17 @@ _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _HEADER = codec.HEADER
 _HEADER_KEYLEN = struct.Struct(">QQQHH").unpack_from
-_GET_REPLY_HEAD = struct.Struct(">QQQHH").pack
+# GET reply heads by key length: ">QQQHH{klen}sI".pack (CONTRACT §4: OK, num_elems 1, then
+# u16 key_len, key, u32 value_len, value); the keys of one workload have few distinct lengths.
+_GET_REPLY_HEADS = {}
+
+
+def _get_reply_head(klen):
+    head = struct.Struct(">QQQHH%dsI" % klen).pack
+    if len(_GET_REPLY_HEADS) < 1024:
+        _GET_REPLY_HEADS[klen] = head
+    return head
+
 _U32_PACK = struct.Struct(">I").pack
 _U32_FROM = struct.Struct(">I").unpack_from
 MAX_VALUE = codec.MAX_VALUE
@@ -88,6 +98,36 @@ def _key_key(e):
 
 def _key_size(e):
     return len(e) + 2
+
+
+def send_now(transport, data):
+    """Write ``data`` now: straight to the socket when the transport is a plain TCP connection
+    with nothing buffered, else (or for what the kernel does not take) through
+    ``transport.write``, so order and backpressure stay Twisted's.
+
+    ``transport.write`` only buffers: the bytes leave on the reactor's next pass, after an
+    epoll_ctl to watch for writability and before another to stop watching. For a pipelined
+    client that is two system calls and a reactor pass per batch of replies, more than the
+    ``send`` itself."""
+    if (
+        transport.__class__ is not tcp.Server
+        or transport.dataBuffer
+        or transport._tempDataBuffer
+        or transport.TLS
+        or not transport.connected
+        or transport.disconnecting
+        or transport._writeDisconnected
+    ):
+        transport.write(data)
+        return
+    try:
+        n = transport.socket.send(data)
+    except BlockingIOError:
+        n = 0
+    except OSError:
+        n = 0  # a broken connection: transport.write's own send finds and reports it
+    if n < len(data):
+        transport.write(data[n:] if n else data)
 
 
 def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=None, descending=False):
@@ -154,7 +194,8 @@ class KvServerProtocol(Protocol):
         self._pos = 0
         self._cursors = {}
         self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
-        self._slots = deque()  # executed requests whose reply is not yet written: [bytes|None]
+        self._slots = deque()  # executed requests whose replies are not yet written: [bytes|None, count]
+        self._waiting = 0  # requests those slots answer (a run of writes is one slot)
         self._unacked = 0  # writes issued to the store and not yet durable
         self._inflight_bytes = 0  # value bytes of those writes
         self._store_paused = False
@@ -283,7 +324,7 @@ class KvServerProtocol(Protocol):
             if (
                 self._write_paused
                 or self._store_paused
-                or len(self._slots) + len(self._blocked) >= self.max_pending
+                or self._waiting + len(self._blocked) >= self.max_pending
                 or self._inflight_bytes >= self.max_inflight_bytes
             ):
                 if not (self._write_paused or self._store_paused):
@@ -319,12 +360,10 @@ class KvServerProtocol(Protocol):
                 if cmd == GET and klen and 28 + klen <= total and not self._unacked and not self._blocked and not slots:
                     pos = self._get_run(buf, pos, n, total, cid, klen)
                     continue
-                if cmd == SET and klen and 32 + klen <= total and not self._blocked:
-                    (vlen,) = _U32_FROM(buf, pos + 28 + klen)
-                    vstart = pos + 32 + klen
-                    if vlen <= MAX_VALUE and vstart + vlen <= pos + total:
-                        self._put(cid, bytes(buf[pos + 28 : pos + 28 + klen]), bytes(buf[vstart : vstart + vlen]))
-                        pos += total
+                if (cmd == SET or cmd == REMOVE) and not self._blocked:
+                    end = self._write_run(buf, pos, n)
+                    if end != pos:
+                        pos = end
                         continue
             if total < HEADER_LEN:
                 cid = u64(buf, pos + 8)[0] if total >= 16 else 0
@@ -353,22 +392,20 @@ class KvServerProtocol(Protocol):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
         store read; returns the position after the run. Only called with nothing queued ahead,
         so the replies go straight to the output."""
-        mv = memoryview(buf)
-        try:
-            keys = []
-            cids = []
-            unpack = _HEADER_KEYLEN
-            while True:
-                keys.append(bytes(mv[pos + 28 : pos + 28 + klen]))
-                cids.append(cid)
-                pos += total
-                if n - pos < 28:
-                    break
-                total, cid, _n, cmd, klen = unpack(buf, pos)
-                if cmd != GET or not klen or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
-                    break
-        finally:
-            mv.release()
+        keys = []
+        cids = []
+        add_key = keys.append
+        add_cid = cids.append
+        unpack = _HEADER_KEYLEN
+        while True:
+            add_key(buf[pos + 28 : pos + 28 + klen])
+            add_cid(cid)
+            pos += total
+            if n - pos < 28:
+                break
+            total, cid, _n, cmd, klen = unpack(buf, pos)
+            if cmd != GET or not klen or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
+                break
         self._handled += len(keys) - 1
         out = self._out
         try:
@@ -377,27 +414,115 @@ class KvServerProtocol(Protocol):
             self._store_error(cids[0], e)
             out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
             return pos
-        head = _GET_REPLY_HEAD
-        u32 = _U32_PACK
+        heads = _GET_REPLY_HEADS
         append = out.append
         for cid, key, value in zip(cids, keys, values):
             if value is None:
                 append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
-            else:
-                klen = len(key)
-                vlen = len(value)
-                append(head(32 + klen + vlen, cid, 1, OK, klen))
-                append(key)
-                append(u32(vlen))
-                append(value)
+                continue
+            klen = len(key)
+            vlen = len(value)
+            head = heads.get(klen)
+            if head is None:
+                head = _get_reply_head(klen)
+            # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
+            append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
+            append(value)
         return pos
+
+    def _write_run(self, buf, pos, n):
+        """Issue the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
+        ``pos`` as one store write (one Deferred, one reply slot); returns the position after the
+        run (``pos`` itself if the first message is not such a write, for the general path).
+        Writes are issued in arrival order whatever is still un-acked, so this is only called
+        with no read waiting ahead (``_blocked`` empty)."""
+        room = self.max_pending - self._waiting - len(self._blocked)
+        room_bytes = self.max_inflight_bytes - self._inflight_bytes
+        unpack = _HEADER_KEYLEN
+        u32 = _U32_FROM
+        ops = []
+        cids = []
+        nbytes = 0
+        while n - pos >= 28:
+            total, cid, _n, cmd, klen = unpack(buf, pos)
+            if not klen or total > n - pos or total > MAX_MESSAGE:
+                break
+            kstart = pos + 28
+            kend = kstart + klen
+            if cmd == SET:
+                if kend + 4 > pos + total:
+                    break
+                (vlen,) = u32(buf, kend)
+                if vlen > MAX_VALUE or kend + 4 + vlen > pos + total:
+                    break
+                ops.append((buf[kstart:kend], buf[kend + 4 : kend + 4 + vlen]))
+                nbytes += vlen
+            elif cmd == REMOVE and kend <= pos + total:
+                ops.append((buf[kstart:kend], None))
+            else:
+                break
+            cids.append(cid)
+            pos += total
+            if len(ops) >= room or nbytes >= room_bytes:
+                break
+        if not ops:
+            return pos
+        self._handled += len(ops) - 1
+        count = len(ops)
+        slot = [None, count]
+        self._slots.append(slot)
+        self._waiting += count
+        self._unacked += count
+        self._inflight_bytes += nbytes
+        try:
+            d = self._write_many(ops)
+        except Exception:
+            d = defer.fail()
+        d.addBoth(self._run_done, slot, cids, nbytes)
+        return pos
+
+    def _write_many(self, ops):
+        write_many = getattr(self.kv, "write_many", None)
+        if write_many is not None:
+            return write_many(ops)
+        # A kv without batched writes (a test double): one call per op, one result per op.
+        ds = []
+        for key, value in ops:
+            try:
+                ds.append(self.kv.delete(bytes(key)) if value is None else self.kv.put(bytes(key), bytes(value)))
+            except Exception:
+                ds.append(defer.fail())
+        return defer.DeferredList(ds, consumeErrors=True).addCallback(
+            lambda rs: [(bool(r) if op[1] is None else True) if ok else r for (ok, r), op in zip(rs, ops)]
+        )
+
+    def _run_done(self, result, slot, cids, nbytes):
+        self._inflight_bytes -= nbytes
+        count = len(cids)
+        pack = _HEADER.pack
+        if isinstance(result, Failure):
+            self._store_error(cids[0], result.value)
+            slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
+        elif result.count(True) == count:
+            slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) for cid in cids])
+        else:
+            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+            parts = []
+            for cid, r in zip(cids, result):
+                if r is True or r is False:
+                    parts.append(pack(HEADER_LEN, cid, 0, OK if r else DATA_NOT_FOUND))
+                else:
+                    parts.append(self._store_error(cid, r.value))
+            slot[0] = b"".join(parts)
+        self._unacked -= count
+        self._drain()
 
     def _get_many(self, keys):
         get_many = getattr(self.kv, "get_many", None)
         if get_many is not None:
             return get_many(keys)
         get = self.kv.get
-        return [get(k) for k in keys]
+        return [get(bytes(k)) for k in keys]
 
     # -- ordering ----------------------------------------------------------------------------
 
@@ -412,7 +537,8 @@ class KvServerProtocol(Protocol):
 
     def _push(self, reply: bytes):
         if self._slots:
-            self._slots.append([reply])
+            self._slots.append([reply, 1])
+            self._waiting += 1
         else:
             self._out.append(reply)
 
@@ -452,8 +578,9 @@ class KvServerProtocol(Protocol):
         except Exception as e:
             self._push(self._store_error(cid, e))
             return
-        slot = [None]
+        slot = [None, 1]
         self._slots.append(slot)
+        self._waiting += 1
         self._unacked += 1
         d.addBoth(self._remove_done, slot, cid)
 
@@ -467,8 +594,9 @@ class KvServerProtocol(Protocol):
         except Exception as e:
             self._push(self._store_error(cid, e))
             return
-        slot = [None]
+        slot = [None, 1]
         self._slots.append(slot)
+        self._waiting += 1
         self._unacked += 1
         self._inflight_bytes += len(value)
         d.addBoth(self._set_done, slot, cid, len(value))
@@ -512,7 +640,9 @@ class KvServerProtocol(Protocol):
                 self._execute(head)
             slots = self._slots
             while slots and slots[0][0] is not None:
-                self._out.append(slots.popleft()[0])
+                reply, count = slots.popleft()
+                self._out.append(reply)
+                self._waiting -= count
         finally:
             self._busy = was_busy
         if self._unacked == 0:
@@ -521,7 +651,7 @@ class KvServerProtocol(Protocol):
             self._flush()
             if (
                 self._budget_paused
-                and len(self._slots) + len(self._blocked) < self.max_pending // 2
+                and self._waiting + len(self._blocked) < self.max_pending // 2
                 and self._inflight_bytes < self.max_inflight_bytes // 2
             ):
                 self._budget_paused = False
@@ -532,7 +662,7 @@ class KvServerProtocol(Protocol):
     def _flush(self):
         out = self._out
         if out and not self._lost:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            send_now(self.transport, out[0] if len(out) == 1 else b"".join(out))
         out.clear()
         if self._closing and not self._slots and not self._blocked and not self._lost:
             self.transport.unregisterProducer()
