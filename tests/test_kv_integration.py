@@ -129,6 +129,26 @@ def test_durable_across_kill9(node_factory):
         assert kv.get(keys[0]) is None
 
 
+@pytest.mark.parametrize("fsync", ["never", "interval:60000"])
+def test_acked_writes_survive_kill9_without_fsync(node_factory, fsync):
+    """Under interval/never kv writes skip the WAL: the LMDB commit (to the page cache) before the
+    ack is what a process crash must not lose."""
+    node = node_factory(fsync=fsync, **OFF)
+    keys = spread_keys(2000, seed=3)
+    with BlockingKvClient(*node.address("kv")) as kv:
+        fill(kv, keys)
+        results = kv.pipeline([(c.REMOVE, lambda cid, k=k: c.encode_remove(cid, k)) for k in keys[:100]]
+                              + [(c.SET, lambda cid: c.encode_set(cid, keys[150], b"overwritten"))])
+        assert results == [True] * 100 + [None]
+    node.kill9()
+    node.start()
+    with BlockingKvClient(*node.address("kv")) as kv:
+        got = dict(item for p in kv.iter_scan(c.GET_FF) for item in p.items)
+        expected = {k: b"v:" + k for k in keys[100:]}
+        expected[keys[150]] = b"overwritten"
+        assert got == expected
+
+
 def sbpctl(*args, stdin=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

@@ -85,6 +85,28 @@ class MemoryKv:
         return out
 
 
+class BatchedMemoryKv(MemoryKv):
+    """MemoryKv with store.kv's batched write: ``write_many`` is one call (one Deferred) per run,
+    recorded in ``self.runs`` as [(key, value or None)]; with ``manual=True`` it waits in
+    ``self.pending`` like single writes do."""
+
+    def __init__(self, manual=False):
+        super().__init__(manual)
+        self.runs = []
+
+    def write_many(self, ops):
+        ops = [(bytes(k), None if v is None else bytes(v)) for k, v in ops]
+        self.runs.append(ops)
+
+        def apply():
+            return [self._apply_delete(k) if v is None else self._apply_put(k, v) is None for k, v in ops]
+
+        return self._later(apply)
+
+    def get_many(self, keys):
+        return [self.data.get(bytes(k)) for k in keys]
+
+
 def connect(kv):
     factory = KvServerFactory(kv)
     proto = factory.buildProtocol(None)
@@ -559,3 +581,157 @@ def test_store_read_failure_is_err0_for_each_get():
     r = replies(tr, [c.GET, c.GET])
     assert [(x.client_id, x.cmd, x.error_code) for x in r] == [(1, c.ERR, 0), (2, c.ERR, 0)]
     assert tr.connected
+
+
+# -- batched writes (store.kv.write_many) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [None, 1, 7])
+def test_a_pipelined_run_of_writes_is_one_store_call(step):
+    kv = BatchedMemoryKv()
+    kv._apply_put(b"old", b"o")
+    proto, tr = connect(kv)
+    wire = (
+        c.encode_set(1, b"a", b"1")
+        + c.encode_set(2, b"b", b"2")
+        + c.encode_remove(3, b"old")
+        + c.encode_remove(4, b"never")
+        + c.encode_set(5, b"a", b"11")
+        + c.encode_remove(6, b"b")
+    )
+    feed(proto, wire, step)
+    r = replies(tr, [c.SET, c.SET, c.REMOVE, c.REMOVE, c.SET, c.REMOVE])
+    assert [(x.client_id, x.cmd) for x in r] == [
+        (1, c.OK), (2, c.OK), (3, c.OK), (4, c.DATA_NOT_FOUND), (5, c.OK), (6, c.OK)]
+    assert kv.data == {b"a": b"11"}
+    assert sum(len(run) for run in kv.runs) == 6
+    if step is None:
+        assert len(kv.runs) == 1
+
+
+def test_reads_split_runs_and_see_the_writes_before_them():
+    kv = BatchedMemoryKv(manual=True)
+    proto, tr = connect(kv)
+    proto.dataReceived(
+        c.encode_set(1, b"a", b"1")
+        + c.encode_set(2, b"b", b"2")
+        + c.encode_get(3, b"a")
+        + c.encode_remove(4, b"a")
+        + c.encode_set(5, b"c", b"3")
+        + c.encode_get(6, b"a")
+        + c.encode_get(7, b"c")
+    )
+    assert kv.runs == [[(b"a", b"1"), (b"b", b"2")]] and tr.value() == b""
+    kv.complete()
+    # the GET ran once the run was durable; the next run went out behind it
+    assert kv.runs[1:] == [[(b"a", None), (b"c", b"3")]]
+    r = replies(tr, [c.SET, c.SET, c.GET])
+    assert [x.client_id for x in r] == [1, 2, 3] and r[2].items == [(b"a", b"1")]
+    kv.complete()
+    r = replies(tr, [c.REMOVE, c.SET, c.GET, c.GET])
+    assert [(x.client_id, x.cmd) for x in r] == [(4, c.OK), (5, c.OK), (6, c.DATA_NOT_FOUND), (7, c.OK)]
+    assert r[3].items == [(b"c", b"3")]
+
+
+def test_writes_behind_an_unacked_run_are_issued_at_once_in_order():
+    kv = BatchedMemoryKv(manual=True)
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_set(1, b"k", b"1"))
+    proto.dataReceived(c.encode_set(2, b"k", b"2") + c.encode_remove(3, b"k"))
+    assert len(kv.pending) == 2  # the store orders them
+    kv.complete_all_reversed()
+    r = replies(tr, [c.SET, c.SET, c.REMOVE])
+    assert [(x.client_id, x.cmd) for x in r] == [(1, c.OK), (2, c.OK), (3, c.OK)]
+    assert kv.data == {}
+
+
+def test_bad_writes_inside_a_run_are_answered_in_place():
+    kv = BatchedMemoryKv()
+    proto, tr = connect(kv)
+    wire = (
+        c.encode_set(1, b"a", b"1")
+        + c.encode_set(2, b"", b"v")  # empty key: ERR 0
+        + c.encode_set(3, b"b", b"2")
+        + struct.pack(">QQQHH", 34, 4, 1, 3, 1) + b"k" + b"\x00\x00\x00\x09" + b"x"  # value past total_len: ERR 3
+        + c.encode_remove(5, b"")  # empty key: DATA_NOT_FOUND
+        + c.encode_remove(6, b"a")
+    )
+    proto.dataReceived(wire)
+    r = replies(tr, [c.SET] * 4 + [c.REMOVE] * 2)
+    assert [(x.client_id, x.cmd, x.error_code) for x in r] == [
+        (1, c.OK, None), (2, c.ERR, c.E_UNKNOWN), (3, c.OK, None), (4, c.ERR, c.E_MSG_TOO_SHORT),
+        (5, c.DATA_NOT_FOUND, None), (6, c.OK, None)]
+    assert kv.data == {b"b": b"2"}
+
+
+def test_an_oversized_value_behind_a_waiting_read_is_err0_alone():
+    kv = BatchedMemoryKv(manual=True)
+    proto, tr = connect(kv)
+    big = b"v" * (16 * 1024 * 1024 + 1)
+    proto.dataReceived(c.encode_set(1, b"a", b"1") + c.encode_get(2, b"a") + c.encode_set(3, b"big", big)
+                       + c.encode_set(4, b"b", b"2"))
+    kv.complete()
+    kv.complete()
+    r = replies(tr, [c.SET, c.GET, c.SET, c.SET])
+    assert [(x.client_id, x.cmd, x.error_code) for x in r] == [
+        (1, c.OK, None), (2, c.OK, None), (3, c.ERR, c.E_UNKNOWN), (4, c.OK, None)]
+    assert kv.data == {b"a": b"1", b"b": b"2"}
+
+
+def test_a_failed_run_is_err0_for_each_of_its_writes():
+    class FailingKv(BatchedMemoryKv):
+        def write_many(self, ops):
+            self.runs.append(ops)
+            return defer.fail(OSError("disk on fire")) if len(self.runs) == 1 else super().write_many(ops)
+
+    kv = FailingKv()
+    proto, tr = connect(kv)
+    proto.dataReceived(c.encode_set(1, b"a", b"1") + c.encode_remove(2, b"b"))
+    proto.dataReceived(c.encode_set(3, b"c", b"3"))
+    r = replies(tr, [c.SET, c.REMOVE, c.SET])
+    assert [(x.client_id, x.cmd, x.error_code) for x in r] == [(1, c.ERR, 0), (2, c.ERR, 0), (3, c.OK, None)]
+    assert tr.connected and kv.data == {b"c": b"3"}
+
+
+def test_pending_budget_counts_the_writes_of_a_run():
+    kv = BatchedMemoryKv(manual=True)
+    proto, tr = connect(kv)
+    proto.max_pending = 4
+    proto.dataReceived(b"".join(c.encode_set(i, b"k%d" % i, b"v") for i in range(10)))
+    assert [len(run) for run in kv.runs] == [4] and tr.producerState == "paused"
+    while kv.pending:
+        kv.complete()
+        assert all(len(run) <= 4 for run in kv.runs)
+    assert [len(run) for run in kv.runs] == [4, 4, 2] and tr.producerState == "producing"
+    assert [x.client_id for x in replies(tr, [c.SET] * 10)] == list(range(10))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([c.SET, c.REMOVE, c.GET]), st.sampled_from([b"a", b"b", b""])),
+                max_size=30), st.integers(1, 40), st.booleans())
+def test_pipelines_match_one_at_a_time_execution(ops, step, manual):
+    """Whatever the mix, framing and ack order, the replies equal executing each request alone."""
+    model = {}
+    expected = []
+    wire = b""
+    for i, (cmd, key) in enumerate(ops):
+        if cmd == c.SET:
+            wire += c.encode_set(i, key, b"v%d" % i)
+            expected.append((i, c.ERR if not key else c.OK, None))
+            if key:
+                model[key] = b"v%d" % i
+        elif cmd == c.REMOVE:
+            wire += c.encode_remove(i, key)
+            expected.append((i, c.OK if key in model else c.DATA_NOT_FOUND, None))
+            model.pop(key, None)
+        else:
+            wire += c.encode_get(i, key)
+            expected.append((i, c.OK, model[key]) if key in model else (i, c.DATA_NOT_FOUND, None))
+    kv = BatchedMemoryKv(manual=manual)
+    proto, tr = connect(kv)
+    feed(proto, wire, step)
+    while kv.pending:
+        kv.complete_all_reversed()
+    r = replies(tr, [cmd for cmd, _ in ops])
+    assert [(x.client_id, x.cmd, x.items[0][1] if x.items else None) for x in r] == expected
+    assert kv.data == model

@@ -468,6 +468,12 @@ class KvServerProtocol(Protocol):
         if not ops:
             return pos
         self._handled += len(ops) - 1
+        self._issue_run(ops, cids, nbytes)
+        return pos
+
+    def _issue_run(self, ops, cids, nbytes):
+        """One store write for ``ops`` ([(key, value or None)], keys non-empty, values within the
+        limit) with one reply slot for all of them."""
         count = len(ops)
         slot = [None, count]
         self._slots.append(slot)
@@ -479,7 +485,31 @@ class KvServerProtocol(Protocol):
         except Exception:
             d = defer.fail()
         d.addBoth(self._run_done, slot, cids, nbytes)
-        return pos
+
+    def _issue_blocked_writes(self, blocked):
+        """Issue the consecutive valid SETs/REMOVEs at the head of ``blocked`` as one run."""
+        ops = []
+        cids = []
+        nbytes = 0
+        while blocked:
+            req = blocked[0]
+            if req.__class__ is bytes or not req.key:
+                break
+            if req.cmd == SET:
+                if len(req.value) > MAX_VALUE:
+                    break
+                ops.append((req.key, req.value))
+                nbytes += len(req.value)
+            elif req.cmd == REMOVE:
+                ops.append((req.key, None))
+            else:
+                break
+            cids.append(req.client_id)
+            blocked.popleft()
+        if ops:
+            self._issue_run(ops, cids, nbytes)
+        else:  # a SET whose value is over the limit: answered on its own
+            self._execute(blocked.popleft())
 
     def _write_many(self, ops):
         write_many = getattr(self.kv, "write_many", None)
@@ -634,6 +664,9 @@ class KvServerProtocol(Protocol):
             blocked = self._blocked
             while blocked:
                 head = blocked[0]
+                if head.__class__ is not bytes and head.cmd in (SET, REMOVE) and head.key:
+                    self._issue_blocked_writes(blocked)
+                    continue
                 if self._unacked and not (head.__class__ is bytes or head.cmd in (SET, REMOVE)):
                     break
                 blocked.popleft()
