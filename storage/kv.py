@@ -93,11 +93,13 @@ class KeyValue:
         removes = False
         try:
             for key, value in ops:
-                klen = len(key)
-                if not 0 < klen <= MAX_KEY or not isinstance(key, (bytes, bytearray, memoryview)):
-                    raise errors.InvalidRequest("keys are 1..65535 bytes")
                 if key.__class__ is not bytes:
+                    if not isinstance(key, (bytearray, memoryview)):
+                        raise errors.InvalidRequest("keys are bytes")
                     key = bytes(key)
+                klen = len(key)
+                if not 0 < klen <= MAX_KEY:
+                    raise errors.InvalidRequest("keys are 1..65535 bytes")
                 if value is None:
                     removes = True
                     append((key if klen <= KEY_KEEP else encode_key(b"", key), None))

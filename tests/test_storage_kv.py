@@ -130,7 +130,8 @@ async def test_write_many_refuses_a_bad_op_before_anything_is_queued():
     st = open_kv_store(d)
     try:
         for bad, exc in [((b"", b"v"), errors.InvalidRequest), ((b"k" * 65536, b"v"), errors.InvalidRequest),
-                         ((b"k", b"v" * ((16 << 20) + 1)), errors.PayloadTooLarge), ((b"", None), errors.InvalidRequest)]:
+                         ((b"k", b"v" * ((16 << 20) + 1)), errors.PayloadTooLarge), ((b"", None), errors.InvalidRequest),
+                         (("text", b"v"), errors.InvalidRequest), ((None, None), errors.InvalidRequest)]:
             with pytest.raises(exc):
                 await st.kv.write_many([(b"ok", b"v"), bad])
         assert st.kv.get(b"ok") is None and st.queued_bytes() == 0
