@@ -37,11 +37,6 @@ class KeyValue:
         self._store = store
         self._db = store.dbs[index.KV]
 
-    @staticmethod
-    def _check_key(key):
-        if not isinstance(key, (bytes, bytearray, memoryview)) or not 1 <= len(key) <= MAX_KEY:
-            raise errors.InvalidRequest("keys are 1..65535 bytes")
-
     def get(self, key):
         if type(key) is not bytes:
             key = bytes(key)

@@ -5,6 +5,11 @@ each message with the codec, runs it against the store and queues the encoded re
 in request order even though SET and REMOVE complete later (when durable): every executed request
 owns a slot in an ordered queue and the head of the queue is written as soon as it is ready.
 
+The hot commands skip the codec's request objects: a run of consecutive GETs in the buffer is one
+``store.kv.get_many``, and a run of consecutive SETs/REMOVEs is one ``store.kv.write_many`` (one
+group commit, one Deferred, one slot for the whole run). Everything written in one pass over the
+buffer leaves in one ``send``.
+
 Per-connection sequential consistency: a read (GET, a scan, a cursor command) that arrives behind
 an un-acked write of the same connection waits until that write is durable, and a write behind such
 a waiting read waits too, so a pipelined ``SET k; GET k`` always sees its own write.
@@ -56,7 +61,6 @@ def _get_reply_head(klen):
         _GET_REPLY_HEADS[klen] = head
     return head
 
-_U32_PACK = struct.Struct(">I").pack
 _U32_FROM = struct.Struct(">I").unpack_from
 MAX_VALUE = codec.MAX_VALUE
 
