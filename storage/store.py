@@ -452,12 +452,12 @@ class Store:
             if self.packs.dirty and durable:
                 self.packs.sync()  # chunk bytes are durable before the WAL entry naming them
             wal.flush()
-            # Batch bytes live only in the WAL: they are durable before the index names them.
-            # A group of metadata/kv/chunk-index changes only is made durable by the LMDB commit
-            # itself under --fsync always (LMDB syncs each commit then), so its WAL entries need
-            # no fsync of their own: one sync per such group instead of two. The next batch
-            # group's fdatasync covers them; recovery never reads WAL bytes below the checkpoint.
-            if durable and (wal.batch_pending or not self.policy.always):
+            # Under --fsync always every group's WAL bytes are synced before the LMDB commit names
+            # them: batch bytes live only in the WAL, and LMDB's commit (metasync=False) syncs its
+            # data pages but not its meta page, so after a power cut it may fall back to the
+            # previous commit. Recovery then replays this group from the synced WAL. A group of
+            # metadata/kv/chunk-index changes alone is not durable through the commit by itself.
+            if durable:
                 wal.sync()
             live.flush(txn, self.dbs)
             if wal.end != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing

@@ -179,9 +179,9 @@ async def test_corrupt_chunk_is_data_corrupted(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_lost_unsynced_metadata_tail(tmp_path):
-    """Under --fsync always a group of metadata/kv changes only is made durable by the LMDB
-    commit, not a WAL fsync: if its WAL bytes are lost, the store still opens, keeps the change
-    and writes on past the checkpoint."""
+    """Under --fsync interval/never neither the WAL nor LMDB is synced per group, so an OS crash
+    may keep LMDB's pages (checkpoint included) while losing the WAL bytes of the same groups: the
+    store still opens, keeps the change and writes on past the checkpoint."""
     st = open_store(tmp_path)
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch(2, 100))
