@@ -93,7 +93,7 @@ class _ReadTxn:
     def _readonly(self, *a, **k):
         raise errors.InvalidRequest("read-only transaction")
 
-    put = delete = next_id = chunk_incref = chunk_decref = _readonly
+    put = delete = next_id = chunk_incref = chunk_decref = chunk_put = _readonly
 
 
 class Txn(_ReadTxn):
@@ -122,6 +122,14 @@ class Txn(_ReadTxn):
 
     def chunk_decref(self, addrs):
         ChunkStore._decref(self._raw, addrs)
+
+    def chunk_get(self, addr):
+        """The chunk's bytes (CRC checked; DataCorrupted if not), or None if it is not held."""
+        return self._raw.store.chunks.get_in(self._raw, addr)
+
+    def chunk_put(self, data) -> bytes:
+        """Store a chunk in this transaction (unreferenced until ``chunk_incref``); its address."""
+        return self._raw.store.chunks.put_in(self._raw, bytes(data))
 
 
 class Meta:
