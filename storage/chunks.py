@@ -7,6 +7,7 @@ zero-reference candidates, and each pack's live bytes. A background sweep reclai
 whose refcount stayed 0 for the grace period; a pack whose live bytes reach 0 is deleted.
 """
 
+import errno
 import hashlib
 import os
 import struct
@@ -24,6 +25,7 @@ PACK_ENTRY = struct.Struct(">II")
 PACK_ENTRY_SIZE = PACK_ENTRY.size + 32
 CHUNK_VAL = struct.Struct(">IQIQBQ")  # pack, position, data length, seq, pinned, added ms
 U32 = struct.Struct(">I")
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 SWEEP_BATCH = 20000
 COMPACT_BELOW = 0.25  # rewrite a pack's live chunks elsewhere when they fill less than this of it
 
@@ -85,6 +87,32 @@ class Packs:
         raw = os.pread(fd, PACK_ENTRY_SIZE + length, pos)
         if len(raw) != PACK_ENTRY_SIZE + length:
             raise errors.DataCorrupted("chunk %s is truncated" % addr.hex())
+        n, crc = PACK_ENTRY.unpack_from(raw, 0)
+        data = memoryview(raw)[PACK_ENTRY_SIZE:]
+        if n != length or raw[8:40] != addr or _pack_crc(pack_id, pos, addr, data) != crc:
+            raise errors.DataCorrupted("chunk %s failed its CRC" % addr.hex())
+        return data
+
+    def read_cached(self, pack_id, pos, length, addr):
+        """``read`` from the page cache only (preadv2 RWF_NOWAIT): None when it would block."""
+        fd = self.fds.get(pack_id)
+        if fd is None:
+            raise errors.ChunkNotFound("chunk %s is gone" % addr.hex())
+        if _RWF_NOWAIT is None:
+            return None
+        total = PACK_ENTRY_SIZE + length
+        raw = bytearray(total)
+        try:
+            n = os.preadv(fd, [raw], pos, _RWF_NOWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no RWF_NOWAIT here
+                return None
+            raise
+        if n != total:
+            # Part of it is not cached (or the file is short: ``read`` will say which).
+            return None
         n, crc = PACK_ENTRY.unpack_from(raw, 0)
         data = memoryview(raw)[PACK_ENTRY_SIZE:]
         if n != length or raw[8:40] != addr or _pack_crc(pack_id, pos, addr, data) != crc:
@@ -203,6 +231,46 @@ class ChunkStore:
         raw.on_reactor.append(lambda: self._arrived(seq))
         return addr
 
+    def put_many(self, datas):
+        """Store several chunks in one store transaction (one index update and one WAL entry for
+        all of them); fires with their addresses, in order, once durable."""
+        datas = [d if isinstance(d, (bytes, memoryview)) else bytes(d) for d in datas]
+        nbytes = sum(len(d) for d in datas) + 64 * len(datas)
+        return self._store.transact_raw(lambda raw: self.put_many_in(raw, datas), nbytes)
+
+    def put_many_in(self, raw, datas):
+        """Writer thread: ``put_in`` for several unpinned chunks, the sequence counter and the
+        packs' live bytes updated once."""
+        addrs = []
+        seq = first_seq = None
+        live = {}
+        added = now_ms()
+        packs = self._store.packs
+        sha256 = hashlib.sha256
+        for data in datas:
+            addr = sha256(data).digest()  # releases the GIL: the reactor runs meanwhile
+            addrs.append(addr)
+            if raw.get(index.CHUNKS, addr) is not None:
+                continue
+            if seq is None:
+                prev = raw.get(index.SYS, index.CHUNK_SEQ)
+                seq = first_seq = U64.unpack(prev)[0] if prev else 0
+            seq += 1
+            pack_id, pos, total = packs.append(addr, data)
+            raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, 0, added))
+            raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
+            live[pack_id] = live.get(pack_id, 0) + total
+            if raw.get(index.CHUNKREF, addr) is None:
+                raw.put(index.CHUNKFREE, addr, U64.pack(added))
+        if seq is not None and seq != first_seq:
+            raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
+            for pack_id, n in live.items():
+                key = U32.pack(pack_id)
+                cur = raw.get(index.PACKS, key)
+                raw.put(index.PACKS, key, U64.pack((U64.unpack(cur)[0] if cur else 0) + n))
+            raw.on_reactor.append(lambda: self._arrived(seq))
+        return addrs
+
     def get_in(self, raw, addr):
         """Writer thread, inside ``raw``'s transaction (so chunks put earlier in the same group
         are seen): chunk ``addr``'s bytes (CRC checked), or None if the store does not hold it."""
@@ -245,6 +313,17 @@ class ChunkStore:
             return bytes(data[offset:end])
 
         return self._store.in_pool(read)
+
+    def get_cached(self, addr):
+        """Chunk ``addr``'s bytes (CRC checked) read at once on the calling thread when its pack
+        pages are in the page cache, or None when reading would wait for the disk (use ``get``):
+        never blocks on I/O, so the reactor may call it. ChunkNotFound / DataCorrupted as ``get``."""
+        addr = bytes(addr)
+        found = self._lookup(addr) if len(addr) == 32 else None
+        if found is None:
+            raise errors.ChunkNotFound("no chunk %s" % addr.hex())
+        pack_id, pos, size = found[0], found[1], found[2]
+        return self._store.packs.read_cached(pack_id, pos, size, addr)
 
     def has(self, addr) -> bool:
         return self._lookup(bytes(addr)) is not None

@@ -21,11 +21,13 @@ import struct
 from twisted.internet import defer
 
 from storage import errors
+from storage.meta import COUNTERS
 
 ROOT_TABLE = "toasty.root"
 ENT_TABLE = "toasty.ent"
 CHK_TABLE = "toasty.chk"
 GEN_COUNTER = "toasty.gen"
+_GEN_COUNTER_KEY = GEN_COUNTER.encode()  # its key in meta's counters (Txn.next_id)
 ROOT_KEY = b"/"
 ROOT_INODE = 0
 ROOT_GEN = 1
@@ -148,6 +150,27 @@ class ReadResult:
         self.size = size
 
 
+class _BatchGenerations:
+    """The node-wide generation counter (``txn.next_id``'s record) for one batch transaction: read
+    once, counted here, written back once -- not a read and a write per operation."""
+
+    def __init__(self, txn):
+        self.txn = txn
+        self.first = self.value = None
+
+    def next(self) -> int:
+        if self.value is None:
+            self.first = self.value = self.txn.get(COUNTERS, _GEN_COUNTER_KEY) or 0
+        self.value += 1
+        while self.value in (NO_GENERATION, MISSING_GENERATION):  # CONTRACT §5: never 0 or 2^64-1
+            self.value += 1
+        return self.value
+
+    def store(self):
+        if self.value is not None and self.value != self.first:
+            self.txn.put(COUNTERS, _GEN_COUNTER_KEY, self.value)
+
+
 _ROOT_PLACEHOLDER = Entity([ROOT_INODE, ROOT_GEN, True, 0, 0])
 
 
@@ -164,6 +187,7 @@ class FileTree:
             from twisted.internet import reactor
         self._reactor = reactor
         self._batch = []
+        self._gens = None  # the running batch's generation counter (writer thread)
 
     # -- helpers run inside a meta txn ----------------------------------------------------------
 
@@ -179,8 +203,10 @@ class FileTree:
             txn.put(ROOT_TABLE, ROOT_KEY, value)
         return Entity(value)
 
-    @staticmethod
-    def _new_gen(txn) -> int:
+    def _new_gen(self, txn) -> int:
+        gens = self._gens
+        if gens is not None:  # inside a batch: its counter, written back once at its end
+            return gens.next()
         gen = txn.next_id(GEN_COUNTER)
         while gen in (NO_GENERATION, MISSING_GENERATION):  # CONTRACT §5: never 0 or 2^64-1
             gen = txn.next_id(GEN_COUNTER)
@@ -361,11 +387,16 @@ class FileTree:
             if not self._root_ready:
                 self._root(txn, create=True)
             results = []
-            for fn, _ in batch:
-                try:
-                    results.append((True, fn(txn)))
-                except FsError as e:
-                    results.append((False, e))
+            self._gens = gens = _BatchGenerations(txn)
+            try:
+                for fn, _ in batch:
+                    try:
+                        results.append((True, fn(txn)))
+                    except FsError as e:
+                        results.append((False, e))
+            finally:
+                self._gens = None
+            gens.store()
             return results
 
         def done(results):
@@ -452,7 +483,7 @@ class FileTree:
         released = []
         if new:
             txn.chunk_incref(new)
-        fresh = entity.size == 0 and entity.gen == 0  # created just now: no old chunks to release
+        fresh = entity.size == 0  # empty (new, or truncated to 0): it holds no chunk references
         for i, h in enumerate(new):
             key = _chk_key(inode, first + i)
             old = None if fresh else txn.get(CHK_TABLE, key)

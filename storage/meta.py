@@ -23,11 +23,19 @@ def _unpack(raw):
     return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
 
 
+_PREFIXES = {}
+
+
 def _prefix(table: str) -> bytes:
-    t = table.encode()
-    if b"\x00" in t:
-        raise errors.InvalidRequest("table names contain no NUL")
-    return t + b"\x00"
+    pfx = _PREFIXES.get(table)
+    if pfx is None:
+        t = table.encode()
+        if b"\x00" in t:
+            raise errors.InvalidRequest("table names contain no NUL")
+        pfx = t + b"\x00"
+        if len(_PREFIXES) < 1024:  # the few table names in use are cached
+            _PREFIXES[table] = pfx
+    return pfx
 
 
 class _ReadTxn:
