@@ -30,6 +30,14 @@ SWEEP_BATCH = 20000
 COMPACT_BELOW = 0.25  # rewrite a pack's live chunks elsewhere when they fill less than this of it
 
 
+HASH_IN_POOL_BYTES = 256 * 1024
+
+
+def _digests(datas):
+    sha256 = hashlib.sha256
+    return [sha256(data).digest() for data in datas]  # releases the GIL for big chunks
+
+
 def _pack_crc(pack_id, pos, addr, data):
     return zlib.crc32(data, zlib.crc32(struct.pack(">IQ", pack_id, pos) + addr))
 
@@ -233,23 +241,27 @@ class ChunkStore:
 
     def put_many(self, datas):
         """Store several chunks in one store transaction (one index update and one WAL entry for
-        all of them); fires with their addresses, in order, once durable."""
+        all of them); fires with their addresses, in order, once durable. A big batch is hashed
+        by the read pool first, so the writer thread (which every write waits on) does not."""
         datas = [d if isinstance(d, (bytes, memoryview)) else bytes(d) for d in datas]
-        nbytes = sum(len(d) for d in datas) + 64 * len(datas)
-        return self._store.transact_raw(lambda raw: self.put_many_in(raw, datas), nbytes)
+        size = sum(len(d) for d in datas)
+        nbytes = size + 64 * len(datas)
+        if size < HASH_IN_POOL_BYTES:
+            return self._store.transact_raw(lambda raw: self.put_many_in(raw, datas), nbytes)
+        d = self._store.in_pool(_digests, datas)
+        d.addCallback(lambda addrs: self._store.transact_raw(lambda raw: self.put_many_in(raw, datas, addrs), nbytes))
+        return d
 
-    def put_many_in(self, raw, datas):
+    def put_many_in(self, raw, datas, addrs=None):
         """Writer thread: ``put_in`` for several unpinned chunks, the sequence counter and the
-        packs' live bytes updated once."""
-        addrs = []
+        packs' live bytes updated once. ``addrs``: their SHA-256, when already computed here."""
+        if addrs is None:
+            addrs = _digests(datas)
         seq = first_seq = None
         live = {}
         added = now_ms()
         packs = self._store.packs
-        sha256 = hashlib.sha256
-        for data in datas:
-            addr = sha256(data).digest()  # releases the GIL: the reactor runs meanwhile
-            addrs.append(addr)
+        for data, addr in zip(datas, addrs):
             if raw.get(index.CHUNKS, addr) is not None:
                 continue
             if seq is None:

@@ -1,11 +1,12 @@
 """Toasty metadata and chunk servers over StringTransport, on a real store in tmp_path (CONTRACT §5)."""
 
 import hashlib
+import os
 
 import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings, strategies as st
-from twisted.internet import reactor, task
+from twisted.internet import defer, reactor, task
 from twisted.internet.testing import StringTransport
 
 from protocols.toasty import codec, server
@@ -483,3 +484,104 @@ async def test_generations_survive_reopening_the_store(tmp_path):
         assert again.gen == w3.gen + 1  # no generation reused, none skipped
     finally:
         await s.close()
+
+
+def _create_chunk_reply_hash(data, cs):
+    return hashlib.sha256(bytes(data) + bytes(cs - len(data))).digest()
+
+
+@pytest_twisted.ensureDeferred
+async def test_create_chunks_in_one_read_are_stored_together_and_answered_in_order(store, chunks):
+    """Many CREATE_CHUNKs in one read (one store transaction for all): each reply in order, a
+    refused one in the middle, a duplicate within the batch, every chunk stored."""
+    datas = [bytes([i]) * (1000 + i) for i in range(40)]
+    msgs = [CreateChunk(4096, 0, d) for d in datas]
+    msgs.insert(17, CreateChunk(10, 8, b"abc"))  # off + len > chunk_size: refused
+    msgs.append(CreateChunk(4096, 0, datas[3]))  # the same chunk again
+    chunks.proto.dataReceived(b"".join(codec.encode(m) for m in msgs))
+    replies = await chunks.replies(len(msgs))
+    assert replies[17].TYPE == codec.CREATE_CHUNK_ERROR and replies[17].message == "Invalid range"
+    del replies[17]
+    expected = [_create_chunk_reply_hash(d, 4096) for d in datas + [datas[3]]]
+    assert [r.TYPE for r in replies] == [codec.CREATE_CHUNK_SUCCESS] * len(expected)
+    assert [r.hash for r in replies] == expected
+    assert all(store.chunks.has(h) for h in expected)
+    got = await store.chunks.get(expected[5])
+    assert got == datas[5] + bytes(4096 - len(datas[5]))
+
+
+@pytest_twisted.ensureDeferred
+async def test_messages_cut_anywhere_between_reads(store, chunks):
+    """Big and small messages split at random points (headers cut too) frame exactly as whole."""
+    import random
+
+    rnd = random.Random(7)
+    datas = [rnd.randbytes(n) for n in (200_000, 65_536, 5, 100_000, 1)]
+    raw = b"".join(codec.encode(CreateChunk(256 * 1024, 0, d)) for d in datas)
+    pos = 0
+    while pos < len(raw):
+        n = rnd.choice([1, 3, 7, 8, 9, 100, 4096, 70_000])
+        chunks.proto.dataReceived(raw[pos : pos + n])
+        pos += n
+    replies = await chunks.replies(len(datas))
+    assert [r.hash for r in replies] == [_create_chunk_reply_hash(d, 256 * 1024) for d in datas]
+    assert not chunks.tr.disconnecting
+    r = await chunks.call(DownloadChunk(replies[2].hash, False, 0, 5))
+    assert r.TYPE == codec.DOWNLOAD_CHUNK_SUCCESS and bytes(r.data) == datas[2]
+
+
+@pytest_twisted.ensureDeferred
+async def test_chunk_server_over_a_real_socket_keeps_reply_order(store):
+    """Over loopback TCP, downloads answered at once from the page cache (straight to the socket)
+    and those queued behind a full send buffer, errors and partial reads stay in request order."""
+    from protocols.toasty.client import _connect
+
+    port = reactor.listenTCP(0, server.build_chunk_factory(Node(store)), interface="127.0.0.1")
+    client = await _connect(reactor, "127.0.0.1", port.getHost().port)
+    try:
+        cs = 64 * 1024
+        datas = [bytes([i % 251]) * 7 + hashlib.sha256(b"%d" % i).digest() * (cs // 32 - 1) for i in range(48)]
+        ups = await defer.gatherResults([client.request(CreateChunk(cs, 0, d)) for d in datas])
+        hashes = [u.hash for u in ups]
+        assert hashes == [_create_chunk_reply_hash(d, cs) for d in datas]
+        unknown = hashlib.sha256(b"nowhere").digest()
+        for _ in range(3):  # ~3 MiB asked at once: more than a loopback send buffer takes
+            reqs, want = [], []
+            for i, h in enumerate(hashes):
+                reqs.append(DownloadChunk(h, True))
+                want.append(datas[i] + bytes(cs - len(datas[i])))
+                if i % 16 == 5:
+                    reqs.append(DownloadChunk(unknown, True))
+                    want.append(None)
+                if i % 16 == 9:
+                    reqs.append(DownloadChunk(h, False, 3, 10))
+                    want.append(want[-1][3:13])
+            replies = await defer.gatherResults([client.request(r) for r in reqs])
+            for reply, expect in zip(replies, want):
+                if expect is None:
+                    assert reply.TYPE == codec.DOWNLOAD_CHUNK_ERROR and reply.message == "Chunk not found"
+                else:
+                    assert reply.TYPE == codec.DOWNLOAD_CHUNK_SUCCESS and bytes(reply.data) == expect
+    finally:
+        client.transport.loseConnection()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_chunk_store_get_cached_checks_the_crc(store):
+    from storage import errors
+
+    data = b"cached" * 1000
+    addr = (await store.chunks.put_many([data]))[0]
+    assert addr == hashlib.sha256(data).digest()
+    got = store.chunks.get_cached(addr)
+    if got is None:
+        pytest.skip("no RWF_NOWAIT reads here")
+    assert bytes(got) == data
+    with pytest.raises(errors.ChunkNotFound):
+        store.chunks.get_cached(hashlib.sha256(b"absent").digest())
+    pack_id, pos = store.chunks._lookup(addr)[:2]
+    fd = store.packs.fds[pack_id]
+    os.pwrite(fd, b"X", pos + 40 + 100)  # one byte of the data, in the page cache
+    with pytest.raises(errors.DataCorrupted):
+        store.chunks.get_cached(addr)

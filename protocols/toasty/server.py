@@ -16,7 +16,7 @@ import struct
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IPushProducer, ISSLTransport
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -296,7 +296,9 @@ class _ToastyServerProtocol(Protocol):
         the reply order); None otherwise, or for transports that are not a plain TCP socket."""
         tr = self.transport
         sock = getattr(tr, "socket", None)
-        if sock is None or getattr(tr, "_tempDataLen", 1) or getattr(tr, "offset", 1) != len(getattr(tr, "dataBuffer", b"x")):
+        if sock is None or getattr(tr, "TLS", False) or ISSLTransport.providedBy(tr):
+            return None  # TLS: the bytes must go through the transport's encryption
+        if getattr(tr, "_tempDataLen", 1) or getattr(tr, "offset", 1) != len(getattr(tr, "dataBuffer", b"x")):
             return None
         if not tr.connected or tr.disconnecting:
             return None
