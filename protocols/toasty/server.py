@@ -221,6 +221,7 @@ class _ToastyServerProtocol(Protocol):
         # on as views of it without a copy.
         buf = self._buf
         view = memoryview(buf)
+        pinned = len(buf)  # charged (once) to the first message that keeps a view of buf alive
         while not self._closed and not self._in_paused:
             avail = len(buf) - self._pos
             if avail < HEADER_LEN:
@@ -236,11 +237,15 @@ class _ToastyServerProtocol(Protocol):
             pos = self._pos
             self._pos += length
             msg = None
+            extra = 0
             if mtype == codec.CREATE_CHUNK and length >= HEADER_LEN + 12:
-                # The bulk message: its data is a view of the received bytes (no copy).
+                # The bulk message: its data is a view of the received bytes (no copy). The view
+                # keeps the whole read alive until the chunk is stored, so the in-flight budget
+                # counts the read's size too (on the first such message of the read).
                 chunk_size, off, n = _CREATE_CHUNK_HEAD.unpack_from(buf, pos + HEADER_LEN)
                 if n == length - HEADER_LEN - 12:
                     msg = codec.CreateChunk(chunk_size, off, view[pos + HEADER_LEN + 12 : pos + length])
+                    extra, pinned = pinned, 0
             if msg is None:
                 body = view[pos + HEADER_LEN : pos + length].tobytes()
                 try:
@@ -248,7 +253,7 @@ class _ToastyServerProtocol(Protocol):
                 except codec.CodecError as e:
                     self._drop(str(e))
                     return
-            self._start(msg, self.cost(msg, length))
+            self._start(msg, self.cost(msg, length) + extra)
 
     # -- ordered replies ----------------------------------------------------------------------
 
