@@ -648,23 +648,13 @@ class BlockingConnection:
                     sent = 0
 
     def _exact(self, n):
-        if n > 4096:
-            # MSG_WAITALL: one allocation, no zero-fill, usually one call.
-            data = self.sock.recv(n, socket.MSG_WAITALL)
-            if len(data) == n:
-                return data
-            if not data:
-                raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
-            return data + bytes(self._exact(n - len(data)))
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
-            got += k
-        return buf
+        # MSG_WAITALL: one call, one allocation, no zero-fill (headers and bodies alike).
+        data = self.sock.recv(n, socket.MSG_WAITALL)
+        if len(data) == n:
+            return data
+        if not data:
+            raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
+        return data + bytes(self._exact(n - len(data)))
 
     def recv(self):
         try:
