@@ -286,14 +286,34 @@ class _ToastyServerProtocol(Protocol):
         return self.error_reply(msg, "I/O error")
 
     def _finish(self, reply, slot, size):
+        if self._ready(reply, slot, size):
+            self._flush_ready()
+
+    def _ready(self, reply, slot, size):
+        """Fill a request's slot with its reply (written by _flush_ready); False once closed."""
         self._in_flight -= 1
         self._in_flight_bytes -= size
         if self._closed:
-            return
+            return False
         slot.data = codec.encode_parts(reply)
         slot.ready = True
-        while self._slots and self._slots[0].ready:
-            self._send(self._slots.popleft().data)
+        return True
+
+    def _flush_ready(self):
+        """Write the replies at the head of the queue that are ready, small ones in one write."""
+        small = []
+        slots = self._slots
+        while slots and slots[0].ready:
+            parts = slots.popleft().data
+            if len(parts) > 1 and sum(len(p) for p in parts) >= DIRECT_SEND_MIN:
+                if small:
+                    self.transport.write(b"".join(small))
+                    small = []
+                self._send(parts)
+            else:
+                small.extend(parts)
+        if small:
+            self.transport.write(b"".join(small))
         self._update_reading()
 
     def _direct_socket(self):
@@ -566,20 +586,26 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         puts, self._puts = self._puts, []
 
         def stored(addrs):
+            flush = False
             for (_, target), addr in zip(puts, addrs):
                 if isinstance(target, defer.Deferred):
                     target.callback(addr)
                 else:
                     slot, size, _ = target
-                    self._finish(codec.CreateChunkSuccess(addr), slot, size)
+                    flush = self._ready(codec.CreateChunkSuccess(addr), slot, size)
+            if flush:
+                self._flush_ready()  # the batch's replies in one write
 
         def failed(failure):
+            flush = False
             for _, target in puts:
                 if isinstance(target, defer.Deferred):
                     target.errback(failure)
                 else:
                     slot, size, msg = target
-                    self._finish(self._internal_error(failure, msg), slot, size)
+                    flush = self._ready(self._internal_error(failure, msg), slot, size)
+            if flush:
+                self._flush_ready()
 
         self.node.store.chunks.put_many([data for data, _ in puts]).addCallbacks(stored, failed)
 
