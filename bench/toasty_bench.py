@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,38 @@ def timed(fn):
     return time.perf_counter() - t, result
 
 
+def proc_cpu(pid):
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class CpuMeter:
+    """CPU seconds the node and this (client) process spend between ``start`` and ``stop``."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+    def start(self):
+        self.node0, self.client0 = proc_cpu(self.pid), self_cpu()
+
+    def stop(self):
+        return proc_cpu(self.pid) - self.node0, self_cpu() - self.client0
+
+
+def cpu_timed(meter, fn):
+    meter.start()
+    elapsed, result = timed(fn)
+    node, client = meter.stop()
+    return elapsed, result, node, client
+
+
 def pct(values, p):
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * p / 100))]
@@ -78,15 +111,16 @@ def main(argv=None):
         t_cps, _ = timed(lambda: (subprocess.run(["cp", src, cp_dst], check=True), subprocess.run(["sync", cp_dst], check=True)))
         os.remove(cp_dst)
         node.start()
+        meter = CpuMeter(node.proc.pid)
         with BlockingToastyClient(*node.address("meta"), timeout=120, parallel=32) as c:
             with open(src, "rb") as f:
-                t_put, _ = timed(lambda: c.write_stream("/big", f, size, truncate=True, chunk_size=64 * 1024))
+                t_put, _, put_node, put_client = cpu_timed(meter, lambda: c.write_stream("/big", f, size, truncate=True, chunk_size=64 * 1024))
 
             def get():
                 with open(got, "wb") as out:
                     return c.read_into("/big", out.write)
 
-            t_get, n = timed(get)
+            t_get, n, get_node, get_client = cpu_timed(meter, get)
             assert n == size
         same = _sha(src) == _sha(got)
         os.remove(got)
@@ -96,9 +130,11 @@ def main(argv=None):
         print("  cp   %8.1f MB/s  (%.2f s); cp + sync of the copy %.1f MB/s" % (cp_rate, t_cp, mb / t_cps))
         print("  put  %8.1f MB/s  (%.2f s)  ratio to cp %.2f (target >= 0.5)" % (put_rate, t_put, put_rate / cp_rate))
         print("  get  %8.1f MB/s  (%.2f s)  ratio to cp %.2f (target >= 1.0)  content %s" % (get_rate, t_get, get_rate / cp_rate, "identical" if same else "DIFFERENT"))
+        print("  CPU seconds: put node %.2f + client %.2f; get node %.2f + client %.2f" % (put_node, put_client, get_node, get_client))
 
-        rate, lat = small_files(node, args.files)
+        rate, lat, small_node, small_client = small_files(node, args.files, meter)
         print("small files: %d x 4 KiB creates+writes: %.0f files/s (target 10000)" % (args.files, rate))
+        print("  CPU seconds: node %.2f + client %.2f (%.0f + %.0f us per file)" % (small_node, small_client, small_node / args.files * 1e6, small_client / args.files * 1e6))
         print("  one new file alone, client.write (READ, CREATE_CHUNK, WRITE round trips): p50 %.2f ms  p99 %.2f ms" % (pct(lat, 50) * 1e3, pct(lat, 99) * 1e3))
     finally:
         node.kill9()
@@ -118,7 +154,7 @@ def _sha(path):
     return h.digest()
 
 
-def small_files(node, count):
+def small_files(node, count, meter):
     meta = BlockingConnection(*node.address("meta"))
     chunks = BlockingConnection(*node.address("chunks"))
     meta.call(codec.Create(b"/small", True))
@@ -126,6 +162,7 @@ def small_files(node, count):
     payloads = [os.urandom(4096) for _ in range(count)]
     # Interleaved pipelines: a file's WRITE goes out as soon as its CREATE_CHUNK is answered (the
     # chunk is then durable in the store), while later chunks are still being uploaded.
+    meter.start()
     t0 = time.perf_counter()
     ok, window = 0, 128
 
@@ -147,6 +184,7 @@ def small_files(node, count):
     while meta.pending:
         ok += meta.recv().TYPE == codec.WRITE_SUCCESS
     elapsed = time.perf_counter() - t0
+    node_cpu, client_cpu = meter.stop()
     assert ok == count, "%d of %d writes failed" % (count - ok, count)
     meta.close()
     chunks.close()
@@ -156,7 +194,7 @@ def small_files(node, count):
             t = time.perf_counter()
             c.write(b"/small/alone%d" % i, payloads[i % count])
             lat.append(time.perf_counter() - t)
-    return count / elapsed, lat
+    return count / elapsed, lat, node_cpu, client_cpu
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ zero-reference candidates, and each pack's live bytes. A background sweep reclai
 whose refcount stayed 0 for the grace period; a pack whose live bytes reach 0 is deleted.
 """
 
+import errno
 import hashlib
 import os
 import struct
@@ -24,8 +25,17 @@ PACK_ENTRY = struct.Struct(">II")
 PACK_ENTRY_SIZE = PACK_ENTRY.size + 32
 CHUNK_VAL = struct.Struct(">IQIQBQ")  # pack, position, data length, seq, pinned, added ms
 U32 = struct.Struct(">I")
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 SWEEP_BATCH = 20000
 COMPACT_BELOW = 0.25  # rewrite a pack's live chunks elsewhere when they fill less than this of it
+
+
+HASH_IN_POOL_BYTES = 256 * 1024
+
+
+def _digests(datas):
+    sha256 = hashlib.sha256
+    return [sha256(data).digest() for data in datas]  # releases the GIL for big chunks
 
 
 def _pack_crc(pack_id, pos, addr, data):
@@ -85,6 +95,32 @@ class Packs:
         raw = os.pread(fd, PACK_ENTRY_SIZE + length, pos)
         if len(raw) != PACK_ENTRY_SIZE + length:
             raise errors.DataCorrupted("chunk %s is truncated" % addr.hex())
+        n, crc = PACK_ENTRY.unpack_from(raw, 0)
+        data = memoryview(raw)[PACK_ENTRY_SIZE:]
+        if n != length or raw[8:40] != addr or _pack_crc(pack_id, pos, addr, data) != crc:
+            raise errors.DataCorrupted("chunk %s failed its CRC" % addr.hex())
+        return data
+
+    def read_cached(self, pack_id, pos, length, addr):
+        """``read`` from the page cache only (preadv2 RWF_NOWAIT): None when it would block."""
+        fd = self.fds.get(pack_id)
+        if fd is None:
+            raise errors.ChunkNotFound("chunk %s is gone" % addr.hex())
+        if _RWF_NOWAIT is None:
+            return None
+        total = PACK_ENTRY_SIZE + length
+        raw = bytearray(total)
+        try:
+            n = os.preadv(fd, [raw], pos, _RWF_NOWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no RWF_NOWAIT here
+                return None
+            raise
+        if n != total:
+            # Part of it is not cached (or the file is short: ``read`` will say which).
+            return None
         n, crc = PACK_ENTRY.unpack_from(raw, 0)
         data = memoryview(raw)[PACK_ENTRY_SIZE:]
         if n != length or raw[8:40] != addr or _pack_crc(pack_id, pos, addr, data) != crc:
@@ -175,33 +211,86 @@ class ChunkStore:
     def put(self, data, pin=False):
         """Store ``data``; fires with its SHA-256 address once durable (idempotent)."""
         data = bytes(data)
+        return self._store.transact_raw(lambda raw: self.put_in(raw, data, pin), len(data) + 64)
 
-        def fn(raw):
-            addr = hashlib.sha256(data).digest()
-            existing = raw.get(index.CHUNKS, addr)
-            if existing is not None:
-                if pin:
-                    fields = list(CHUNK_VAL.unpack(existing))
-                    if not fields[4]:
-                        fields[4] = 1
-                        raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(*fields))
-                        raw.delete(index.CHUNKFREE, addr)
-                return addr
-            pack_id, pos, total = self._store.packs.append(addr, data)
-            prev = raw.get(index.SYS, index.CHUNK_SEQ)
-            seq = (U64.unpack(prev)[0] if prev else 0) + 1
-            added = now_ms()
-            raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
-            raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, 1 if pin else 0, added))
-            raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
-            live = raw.get(index.PACKS, U32.pack(pack_id))
-            raw.put(index.PACKS, U32.pack(pack_id), U64.pack((U64.unpack(live)[0] if live else 0) + total))
-            if not pin and raw.get(index.CHUNKREF, addr) is None:
-                raw.put(index.CHUNKFREE, addr, U64.pack(added))
-            raw.on_reactor.append(lambda: self._arrived(seq))
+    def put_in(self, raw, data, pin=False):
+        """Writer thread, inside ``raw``'s transaction: store ``data``, return its address."""
+        addr = hashlib.sha256(data).digest()
+        existing = raw.get(index.CHUNKS, addr)
+        if existing is not None:
+            if pin:
+                fields = list(CHUNK_VAL.unpack(existing))
+                if not fields[4]:
+                    fields[4] = 1
+                    raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(*fields))
+                    raw.delete(index.CHUNKFREE, addr)
             return addr
+        pack_id, pos, total = self._store.packs.append(addr, data)
+        prev = raw.get(index.SYS, index.CHUNK_SEQ)
+        seq = (U64.unpack(prev)[0] if prev else 0) + 1
+        added = now_ms()
+        raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
+        raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, 1 if pin else 0, added))
+        raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
+        live = raw.get(index.PACKS, U32.pack(pack_id))
+        raw.put(index.PACKS, U32.pack(pack_id), U64.pack((U64.unpack(live)[0] if live else 0) + total))
+        if not pin and raw.get(index.CHUNKREF, addr) is None:
+            raw.put(index.CHUNKFREE, addr, U64.pack(added))
+        raw.on_reactor.append(lambda: self._arrived(seq))
+        return addr
 
-        return self._store.transact_raw(fn, len(data) + 64)
+    def put_many(self, datas):
+        """Store several chunks in one store transaction (one index update and one WAL entry for
+        all of them); fires with their addresses, in order, once durable. A big batch is hashed
+        by the read pool first, so the writer thread (which every write waits on) does not."""
+        datas = [d if isinstance(d, (bytes, memoryview)) else bytes(d) for d in datas]
+        size = sum(len(d) for d in datas)
+        nbytes = size + 64 * len(datas)
+        if size < HASH_IN_POOL_BYTES:
+            return self._store.transact_raw(lambda raw: self.put_many_in(raw, datas), nbytes)
+        d = self._store.in_pool(_digests, datas)
+        d.addCallback(lambda addrs: self._store.transact_raw(lambda raw: self.put_many_in(raw, datas, addrs), nbytes))
+        return d
+
+    def put_many_in(self, raw, datas, addrs=None):
+        """Writer thread: ``put_in`` for several unpinned chunks, the sequence counter and the
+        packs' live bytes updated once. ``addrs``: their SHA-256, when already computed here."""
+        if addrs is None:
+            addrs = _digests(datas)
+        seq = first_seq = None
+        live = {}
+        added = now_ms()
+        packs = self._store.packs
+        for data, addr in zip(datas, addrs):
+            if raw.get(index.CHUNKS, addr) is not None:
+                continue
+            if seq is None:
+                prev = raw.get(index.SYS, index.CHUNK_SEQ)
+                seq = first_seq = U64.unpack(prev)[0] if prev else 0
+            seq += 1
+            pack_id, pos, total = packs.append(addr, data)
+            raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, 0, added))
+            raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
+            live[pack_id] = live.get(pack_id, 0) + total
+            if raw.get(index.CHUNKREF, addr) is None:
+                raw.put(index.CHUNKFREE, addr, U64.pack(added))
+        if seq is not None and seq != first_seq:
+            raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
+            for pack_id, n in live.items():
+                key = U32.pack(pack_id)
+                cur = raw.get(index.PACKS, key)
+                raw.put(index.PACKS, key, U64.pack((U64.unpack(cur)[0] if cur else 0) + n))
+            raw.on_reactor.append(lambda: self._arrived(seq))
+        return addrs
+
+    def get_in(self, raw, addr):
+        """Writer thread, inside ``raw``'s transaction (so chunks put earlier in the same group
+        are seen): chunk ``addr``'s bytes (CRC checked), or None if the store does not hold it."""
+        found = raw.get(index.CHUNKS, bytes(addr))
+        if found is None:
+            return None
+        pack_id, pos, size = CHUNK_VAL.unpack(found)[:3]
+        return self._store.packs.read(pack_id, pos, size, bytes(addr))
 
     def _arrived(self, seq):
         if seq > self._last_seq:
@@ -236,6 +325,17 @@ class ChunkStore:
             return bytes(data[offset:end])
 
         return self._store.in_pool(read)
+
+    def get_cached(self, addr):
+        """Chunk ``addr``'s bytes (CRC checked) read at once on the calling thread when its pack
+        pages are in the page cache, or None when reading would wait for the disk (use ``get``):
+        never blocks on I/O, so the reactor may call it. ChunkNotFound / DataCorrupted as ``get``."""
+        addr = bytes(addr)
+        found = self._lookup(addr) if len(addr) == 32 else None
+        if found is None:
+            raise errors.ChunkNotFound("no chunk %s" % addr.hex())
+        pack_id, pos, size = found[0], found[1], found[2]
+        return self._store.packs.read_cached(pack_id, pos, size, addr)
 
     def has(self, addr) -> bool:
         return self._lookup(bytes(addr)) is not None

@@ -20,10 +20,14 @@ import struct
 
 from twisted.internet import defer
 
+from storage import errors
+from storage.meta import COUNTERS
+
 ROOT_TABLE = "toasty.root"
 ENT_TABLE = "toasty.ent"
 CHK_TABLE = "toasty.chk"
 GEN_COUNTER = "toasty.gen"
+_GEN_COUNTER_KEY = GEN_COUNTER.encode()  # its key in meta's counters (Txn.next_id)
 ROOT_KEY = b"/"
 ROOT_INODE = 0
 ROOT_GEN = 1
@@ -94,16 +98,6 @@ class InvalidOperation(FsError):
         super().__init__(E_INVALID, detail)
 
 
-class _CheckTail(Exception):
-    """Raised inside a write transaction (which then writes nothing): check chunk ``addr``'s bytes
-    from ``keep`` on are zero, then run the transaction again."""
-
-    def __init__(self, addr, keep):
-        super().__init__()
-        self.addr = addr
-        self.keep = keep
-
-
 class Entity:
     __slots__ = ("inode", "gen", "is_dir", "chunk_size", "size")
 
@@ -156,6 +150,27 @@ class ReadResult:
         self.size = size
 
 
+class _BatchGenerations:
+    """The node-wide generation counter (``txn.next_id``'s record) for one batch transaction: read
+    once, counted here, written back once -- not a read and a write per operation."""
+
+    def __init__(self, txn):
+        self.txn = txn
+        self.first = self.value = None
+
+    def next(self) -> int:
+        if self.value is None:
+            self.first = self.value = self.txn.get(COUNTERS, _GEN_COUNTER_KEY) or 0
+        self.value += 1
+        while self.value in (NO_GENERATION, MISSING_GENERATION):  # CONTRACT §5: never 0 or 2^64-1
+            self.value += 1
+        return self.value
+
+    def store(self):
+        if self.value is not None and self.value != self.first:
+            self.txn.put(COUNTERS, _GEN_COUNTER_KEY, self.value)
+
+
 _ROOT_PLACEHOLDER = Entity([ROOT_INODE, ROOT_GEN, True, 0, 0])
 
 
@@ -172,6 +187,7 @@ class FileTree:
             from twisted.internet import reactor
         self._reactor = reactor
         self._batch = []
+        self._gens = None  # the running batch's generation counter (writer thread)
 
     # -- helpers run inside a meta txn ----------------------------------------------------------
 
@@ -187,8 +203,10 @@ class FileTree:
             txn.put(ROOT_TABLE, ROOT_KEY, value)
         return Entity(value)
 
-    @staticmethod
-    def _new_gen(txn) -> int:
+    def _new_gen(self, txn) -> int:
+        gens = self._gens
+        if gens is not None:  # inside a batch: its counter, written back once at its end
+            return gens.next()
         gen = txn.next_id(GEN_COUNTER)
         while gen in (NO_GENERATION, MISSING_GENERATION):  # CONTRACT §5: never 0 or 2^64-1
             gen = txn.next_id(GEN_COUNTER)
@@ -245,7 +263,7 @@ class FileTree:
             txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), [inode, gen, bool(is_dir), 0 if is_dir else chunk_size, 0])
             return gen
 
-        return self.meta.transact(fn)
+        return self._batched(fn)
 
     def delete(self, components, expect_gen: int):
         """-> Deferred[None]. DELETE of a missing path succeeds only with expect_gen 2^64-1."""
@@ -269,7 +287,7 @@ class FileTree:
             txn.delete(ENT_TABLE, _ent_key(parent.inode, components[-1]))
             return None
 
-        return self.meta.transact(fn)
+        return self._batched(fn)
 
     def _lookup_missing_ok(self, txn, components, expect_gen):
         try:
@@ -344,37 +362,16 @@ class FileTree:
             hashes = self._write_args(components, expect_gen, offset, length, hashes)
         except FsError:
             return defer.fail()
-        # CONTRACT §5: bytes past the end of file read as zeros if the file grows again, so the
-        # chunk that ends up holding the end of file must be zero past it. Ours are (clients pad
-        # with zeros); when the transaction meets a chunk it has not seen checked, it stops, the
-        # chunk is checked (and replaced by a zero-tailed copy if need be) and it runs again.
-        checked = {}  # chunk address -> address of its checked (zero-tailed) version
-        attempts = [0]
-
-        def attempt(_=None):
-            d = self._batched(lambda txn: self._write_txn(txn, components, expect_gen, flags, offset, length, hashes, checked))
-            d.addErrback(check_tail)
-            return d
-
-        def check_tail(failure):
-            failure.trap(_CheckTail)
-            attempts[0] += 1
-            if attempts[0] > 8:
-                raise BadGeneration("%s kept changing under the write" % _show(components))
-            need = failure.value
-            d = self._zero_tail(need.addr, need.keep)
-            d.addCallback(lambda fixed: checked.__setitem__(need.addr, fixed or need.addr))
-            d.addCallback(attempt)
-            return d
-
-        return attempt()
+        return self._batched(lambda txn: self._write_txn(txn, components, expect_gen, flags, offset, length, hashes))
 
     def _batched(self, fn):
-        """Run ``fn(txn)`` in the next shared write transaction: the WRITEs that arrive in one
-        reactor turn (from any connection, in arrival order) go to the store as one transaction,
-        so each costs one entry in it, not a transaction of its own. ``fn`` must raise FsError (or
-        _CheckTail) only before it changes anything -- _write_txn checks everything first --
-        so a refused write leaves no trace; any other exception aborts (and fails) the batch."""
+        """Run ``fn(txn)`` in the next shared mutation transaction: the CREATEs, DELETEs and WRITEs
+        that arrive in one reactor turn (from any connection) go to the store as one transaction,
+        so each costs one entry in it, not a transaction of its own. Every mutation goes this one
+        way and runs to its end inside it (no retry later), in the order asked for, so mutations
+        pipelined on one connection apply in arrival order. ``fn`` must raise FsError only before
+        it changes anything (every operation checks everything first), so a refused one leaves no
+        trace; any other exception aborts (and fails) the whole batch."""
         d = defer.Deferred()
         self._batch.append((fn, d))
         if len(self._batch) == 1:
@@ -385,12 +382,21 @@ class FileTree:
         batch, self._batch = self._batch, []
 
         def run(txn):
+            # The root is made before any entry runs, so no entry changes anything before its
+            # checks (CONTRACT §5: the root takes the counter's first value).
+            if not self._root_ready:
+                self._root(txn, create=True)
             results = []
-            for fn, _ in batch:
-                try:
-                    results.append((True, fn(txn)))
-                except (FsError, _CheckTail) as e:
-                    results.append((False, e))
+            self._gens = gens = _BatchGenerations(txn)
+            try:
+                for fn, _ in batch:
+                    try:
+                        results.append((True, fn(txn)))
+                    except FsError as e:
+                        results.append((False, e))
+            finally:
+                self._gens = None
+            gens.store()
             return results
 
         def done(results):
@@ -423,7 +429,7 @@ class FileTree:
                 raise InvalidOperation("the all-zero hash names no chunk")
         return hashes
 
-    def _write_txn(self, txn, components, expect_gen, flags, offset, length, hashes, checked):
+    def _write_txn(self, txn, components, expect_gen, flags, offset, length, hashes):
         parent, entity = self._lookup(txn, components, create_root=True)
         if entity is None:
             if expect_gen == MISSING_GENERATION and flags & CREATE_IF_MISSING:
@@ -446,26 +452,26 @@ class FileTree:
             raise FsError("Chunk not found", "the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
         end = offset + length
         size = end if flags & TRUNCATE_AFTER else max(entity.size, end)
-        # The chunk holding the new end of file, when the end moved and is not chunk-aligned.
-        tail_index = tail_hash = None
+        # CONTRACT §5: bytes past the end of file read as zeros if the file grows again, so the
+        # chunk that ends up holding the new end (when the end moved and is not chunk-aligned) must
+        # be zero past it. Clients pad with zeros; a chunk that is not gets a zero-tailed copy in
+        # this same transaction (read and stored by the store's writer thread, which runs it).
+        tail_index = tail_fixed = None
         if size % cs and size == end and (length or flags & TRUNCATE_AFTER):
             tail_index = (size - 1) // cs
+            tail_hash = None
             if length:
                 tail_hash = hashes[-1]
             elif entity.inode is not None:
                 value = txn.get(CHK_TABLE, _chk_key(entity.inode, tail_index))
                 tail_hash = bytes(value) if value is not None else None
             if tail_hash is not None:
-                if tail_hash not in checked:
-                    raise _CheckTail(tail_hash, size - tail_index * cs)
-                if checked[tail_hash] != tail_hash:
-                    if not txn.chunk_has(checked[tail_hash]):
-                        raise FsError("Chunk not found", "the zero-tailed copy vanished")
-                    tail_hash = checked[tail_hash]
-                else:
-                    tail_index = None
-            else:
-                tail_index = None
+                tail_fixed = self._zero_tailed(txn, tail_hash, size - tail_index * cs)
+        # Everything is checked: from here on the transaction changes things.
+        if tail_fixed is not None:
+            tail_hash = txn.chunk_put(tail_fixed)
+        else:
+            tail_index = None
         gen = self._new_gen(txn)
         if entity.inode is None:
             entity.inode = gen  # created by CREATE_IF_MISSING: the creation generation names it
@@ -477,7 +483,7 @@ class FileTree:
         released = []
         if new:
             txn.chunk_incref(new)
-        fresh = entity.size == 0 and entity.gen == 0  # created just now: no old chunks to release
+        fresh = entity.size == 0  # empty (new, or truncated to 0): it holds no chunk references
         for i, h in enumerate(new):
             key = _chk_key(inode, first + i)
             old = None if fresh else txn.get(CHK_TABLE, key)
@@ -502,16 +508,17 @@ class FileTree:
         txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), entity.value())
         return gen
 
-    @defer.inlineCallbacks
-    def _zero_tail(self, addr, keep):
-        """The address of a copy of chunk ``addr`` with bytes from ``keep`` on zeroed, or None if
-        they already are zero (or the chunk is not here: the transaction then refuses the write)."""
+    @staticmethod
+    def _zero_tailed(txn, addr, keep):
+        """Chunk ``addr`` with its bytes from ``keep`` on zeroed, or None if they already are zero.
+        Raises FsError (before the transaction changes anything) if it cannot be read."""
         try:
-            data = yield self.store.chunks.get(addr)
-        except Exception:
-            return None
+            data = txn.chunk_get(addr)
+        except errors.StoreError as e:  # DataCorrupted, or its pack is gone
+            raise FsError("I/O error", str(e))
+        if data is None:
+            raise FsError("Chunk not found", "the chunk store does not hold %s" % bytes(addr).hex())
         tail = data[keep:]
         if not tail or tail == bytes(len(tail)):
             return None
-        fixed = yield self.store.chunks.put(bytes(data[:keep]) + bytes(len(data) - keep))
-        return fixed
+        return b"".join((data[:keep], bytes(len(tail))))

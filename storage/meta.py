@@ -23,11 +23,19 @@ def _unpack(raw):
     return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
 
 
+_PREFIXES = {}
+
+
 def _prefix(table: str) -> bytes:
-    t = table.encode()
-    if b"\x00" in t:
-        raise errors.InvalidRequest("table names contain no NUL")
-    return t + b"\x00"
+    pfx = _PREFIXES.get(table)
+    if pfx is None:
+        t = table.encode()
+        if b"\x00" in t:
+            raise errors.InvalidRequest("table names contain no NUL")
+        pfx = t + b"\x00"
+        if len(_PREFIXES) < 1024:  # the few table names in use are cached
+            _PREFIXES[table] = pfx
+    return pfx
 
 
 class _ReadTxn:
@@ -93,7 +101,7 @@ class _ReadTxn:
     def _readonly(self, *a, **k):
         raise errors.InvalidRequest("read-only transaction")
 
-    put = delete = next_id = chunk_incref = chunk_decref = _readonly
+    put = delete = next_id = chunk_incref = chunk_decref = chunk_put = _readonly
 
 
 class Txn(_ReadTxn):
@@ -122,6 +130,14 @@ class Txn(_ReadTxn):
 
     def chunk_decref(self, addrs):
         ChunkStore._decref(self._raw, addrs)
+
+    def chunk_get(self, addr):
+        """The chunk's bytes (CRC checked; DataCorrupted if not), or None if it is not held."""
+        return self._raw.store.chunks.get_in(self._raw, addr)
+
+    def chunk_put(self, data) -> bytes:
+        """Store a chunk in this transaction (unreferenced until ``chunk_incref``); its address."""
+        return self._raw.store.chunks.put_in(self._raw, bytes(data))
 
 
 class Meta:

@@ -16,7 +16,7 @@ import struct
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IPushProducer, ISSLTransport
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -27,7 +27,8 @@ from storage import files
 
 MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
-READ_SIZE = 256 * 1024
+READ_SIZE = 1024 * 1024
+DIRECT_SEND_MIN = 32 * 1024  # replies this big go straight to the socket when nothing is queued
 _CREATE_CHUNK_HEAD = struct.Struct("<III")
 
 
@@ -60,8 +61,10 @@ class _ToastyServerProtocol(Protocol):
 
     def __init__(self, node):
         self.node = node
-        self._buf = bytearray()
+        self._buf = b""  # the received bytes being framed (immutable), from self._pos on
         self._pos = 0
+        self._more = []  # later reads, not framed yet
+        self._more_len = 0
         self._closed = False
         self._slots = deque()
         self._in_flight = 0
@@ -157,18 +160,68 @@ class _ToastyServerProtocol(Protocol):
     def dataReceived(self, data):
         if self._closed:
             return
-        self._buf += data
-        self._frames()
+        self._more.append(data)
+        self._more_len += len(data)
+        if not self._framing:
+            self._frames()
 
     def _frames(self):
         self._framing = True
         try:
-            self._frame_loop()
+            while True:
+                self._frame_loop()
+                if self._closed or self._in_paused or not self._advance():
+                    break
         finally:
             self._framing = False
+            if self._pos == len(self._buf):
+                self._buf, self._pos = b"", 0
+            self.frames_done()
+
+    def _advance(self):
+        """Move on to the next received bytes: the rest of the message cut at the end of the
+        current buffer is completed from the reads that followed (one copy of that one message;
+        nothing is copied before a message is complete, so a big one is not copied over and over),
+        and the rest of those reads is framed in place. False when no more can be framed yet."""
+        more = self._more
+        if not more:
+            return False
+        head = memoryview(self._buf)[self._pos :]
+        if not len(head):
+            self._buf, self._pos = more.pop(0), 0
+            self._more_len -= len(self._buf)
+            return True
+        have = len(head) + self._more_len
+        if len(head) < HEADER_LEN:  # the header itself is cut (rare): join what there is
+            self._buf, self._pos = b"".join([head] + more), 0
+            more.clear()
+            self._more_len = 0
+            return True
+        need = HEADER.unpack_from(head, 0)[2] - len(head)  # the header was checked when it came
+        if have - len(head) < need:
+            return False
+        parts = [head]
+        while need:
+            piece = more[0]
+            if len(piece) <= need:
+                parts.append(more.pop(0))
+                taken = len(piece)
+            else:
+                view = memoryview(piece)
+                parts.append(view[:need])
+                more[0] = view[need:]
+                taken = need
+            self._more_len -= taken
+            need -= taken
+        self._buf, self._pos = b"".join(parts), 0
+        return True
 
     def _frame_loop(self):
+        # ``self._buf`` is immutable (bytes or a view of them), so message data can be handed
+        # on as views of it without a copy.
         buf = self._buf
+        view = memoryview(buf)
+        pinned = len(buf)  # charged (once) to the first message that keeps a view of buf alive
         while not self._closed and not self._in_paused:
             avail = len(buf) - self._pos
             if avail < HEADER_LEN:
@@ -184,31 +237,33 @@ class _ToastyServerProtocol(Protocol):
             pos = self._pos
             self._pos += length
             msg = None
+            extra = 0
             if mtype == codec.CREATE_CHUNK and length >= HEADER_LEN + 12:
-                # The bulk message: slice its data straight out of the buffer (one copy).
+                # The bulk message: its data is a view of the received bytes (no copy). The view
+                # keeps the whole read alive until the chunk is stored, so the in-flight budget
+                # counts the read's size too (on the first such message of the read).
                 chunk_size, off, n = _CREATE_CHUNK_HEAD.unpack_from(buf, pos + HEADER_LEN)
                 if n == length - HEADER_LEN - 12:
-                    with memoryview(buf) as view:
-                        msg = codec.CreateChunk(chunk_size, off, view[pos + HEADER_LEN + 12 : pos + length].tobytes())
+                    msg = codec.CreateChunk(chunk_size, off, view[pos + HEADER_LEN + 12 : pos + length])
+                    extra, pinned = pinned, 0
             if msg is None:
-                with memoryview(buf) as view:
-                    body = view[pos + HEADER_LEN : pos + length].tobytes()
+                body = view[pos + HEADER_LEN : pos + length].tobytes()
                 try:
                     msg = codec.decode_request(mtype, body)
                 except codec.CodecError as e:
                     self._drop(str(e))
                     return
-            self._start(msg, self.cost(msg, length))
-        if self._pos and not self._closed:
-            del buf[: self._pos]
-            self._pos = 0
+            self._start(msg, self.cost(msg, length) + extra)
 
     # -- ordered replies ----------------------------------------------------------------------
 
-    def _start(self, msg, size):
+    def _count(self, mtype):
         metrics = self.node.metrics
-        key = _METRIC_NAMES[msg.TYPE]
+        key = _METRIC_NAMES[mtype]
         metrics[key] = metrics.get(key, 0) + 1
+
+    def _start(self, msg, size):
+        self._count(msg.TYPE)
         slot = _Slot()
         self._slots.append(slot)
         self._in_flight += 1
@@ -231,15 +286,69 @@ class _ToastyServerProtocol(Protocol):
         return self.error_reply(msg, "I/O error")
 
     def _finish(self, reply, slot, size):
+        if self._ready(reply, slot, size):
+            self._flush_ready()
+
+    def _ready(self, reply, slot, size):
+        """Fill a request's slot with its reply (written by _flush_ready); False once closed."""
         self._in_flight -= 1
         self._in_flight_bytes -= size
         if self._closed:
-            return
-        slot.data = codec.encode(reply)
+            return False
+        slot.data = codec.encode_parts(reply)
         slot.ready = True
-        while self._slots and self._slots[0].ready:
-            self.transport.write(self._slots.popleft().data)
+        return True
+
+    def _flush_ready(self):
+        """Write the replies at the head of the queue that are ready, small ones in one write."""
+        small = []
+        slots = self._slots
+        while slots and slots[0].ready:
+            parts = slots.popleft().data
+            if len(parts) > 1 and sum(len(p) for p in parts) >= DIRECT_SEND_MIN:
+                if small:
+                    self.transport.write(b"".join(small))
+                    small = []
+                self._send(parts)
+            else:
+                small.extend(parts)
+        if small:
+            self.transport.write(b"".join(small))
         self._update_reading()
+
+    def _direct_socket(self):
+        """The socket, when the transport holds no unsent bytes (so writing to it directly keeps
+        the reply order); None otherwise, or for transports that are not a plain TCP socket."""
+        tr = self.transport
+        sock = getattr(tr, "socket", None)
+        if sock is None or getattr(tr, "TLS", False) or ISSLTransport.providedBy(tr):
+            return None  # TLS: the bytes must go through the transport's encryption
+        if getattr(tr, "_tempDataLen", 1) or getattr(tr, "offset", 1) != len(getattr(tr, "dataBuffer", b"x")):
+            return None
+        if not tr.connected or tr.disconnecting:
+            return None
+        return sock
+
+    def _send(self, parts):
+        """Write one reply (a list of buffers). A big one goes straight to the socket with one
+        sendmsg (no copy into the transport's buffer, no wait for the next reactor turn) when
+        nothing is queued before it; what the socket does not take is queued behind."""
+        nbytes = sum(len(p) for p in parts)
+        sock = self._direct_socket() if nbytes >= DIRECT_SEND_MIN and len(parts) <= 64 else None
+        if sock is None:
+            self.transport.write(b"".join(parts))  # Twisted takes bytes only
+            return
+        try:
+            sent = sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            sent = 0  # the transport notices the broken connection on its own
+        if sent < nbytes:
+            self.transport.write(b"".join(parts)[sent:])
+
+    def frames_done(self):
+        """Called after each pass over the received bytes (subclasses flush batches here)."""
 
     # -- subclass API -------------------------------------------------------------------------
 
@@ -402,6 +511,10 @@ def build_meta_factory(node):
 class ChunkServerProtocol(_ToastyServerProtocol):
     allowed = codec.CHUNK_REQUESTS
 
+    def __init__(self, node):
+        super().__init__(node)
+        self._puts = []  # CREATE_CHUNK / UPLOAD_CHUNK data of this pass: [(data, Deferred)]
+
     def cost(self, msg, length):
         # A CREATE_CHUNK builds a chunk_size chunk; a patch or a download loads a stored chunk
         # (its size unknown until then: counted as 1 MiB) -- so a peer cannot make us hold
@@ -413,8 +526,90 @@ class ChunkServerProtocol(_ToastyServerProtocol):
     def error_reply(self, msg, text):
         return codec.ErrorReply(_ERROR_TYPE[msg.TYPE], text)
 
-    def handle(self, msg):
+    def _start(self, msg, size):
+        t = msg.TYPE
+        # A whole-chunk download with no reply queued ahead of it and an empty send buffer is
+        # answered at once: the chunk is read from the page cache (never waiting for the disk)
+        # and its reply goes straight to the socket -- no thread hop, no Deferred, no slot.
+        if t == codec.DOWNLOAD_CHUNK and msg.full and not self._slots and self._direct_socket() is not None:
+            try:
+                data = self.node.store.chunks.get_cached(msg.hash)
+            except Exception:
+                data = None  # the ordinary path answers errors
+            if data is not None:
+                self._count(t)
+                self._send(codec.encode_parts(codec.DownloadChunkSuccess(data)))
+                return
+        # A CREATE_CHUNK joins this pass's batch of chunks to store; its reply is written when
+        # the batch is stored (no Deferred per chunk).
+        if t == codec.CREATE_CHUNK:
+            chunk_size, off, n = msg.chunk_size, msg.offset, len(msg.data)
+            if 0 < chunk_size <= files.MAX_CHUNK_SIZE and off + n <= chunk_size:
+                self._count(t)
+                slot = _Slot()
+                self._slots.append(slot)
+                self._in_flight += 1
+                self._in_flight_bytes += size
+                self._update_reading()
+                if off == 0 and n == chunk_size:
+                    data = msg.data
+                else:
+                    data = b"".join((bytes(off), msg.data, bytes(chunk_size - off - n)))
+                self._puts.append((data, (slot, size, msg)))
+                return
+        super()._start(msg, size)
+
+    def _load(self, addr):
+        """Deferred[chunk bytes]: from the page cache at once when it is there, else read by the
+        store's thread pool."""
         chunks = self.node.store.chunks
+        try:
+            data = chunks.get_cached(addr)
+        except Exception:
+            return defer.fail()
+        if data is not None:
+            return defer.succeed(data)
+        return chunks.get(addr)
+
+    def _put(self, data):
+        """Deferred[address]: chunks to store from one pass over the received bytes go to the
+        store together (one transaction, see frames_done)."""
+        d = defer.Deferred()
+        self._puts.append((data, d))
+        if not self._framing:
+            self.frames_done()
+        return d
+
+    def frames_done(self):
+        if not self._puts:
+            return
+        puts, self._puts = self._puts, []
+
+        def stored(addrs):
+            flush = False
+            for (_, target), addr in zip(puts, addrs):
+                if isinstance(target, defer.Deferred):
+                    target.callback(addr)
+                else:
+                    slot, size, _ = target
+                    flush = self._ready(codec.CreateChunkSuccess(addr), slot, size)
+            if flush:
+                self._flush_ready()  # the batch's replies in one write
+
+        def failed(failure):
+            flush = False
+            for _, target in puts:
+                if isinstance(target, defer.Deferred):
+                    target.errback(failure)
+                else:
+                    slot, size, msg = target
+                    flush = self._ready(self._internal_error(failure, msg), slot, size)
+            if flush:
+                self._flush_ready()
+
+        self.node.store.chunks.put_many([data for data, _ in puts]).addCallbacks(stored, failed)
+
+    def handle(self, msg):
         t = msg.TYPE
         if t == codec.CREATE_CHUNK:
             size, off, n = msg.chunk_size, msg.offset, len(msg.data)
@@ -424,13 +619,13 @@ class ChunkServerProtocol(_ToastyServerProtocol):
                 data = msg.data
             else:
                 data = b"".join((bytes(off), msg.data, bytes(size - off - n)))
-            d = chunks.put(data)
+            d = self._put(data)
             d.addCallback(codec.CreateChunkSuccess)
         elif t == codec.UPLOAD_CHUNK:
-            d = chunks.get(msg.hash)
+            d = self._load(msg.hash)
             d.addCallback(self._patch, msg)
         else:
-            d = chunks.get(msg.hash)
+            d = self._load(msg.hash)
             d.addCallback(self._download, msg)
         d.addErrback(self._chunk_error, msg)
         return d
@@ -440,7 +635,7 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         if off + n > len(data):
             return self.error_reply(msg, "Invalid range")
         patched = b"".join((data[:off], msg.data, data[off + n :]))
-        d = self.node.store.chunks.put(patched)
+        d = self._put(patched)
         d.addCallback(codec.UploadChunkSuccess)
         return d
 
