@@ -18,13 +18,14 @@ a waiting read waits too, so a pipelined ``SET k; GET k`` always sees its own wr
 import struct
 from collections import deque
 
-from twisted.internet import defer, tcp
+from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from protocols.direct_send import send_now
 from protocols.partition import codec
 from protocols.partition.codec import (
     CREATE_CURSOR,
@@ -102,36 +103,6 @@ def _key_key(e):
 
 def _key_size(e):
     return len(e) + 2
-
-
-def send_now(transport, data):
-    """Write ``data`` now: straight to the socket when the transport is a plain TCP connection
-    with nothing buffered, else (or for what the kernel does not take) through
-    ``transport.write``, so order and backpressure stay Twisted's.
-
-    ``transport.write`` only buffers: the bytes leave on the reactor's next pass, after an
-    epoll_ctl to watch for writability and before another to stop watching. For a pipelined
-    client that is two system calls and a reactor pass per batch of replies, more than the
-    ``send`` itself."""
-    if (
-        transport.__class__ is not tcp.Server
-        or transport.dataBuffer
-        or transport._tempDataBuffer
-        or transport.TLS
-        or not transport.connected
-        or transport.disconnecting
-        or transport._writeDisconnected
-    ):
-        transport.write(data)
-        return
-    try:
-        n = transport.socket.send(data)
-    except BlockingIOError:
-        n = 0
-    except OSError:
-        n = 0  # a broken connection: transport.write's own send finds and reports it
-    if n < len(data):
-        transport.write(data[n:] if n else data)
 
 
 def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=None, descending=False):

@@ -16,11 +16,12 @@ import struct
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer, ISSLTransport
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from protocols.direct_send import idle_socket, send_parts_now
 from protocols.toasty import codec, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
 from storage import files
@@ -316,36 +317,14 @@ class _ToastyServerProtocol(Protocol):
             self.transport.write(b"".join(small))
         self._update_reading()
 
-    def _direct_socket(self):
-        """The socket, when the transport holds no unsent bytes (so writing to it directly keeps
-        the reply order); None otherwise, or for transports that are not a plain TCP socket."""
-        tr = self.transport
-        sock = getattr(tr, "socket", None)
-        if sock is None or getattr(tr, "TLS", False) or ISSLTransport.providedBy(tr):
-            return None  # TLS: the bytes must go through the transport's encryption
-        if getattr(tr, "_tempDataLen", 1) or getattr(tr, "offset", 1) != len(getattr(tr, "dataBuffer", b"x")):
-            return None
-        if not tr.connected or tr.disconnecting:
-            return None
-        return sock
-
     def _send(self, parts):
-        """Write one reply (a list of buffers). A big one goes straight to the socket with one
-        sendmsg (no copy into the transport's buffer, no wait for the next reactor turn) when
-        nothing is queued before it; what the socket does not take is queued behind."""
-        nbytes = sum(len(p) for p in parts)
-        sock = self._direct_socket() if nbytes >= DIRECT_SEND_MIN and len(parts) <= 64 else None
-        if sock is None:
+        """Write one reply (a list of buffers): a big one of few parts goes straight to the socket
+        with one sendmsg (no copy into the transport's buffer, no wait for the next reactor turn)
+        when nothing is queued before it; what the socket does not take is queued behind."""
+        if len(parts) <= 64 and sum(len(p) for p in parts) >= DIRECT_SEND_MIN:
+            send_parts_now(self.transport, parts)
+        else:
             self.transport.write(b"".join(parts))  # Twisted takes bytes only
-            return
-        try:
-            sent = sock.sendmsg(parts)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            sent = 0  # the transport notices the broken connection on its own
-        if sent < nbytes:
-            self.transport.write(b"".join(parts)[sent:])
 
     def frames_done(self):
         """Called after each pass over the received bytes (subclasses flush batches here)."""
@@ -531,7 +510,7 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         # A whole-chunk download with no reply queued ahead of it and an empty send buffer is
         # answered at once: the chunk is read from the page cache (never waiting for the disk)
         # and its reply goes straight to the socket -- no thread hop, no Deferred, no slot.
-        if t == codec.DOWNLOAD_CHUNK and msg.full and not self._slots and self._direct_socket() is not None:
+        if t == codec.DOWNLOAD_CHUNK and msg.full and not self._slots and idle_socket(self.transport) is not None:
             try:
                 data = self.node.store.chunks.get_cached(msg.hash)
             except Exception:

@@ -1,0 +1,62 @@
+"""Replies written straight to a plain TCP socket when Twisted holds none of the connection's bytes.
+
+``transport.write`` only buffers: the bytes leave on the reactor's next pass, after an epoll_ctl to
+watch for writability and before another to stop watching. For a pipelined client that is two
+system calls and a reactor pass per batch of replies, more than the ``send`` itself, and a big
+reply is copied into the transport's buffer first. When nothing of the connection is buffered, a
+send on the socket itself keeps the byte order, and whatever the kernel does not take is queued
+behind through ``transport.write``, so ordering and backpressure stay Twisted's.
+
+This reads ``twisted.internet.abstract.FileDescriptor``'s buffer attributes (``dataBuffer``,
+``offset``, ``_tempDataLen``; Twisted is pinned in setup.cfg). Any other transport, TLS included
+(its bytes must go through the encryption), takes the plain ``transport.write`` path.
+"""
+
+from twisted.internet import tcp
+
+
+def idle_socket(transport):
+    """The transport's socket when it is a plain TCP or UNIX connection, open, not TLS, holding no
+    unsent bytes; None otherwise."""
+    if (
+        not isinstance(transport, tcp.Connection)
+        or transport.TLS
+        or transport._tempDataLen
+        or transport.offset != len(transport.dataBuffer)
+        or not transport.connected
+        or transport.disconnecting
+        or transport._writeDisconnected
+    ):
+        return None
+    return transport.socket
+
+
+def send_now(transport, data):
+    """Write ``data`` (bytes-like) now: straight to the socket when :func:`idle_socket` allows,
+    the rest (or all of it) through ``transport.write``."""
+    sock = idle_socket(transport)
+    if sock is None:
+        transport.write(data)
+        return
+    try:
+        sent = sock.send(data)
+    except OSError:  # BlockingIOError, or a broken connection that transport.write will report
+        sent = 0
+    if sent < len(data):
+        transport.write(bytes(data[sent:]) if sent else data)
+
+
+def send_parts_now(transport, parts):
+    """Write a reply made of several buffers (at most the kernel's IOV_MAX, 1024 on Linux) with one
+    ``sendmsg`` when :func:`idle_socket` allows (no join, no copy into Twisted's buffer); the rest
+    (or all of it, joined) through ``transport.write``, which takes bytes only."""
+    sock = idle_socket(transport)
+    if sock is None:
+        transport.write(b"".join(parts))
+        return
+    try:
+        sent = sock.sendmsg(parts)
+    except OSError:
+        sent = 0
+    if sent < sum(len(p) for p in parts):
+        transport.write(b"".join(parts)[sent:])
