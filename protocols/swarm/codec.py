@@ -254,8 +254,9 @@ def _msgpack_bin_header(n: int) -> bytes:
     raise CodecError("bin of %d bytes is too long for msgpack" % n)
 
 
-def encode_chunk_delivery(ruid: int, last_index: int, chunks) -> bytes:
-    """The whole ChunkDelivery frame (length prefix included) for ``[(addr, data), ...]``."""
+def chunk_delivery_parts(ruid: int, last_index: int, chunks) -> list:
+    """The whole ChunkDelivery frame (length prefix included) for ``[(addr, data), ...]`` as a
+    list of byte strings to write in order (the chunks' data are not copied)."""
     parts = [b"", b"\x94\x04", _msgpack_uint(ruid), _msgpack_uint(last_index), _msgpack_array_header(len(chunks))]
     add = parts.append
     bin_header = _msgpack_bin_header
@@ -271,7 +272,12 @@ def encode_chunk_delivery(ruid: int, last_index: int, chunks) -> bytes:
     if size > MAX_FRAME:
         raise CodecError("message of %d bytes exceeds the 16 MiB frame limit" % size)
     parts[0] = _LENGTH.pack(size)
-    return b"".join(parts)
+    return parts
+
+
+def encode_chunk_delivery(ruid: int, last_index: int, chunks) -> bytes:
+    """The whole ChunkDelivery frame (length prefix included) for ``[(addr, data), ...]``."""
+    return b"".join(chunk_delivery_parts(ruid, last_index, chunks))
 
 
 def chunk_delivery_overhead(n_chunks: int) -> int:
@@ -398,42 +404,59 @@ def decode_body(body) -> object:
 
 
 class FrameReader:
-    """Splits a byte stream into message bodies: a bytearray with a read offset (no quadratic
-    copying), the declared length checked against MAX_FRAME before the body is buffered."""
+    """Splits a byte stream into message bodies. A body that arrives whole within one read is
+    copied out of it once; a body spread over reads is kept as views of those reads and joined
+    once when complete (no growing buffer, no quadratic copying). The declared length is checked
+    against MAX_FRAME before any of the body is buffered."""
 
     def __init__(self, max_frame: int = MAX_FRAME):
         self.max_frame = max_frame
-        self._buf = bytearray()
-        self._pos = 0
+        self._head = b""  # an incomplete length prefix
+        self._need = None  # length of the body being collected, or None
+        self._parts = []  # its pieces so far (views of the reads)
+        self._have = 0
+
+    def _length(self, length: int) -> int:
+        if length > self.max_frame:
+            raise FrameTooLarge("declared frame length %d exceeds %d" % (length, self.max_frame))
+        return length
 
     def feed(self, data: bytes) -> List[bytes]:
         """Add bytes; return the complete bodies now available. FrameTooLarge if a declared length
         is above the limit (the caller closes the connection)."""
-        self._buf += data
         out = []
-        buf = self._buf
-        pos = self._pos
-        end = len(buf)
-        while end - pos >= 4:
-            (length,) = _LENGTH.unpack_from(buf, pos)
-            if length > self.max_frame:
-                raise FrameTooLarge("declared frame length %d exceeds %d" % (length, self.max_frame))
-            if end - pos - 4 < length:
-                break
-            out.append(bytes(memoryview(buf)[pos + 4 : pos + 4 + length]))  # one copy, not two
-            pos += 4 + length
-        if pos:
-            if pos == end:
-                buf.clear()
-                pos = 0
-            elif pos > 1 << 20:
-                del buf[:pos]
-                pos = 0
-        self._pos = pos
+        view = memoryview(data)
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._need is None:
+                if self._head or end - pos < 4:
+                    take = min(4 - len(self._head), end - pos)
+                    self._head += bytes(view[pos : pos + take])
+                    pos += take
+                    if len(self._head) < 4:
+                        break
+                    (length,) = _LENGTH.unpack(self._head)
+                    self._head = b""
+                else:
+                    (length,) = _LENGTH.unpack_from(view, pos)
+                    pos += 4
+                length = self._length(length)
+                if end - pos >= length:  # the whole body is in this read
+                    out.append(bytes(view[pos : pos + length]))
+                    pos += length
+                    continue
+                self._need, self._parts, self._have = length, [], 0
+            take = min(self._need - self._have, end - pos)
+            self._parts.append(view[pos : pos + take])
+            self._have += take
+            pos += take
+            if self._have == self._need:
+                out.append(b"".join(self._parts))
+                self._need, self._parts, self._have = None, [], 0
         return out
 
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        return len(self._head) + self._have
 
 
 # ---------------------------------------------------------------------------------------------

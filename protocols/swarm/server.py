@@ -188,18 +188,32 @@ class LogSource:
 
     @defer.inlineCallbacks
     def fetch(self, items):
-        results = yield defer.DeferredList([self.store.log.read(self.sid, item.locator, 1) for item in items], consumeErrors=True)
+        # one store read for the group from its first batch (its batches usually follow each
+        # other); whatever that read did not return is read alone
+        budget = sum(item.length or 1 for item in items)
+        try:
+            got = yield self.store.log.read(self.sid, items[0].locator, max(budget, 1))
+        except Exception:
+            got = []
+        by_base = {int.from_bytes(b[1:9], "big", signed=True): b for b in got}
         out = []
-        for item, (ok, got) in zip(items, results):
-            if not ok:
-                out.append((item, None, got.value))
-                continue
-            data = got[0] if got else None
-            if data is None or int.from_bytes(data[1:9], "big", signed=True) != item.locator:
-                out.append((item, None, LookupError("batch at %d vanished" % item.locator)))
-                continue
-            digest = hashlib.sha256(data).digest()
-            self._remember(item.locator, len(data), digest)
+        for item in items:
+            data = by_base.get(item.locator)
+            if data is None:
+                try:
+                    alone = yield self.store.log.read(self.sid, item.locator, 1)
+                except Exception as e:
+                    out.append((item, None, e))
+                    continue
+                data = alone[0] if alone else None
+                if data is None or int.from_bytes(data[1:9], "big", signed=True) != item.locator:
+                    out.append((item, None, LookupError("batch at %d vanished" % item.locator)))
+                    continue
+            digest = item.hash
+            if digest is None or len(data) != item.length:
+                # no offer (roundtrip off) or not the batch that was offered: hash what is sent
+                digest = hashlib.sha256(data).digest()
+                self._remember(item.locator, len(data), digest)
             out.append((item, digest, data))
         return out
 
@@ -320,6 +334,11 @@ class SwarmServerProtocol(Protocol):
     def send(self, msg):
         if not self.dead:
             self.transport.write(codec.encode(msg))
+
+    def send_delivery(self, ruid, last_index, chunks):
+        # the frame's pieces go to the transport as they are: its buffer join is their one copy
+        if not self.dead:
+            self.transport.writeSequence(codec.chunk_delivery_parts(ruid, last_index, chunks))
 
     # -- IPushProducer (write backpressure for big deliveries) --------------------------------------
 
@@ -533,7 +552,7 @@ class SwarmServerProtocol(Protocol):
                     continue
                 size = len(data) + codec.HASH_SIZE + 16
                 if frame and (frame_bytes + size > FRAME_BYTES or len(frame) >= FRAME_ITEMS):
-                    self.send(ChunkDelivery(batch.req.ruid, frame_last, frame))
+                    self.send_delivery(batch.req.ruid, frame_last, frame)
                     frame, frame_bytes = [], 0
                 frame.append((digest, data))
                 frame_bytes += size
@@ -542,7 +561,7 @@ class SwarmServerProtocol(Protocol):
                 stats["bytes"] += len(data)
             if frame:
                 # a frame per read group, so the peer verifies and stores while we read on
-                self.send(ChunkDelivery(batch.req.ruid, frame_last, frame))
+                self.send_delivery(batch.req.ruid, frame_last, frame)
                 frame, frame_bytes = [], 0
             yield self._writable()
             if batch.closed or self.dead:
