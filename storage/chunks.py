@@ -276,12 +276,14 @@ class ChunkStore:
 
         def fn(raw):
             out = given if given is not None else [hashlib.sha256(d).digest() for d in datas]
+            chunks_db = raw.dbs[index.CHUNKS]
+            lookup = raw.txn.get
             fresh, seen = [], set()
             for addr, data in zip(out, datas):
                 if addr in seen:
                     continue
                 seen.add(addr)
-                existing = raw.get(index.CHUNKS, addr)
+                existing = lookup(addr, db=chunks_db)
                 if existing is None:
                     fresh.append((addr, data))
                 elif pin:
@@ -294,18 +296,28 @@ class ChunkStore:
                 return out
             placed = self._store.packs.append_many(fresh)
             prev = raw.get(index.SYS, index.CHUNK_SEQ)
-            seq = U64.unpack(prev)[0] if prev else 0
+            first = (U64.unpack(prev)[0] if prev else 0) + 1
             added = now_ms()
             pinned = 1 if pin else 0
-            live = {}
-            for (addr, data), (pack_id, pos, total) in zip(fresh, placed):
-                seq += 1
-                raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, pinned, added))
-                raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
-                live[pack_id] = live.get(pack_id, 0) + total
-                if not pin and raw.get(index.CHUNKREF, addr) is None:
-                    raw.put(index.CHUNKFREE, addr, U64.pack(added))
+            pack_val = CHUNK_VAL.pack
+            rows = [(addr, pack_val(pack_id, pos, len(data), seq, pinned, added))
+                    for seq, ((addr, data), (pack_id, pos, total)) in enumerate(zip(fresh, placed), first)]
+            seqs = [(U64.pack(seq), addr) for seq, (addr, _) in enumerate(fresh, first)]
+            # one C call per table for the whole batch, recorded for the WAL exactly as
+            # RawTxn.put records each write
+            raw.txn.cursor(db=chunks_db).putmulti(rows)
+            raw.txn.cursor(db=raw.dbs[index.CHUNKSEQ]).putmulti(seqs)
+            raw.ops.extend([index.OP_PUT, index.CHUNKS, k, v] for k, v in rows)
+            raw.ops.extend([index.OP_PUT, index.CHUNKSEQ, k, v] for k, v in seqs)
+            seq = first + len(fresh) - 1
+            if not pin:
+                for addr, _ in fresh:
+                    if raw.get(index.CHUNKREF, addr) is None:
+                        raw.put(index.CHUNKFREE, addr, U64.pack(added))
             raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
+            live = {}
+            for pack_id, _, total in placed:
+                live[pack_id] = live.get(pack_id, 0) + total
             for pack_id, n in live.items():
                 key = U32.pack(pack_id)
                 cur = raw.get(index.PACKS, key)
