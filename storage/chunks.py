@@ -307,8 +307,8 @@ class ChunkStore:
             # RawTxn.put records each write
             raw.txn.cursor(db=chunks_db).putmulti(rows)
             raw.txn.cursor(db=raw.dbs[index.CHUNKSEQ]).putmulti(seqs)
-            raw.ops.extend([index.OP_PUT, index.CHUNKS, k, v] for k, v in rows)
-            raw.ops.extend([index.OP_PUT, index.CHUNKSEQ, k, v] for k, v in seqs)
+            raw.ops.extend((index.OP_PUT, index.CHUNKS, k, v) for k, v in rows)
+            raw.ops.extend((index.OP_PUT, index.CHUNKSEQ, k, v) for k, v in seqs)
             seq = first + len(fresh) - 1
             if not pin:
                 for addr, _ in fresh:
