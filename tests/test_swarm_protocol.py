@@ -137,6 +137,24 @@ def test_first_group_read_with_the_offer_and_partial_wants(node, srv):
     assert [c for m in msgs[:-1] for c in m.chunks] == [(addrs[299], node.store.chunks.data[addrs[299]])]
 
 
+def test_one_offer_read_ahead_per_connection(node, srv):
+    """Offers open on several streams hold at most one read-ahead group between them."""
+    addrs = put_chunks(node, 3)
+    sid = node.store.log.create_stream().result.stream_id
+    for i in range(3):
+        node.store.log.append(sid, make_batch(i))
+    srv.feed(GetRange(1, C, 1, 3, 10, True), GetRange(2, codec.log_id(sid), 1, 3, 10, True))
+    offers = srv.out()
+    assert [type(m) for m in offers] == [OfferedHashes, OfferedHashes]
+    proto = srv.proto
+    assert [b.prefetch is not None for b in (proto.offers[1], proto.offers[2])] == [True, False]
+    srv.feed(WantedHashes(2, codec.bitvector_encode([True] * 3)), WantedHashes(1, codec.bitvector_encode([True] * 3)))
+    msgs = srv.out()
+    assert BatchDone(1, 3) in msgs and BatchDone(2, 3) in msgs
+    assert [a for m in msgs if isinstance(m, ChunkDelivery) and m.ruid == 1 for a, _ in m.chunks] == addrs
+    assert len([c for m in msgs if isinstance(m, ChunkDelivery) and m.ruid == 2 for c in m.chunks]) == 3
+
+
 def test_unreadable_chunk_skipped(node, srv):
     addrs = put_chunks(node, 3)
     get_many = node.store.chunks.get_many

@@ -471,8 +471,11 @@ class SwarmServerProtocol(Protocol):
             self.send(OfferedHashes(req.ruid, batch.last, b"".join(i.hash for i in items)))
             # Read the first group while the offer and its answer cross the wire: a peer that
             # is catching up wants all of it, and the first frame then leaves without a store hop.
-            first = next(_groups(items))
-            batch.prefetch = (len(first), batch.source.fetch(first))
+            # One such read per connection at a time, so offers on many streams hold no more
+            # than one group's bytes between them.
+            if not any(b.prefetch is not None for b in self.offers.values()):
+                first = next(_groups(items))
+                batch.prefetch = (len(first), batch.source.fetch(first))
             return
         yield self._deliver(batch, items)
 
