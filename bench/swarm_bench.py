@@ -132,6 +132,16 @@ def wait_synced(port, want_chunks, want_logs, timeout=300.0):
             time.sleep(0.005)
 
 
+def proc_cpu(pid):
+    """User + system CPU seconds a live process has used so far (/proc/PID/stat)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_case(base, label, chunks=0, streams=0, batches=0, records=1, body=100, fsync="never"):
     from protocols.swarm import codec
     from protocols.swarm.client import BlockingSwarmClient
@@ -154,10 +164,14 @@ def run_case(base, label, chunks=0, streams=0, batches=0, records=1, body=100, f
         want_logs = {k.key: v for k, v in info.items() if k.name == codec.LOG}
         total_bytes = chunks * 4096 + summary.get("log_bytes", 0)
         b = NodeProcess(a_dir, name="b", node_id=102, fsync=fsync, peer=a.peer_endpoint(), **off)
+        a_cpu0 = proc_cpu(a.proc.pid)
         t0 = time.monotonic()
         b.start()
         t_ready = time.monotonic()
+        b_cpu_ready = proc_cpu(b.proc.pid)
         t_done = wait_synced(b.ports["swarm"], want_chunks, want_logs)
+        a_cpu = proc_cpu(a.proc.pid) - a_cpu0
+        b_cpu = proc_cpu(b.proc.pid)
         e2e = t_done - t0
         sync = t_done - t_ready
         return {
@@ -167,11 +181,27 @@ def run_case(base, label, chunks=0, streams=0, batches=0, records=1, body=100, f
             "end_to_end_s": e2e,
             "sync_s": sync,
             "b_start_s": t_ready - t0,
+            # CPU seconds (less noisy than wall clock on a shared machine): A while serving, B in
+            # all (start-up included) and B's start-up alone (until its ready file)
+            "a_cpu_s": a_cpu,
+            "b_cpu_s": b_cpu,
+            "b_start_cpu_s": b_cpu_ready,
         }
     finally:
         if b is not None:
             b.terminate()
         a.terminate()
+
+
+def compile_repo():
+    """Byte-compile the repo's packages, untimed, as installing them does (pip writes .pyc files).
+    The nodes run from the source tree, and where PYTHONDONTWRITEBYTECODE is set (as on the team's
+    machine) they would otherwise compile every module from source at each start: ~50-90 ms of
+    B's start-up that no installed node pays. Python checks each .pyc against its source."""
+    import compileall
+
+    for pkg in ("node", "storage", "protocols", os.path.join("twisted", "plugins")):
+        compileall.compile_dir(os.path.join(REPO, pkg), quiet=1)
 
 
 def main(argv=None):
@@ -185,7 +215,11 @@ def main(argv=None):
     p.add_argument("--fsync", default="never", help="both nodes' --fsync policy (default never)")
     p.add_argument("--runs", type=int, default=3, help="repeat each case; report the median (default 3)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    p.add_argument("--no-compile", action="store_true", help="do not byte-compile the repo first (nodes then compile from source at start-up when PYTHONDONTWRITEBYTECODE is set)")
     a = p.parse_args(argv)
+    if not a.no_compile:
+        compile_repo()
+    print("repo byte-compiled first: %s; PYTHONDONTWRITEBYTECODE=%s" % (not a.no_compile, os.environ.get("PYTHONDONTWRITEBYTECODE", "")))
     base = tempfile.mkdtemp(prefix="swarm-bench-")
     try:
         results = []
@@ -219,7 +253,12 @@ def report(runs, items, unit):
         out[key + "_best"] = best
         print("  %s: median %.3f s = %.0f %s/s, %.1f MB/s   (best %.3f s, all %s)" % (
             text, med, items / med, unit, nbytes / med / 1e6, best, " ".join("%.3f" % t for t in times)))
-    print("  (B's own start-up, median: %.3f s)" % sorted(r["b_start_s"] for r in runs)[len(runs) // 2])
+    def median(key):
+        return sorted(r[key] for r in runs)[len(runs) // 2]
+
+    print("  (B's own start-up, median: %.3f s)" % median("b_start_s"))
+    print("  CPU, median: node A serving %.3f s; node B %.3f s in all, of which start-up %.3f s" % (
+        median("a_cpu_s"), median("b_cpu_s"), median("b_start_cpu_s")))
     return out
 
 

@@ -154,8 +154,8 @@ class NodeService(service.MultiService):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(ready, f)
-            f.flush()
-            os.fsync(f.fileno())
+        # the rename makes it appear whole; no fsync: it describes this run only (removed at
+        # shutdown), and a disk flush here delays start-up on a busy disk
         os.replace(tmp, path)
         self._ready_written = True
 

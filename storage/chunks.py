@@ -27,6 +27,7 @@ CHUNK_VAL = struct.Struct(">IQIQBQ")  # pack, position, data length, seq, pinned
 U32 = struct.Struct(">I")
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 SWEEP_BATCH = 20000
+READ_SPAN = 8 << 20  # get_many reads neighbouring pack entries together up to about this much
 COMPACT_BELOW = 0.25  # rewrite a pack's live chunks elsewhere when they fill less than this of it
 
 
@@ -87,6 +88,59 @@ class Packs:
         self.size += total
         self._dirty.add(self.active)
         return self.active, pos, total
+
+    def append_many(self, entries):
+        """Append ``[(addr, data), ...]`` with one write per pack touched (a full pack rolls over
+        as in :meth:`append`); returns ``[(pack_id, pos, total), ...]`` in order."""
+        out = []
+        i, n = 0, len(entries)
+        while i < n:
+            addr, data = entries[i]
+            first = PACK_ENTRY_SIZE + len(data)
+            if self.active is None or (self.size > 0 and self.size + first > self.pack_bytes):
+                self._roll()
+            pack_id, start = self.active, self.size
+            pos, parts = start, []
+            while i < n:
+                addr, data = entries[i]
+                total = PACK_ENTRY_SIZE + len(data)
+                if parts and pos + total > self.pack_bytes:
+                    break
+                parts.append(PACK_ENTRY.pack(len(data), _pack_crc(pack_id, pos, addr, data)))
+                parts.append(addr)
+                parts.append(data)
+                out.append((pack_id, pos, total))
+                pos += total
+                i += 1
+            buf = b"".join(parts)
+            off = 0
+            while off < len(buf):
+                off += os.pwrite(self.fds[pack_id], memoryview(buf)[off:], start + off)
+            self.size = pos
+            self._dirty.add(pack_id)
+        return out
+
+    def _roll(self):
+        new = 1 if self.active is None else self.active + 1
+        fd = os.open(self._path(new), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fds = dict(self.fds)
+        fds[new] = fd
+        self.fds = fds
+        self.active, self.size = new, 0
+        if self.sync_dir:
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def read_span(self, pack_id, pos, length):
+        """``length`` raw bytes of a pack from ``pos`` (several neighbouring entries at once), or
+        None if the pack is gone; short if the file ends first."""
+        fd = self.fds.get(pack_id)
+        if fd is None:
+            return None
+        return os.pread(fd, length, pos)
 
     def read(self, pack_id, pos, length, addr):
         fd = self.fds.get(pack_id)
@@ -239,50 +293,6 @@ class ChunkStore:
         raw.on_reactor.append(lambda: self._arrived(seq))
         return addr
 
-    def put_many(self, datas):
-        """Store several chunks in one store transaction (one index update and one WAL entry for
-        all of them); fires with their addresses, in order, once durable. A big batch is hashed
-        by the read pool first, so the writer thread (which every write waits on) does not."""
-        datas = [d if isinstance(d, (bytes, memoryview)) else bytes(d) for d in datas]
-        size = sum(len(d) for d in datas)
-        nbytes = size + 64 * len(datas)
-        if size < HASH_IN_POOL_BYTES:
-            return self._store.transact_raw(lambda raw: self.put_many_in(raw, datas), nbytes)
-        d = self._store.in_pool(_digests, datas)
-        d.addCallback(lambda addrs: self._store.transact_raw(lambda raw: self.put_many_in(raw, datas, addrs), nbytes))
-        return d
-
-    def put_many_in(self, raw, datas, addrs=None):
-        """Writer thread: ``put_in`` for several unpinned chunks, the sequence counter and the
-        packs' live bytes updated once. ``addrs``: their SHA-256, when already computed here."""
-        if addrs is None:
-            addrs = _digests(datas)
-        seq = first_seq = None
-        live = {}
-        added = now_ms()
-        packs = self._store.packs
-        for data, addr in zip(datas, addrs):
-            if raw.get(index.CHUNKS, addr) is not None:
-                continue
-            if seq is None:
-                prev = raw.get(index.SYS, index.CHUNK_SEQ)
-                seq = first_seq = U64.unpack(prev)[0] if prev else 0
-            seq += 1
-            pack_id, pos, total = packs.append(addr, data)
-            raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, 0, added))
-            raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
-            live[pack_id] = live.get(pack_id, 0) + total
-            if raw.get(index.CHUNKREF, addr) is None:
-                raw.put(index.CHUNKFREE, addr, U64.pack(added))
-        if seq is not None and seq != first_seq:
-            raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
-            for pack_id, n in live.items():
-                key = U32.pack(pack_id)
-                cur = raw.get(index.PACKS, key)
-                raw.put(index.PACKS, key, U64.pack((U64.unpack(cur)[0] if cur else 0) + n))
-            raw.on_reactor.append(lambda: self._arrived(seq))
-        return addrs
-
     def get_in(self, raw, addr):
         """Writer thread, inside ``raw``'s transaction (so chunks put earlier in the same group
         are seen): chunk ``addr``'s bytes (CRC checked), or None if the store does not hold it."""
@@ -291,6 +301,84 @@ class ChunkStore:
             return None
         pack_id, pos, size = CHUNK_VAL.unpack(found)[:3]
         return self._store.packs.read(pack_id, pos, size, bytes(addr))
+
+    def put_many(self, datas, pin=False, addrs=None):
+        """Store several chunks in one write transaction (one pack write, one WAL entry); fires
+        with their addresses, in order, once durable (idempotent, like :meth:`put`). ``datas`` may
+        be memoryviews: they are not copied, so their buffers must stay unchanged until it fires.
+
+        ``addrs``, if given, are the chunks' SHA-256 addresses, already computed and checked by
+        the caller (the swarm syncer verifies every delivered chunk against its address), so they
+        are not hashed again. Otherwise a big batch is hashed by the read pool first, so the
+        writer thread (which every write waits on) does not."""
+        datas = [d if isinstance(d, (bytes, memoryview)) else bytes(d) for d in datas]
+        if addrs is not None:
+            addrs = [bytes(a) for a in addrs]
+            if len(addrs) != len(datas) or any(len(a) != 32 for a in addrs):
+                return defer.fail(errors.InvalidRequest("put_many needs one 32-byte address per chunk"))
+        if not datas:
+            return defer.succeed([])
+        size = sum(len(d) for d in datas)
+        nbytes = size + 64 * len(datas)
+        if addrs is None and size >= HASH_IN_POOL_BYTES:
+            d = self._store.in_pool(_digests, datas)
+            d.addCallback(lambda hashed: self._store.transact_raw(lambda raw: self.put_many_in(raw, datas, pin, hashed), nbytes))
+            return d
+        return self._store.transact_raw(lambda raw: self.put_many_in(raw, datas, pin, addrs), nbytes)
+
+    def put_many_in(self, raw, datas, pin=False, addrs=None):
+        """Writer thread, inside ``raw``'s transaction: :meth:`put_in` for several chunks, with one
+        pack write, one ``putmulti`` per table and the counters updated once; returns their
+        addresses (``addrs``, if the caller already has them)."""
+        out = addrs if addrs is not None else _digests(datas)
+        chunks_db = raw.dbs[index.CHUNKS]
+        lookup = raw.txn.get
+        fresh, seen = [], set()
+        for addr, data in zip(out, datas):
+            if addr in seen:
+                continue
+            seen.add(addr)
+            existing = lookup(addr, db=chunks_db)
+            if existing is None:
+                fresh.append((addr, data))
+            elif pin:
+                fields = list(CHUNK_VAL.unpack(existing))
+                if not fields[4]:
+                    fields[4] = 1
+                    raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(*fields))
+                    raw.delete(index.CHUNKFREE, addr)
+        if not fresh:
+            return out
+        placed = self._store.packs.append_many(fresh)
+        prev = raw.get(index.SYS, index.CHUNK_SEQ)
+        first = (U64.unpack(prev)[0] if prev else 0) + 1
+        added = now_ms()
+        pinned = 1 if pin else 0
+        pack_val = CHUNK_VAL.pack
+        rows = [(addr, pack_val(pack_id, pos, len(data), seq, pinned, added))
+                for seq, ((addr, data), (pack_id, pos, total)) in enumerate(zip(fresh, placed), first)]
+        seqs = [(U64.pack(seq), addr) for seq, (addr, _) in enumerate(fresh, first)]
+        # one C call per table for the whole batch, recorded for the WAL exactly as
+        # RawTxn.put records each write
+        raw.txn.cursor(db=chunks_db).putmulti(rows)
+        raw.txn.cursor(db=raw.dbs[index.CHUNKSEQ]).putmulti(seqs)
+        raw.ops.extend((index.OP_PUT, index.CHUNKS, k, v) for k, v in rows)
+        raw.ops.extend((index.OP_PUT, index.CHUNKSEQ, k, v) for k, v in seqs)
+        seq = first + len(fresh) - 1
+        if not pin:
+            for addr, _ in fresh:
+                if raw.get(index.CHUNKREF, addr) is None:
+                    raw.put(index.CHUNKFREE, addr, U64.pack(added))
+        raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
+        live = {}
+        for pack_id, _, total in placed:
+            live[pack_id] = live.get(pack_id, 0) + total
+        for pack_id, n in live.items():
+            key = U32.pack(pack_id)
+            cur = raw.get(index.PACKS, key)
+            raw.put(index.PACKS, key, U64.pack((U64.unpack(cur)[0] if cur else 0) + n))
+        raw.on_reactor.append(lambda: self._arrived(seq))
+        return out
 
     def _arrived(self, seq):
         if seq > self._last_seq:
@@ -336,6 +424,58 @@ class ChunkStore:
             raise errors.ChunkNotFound("no chunk %s" % addr.hex())
         pack_id, pos, size = found[0], found[1], found[2]
         return self._store.packs.read_cached(pack_id, pos, size, addr)
+
+    def get_many(self, addrs):
+        """Whole chunks for a list of addresses, read in one pool job from one snapshot:
+        neighbouring pack entries are read with one pread. Fires with a list holding, per address,
+        the chunk's bytes, None if there is no such chunk, or a DataCorrupted error if its entry
+        fails its check (the others are still served)."""
+        addrs = [bytes(a) for a in addrs]
+        if not addrs:
+            return defer.succeed([])
+        return self._store.in_pool(self._read_many, addrs)
+
+    def _read_many(self, addrs):
+        """Pool thread: look every address up, then read runs of back-to-back entries."""
+        db = self._db(index.CHUNKS)
+        unpack = CHUNK_VAL.unpack
+        found = []
+        with self._store.env.begin(buffers=False) as txn:
+            get = txn.get
+            for i, addr in enumerate(addrs):
+                raw = get(addr, db=db) if len(addr) == 32 else None
+                if raw is not None:
+                    pack_id, pos, size = unpack(raw)[:3]
+                    found.append((pack_id, pos, size, i))
+        found.sort()
+        out = [None] * len(addrs)
+        packs = self._store.packs
+        entry = PACK_ENTRY
+        j, n = 0, len(found)
+        while j < n:
+            pack_id, start, size, _ = found[j]
+            end = start + PACK_ENTRY_SIZE + size
+            k = j + 1
+            while k < n and found[k][0] == pack_id and found[k][1] == end and end - start < READ_SPAN:
+                end += PACK_ENTRY_SIZE + found[k][2]
+                k += 1
+            buf = packs.read_span(pack_id, start, end - start)
+            for pack_id, pos, size, i in found[j:k]:
+                addr = addrs[i]
+                if buf is None:
+                    continue  # the pack went away (swept) since the snapshot: no such chunk now
+                off = pos - start
+                if len(buf) < off + PACK_ENTRY_SIZE + size:
+                    out[i] = errors.DataCorrupted("chunk %s is truncated" % addr.hex())
+                    continue
+                length, crc = entry.unpack_from(buf, off)
+                data = buf[off + PACK_ENTRY_SIZE:off + PACK_ENTRY_SIZE + size]
+                if length != size or buf[off + 8:off + PACK_ENTRY_SIZE] != addr or _pack_crc(pack_id, pos, addr, data) != crc:
+                    out[i] = errors.DataCorrupted("chunk %s failed its CRC" % addr.hex())
+                    continue
+                out[i] = data
+            j = k
+        return out
 
     def has(self, addr) -> bool:
         return self._lookup(bytes(addr)) is not None

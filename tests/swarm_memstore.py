@@ -36,6 +36,12 @@ class MemChunks:
                 self.waiters.append((seq, d))
         return defer.succeed(addr)
 
+    def put_many(self, datas, pin=False, addrs=None):
+        return defer.gatherResults([self.put(d, pin) for d in datas])
+
+    def get_many(self, addrs):
+        return defer.succeed([self.data.get(bytes(a)) for a in addrs])
+
     def get(self, addr, offset=0, length=None):
         if addr not in self.data:
             return defer.fail(KeyError(addr))

@@ -214,3 +214,36 @@ def test_intervals_match_a_set_model(adds, start):
     else:
         assert last + 1 in model and all(i not in model for i in range(first, last + 1))
     assert Intervals(pairs) == iv
+
+
+# ChunkDelivery frames are laid out by hand (codec.encode_chunk_delivery); they must be exactly
+# what msgpack.packb gives for the same array, at every size boundary of uint, array and bin.
+_SIZES = [0, 1, 31, 32, 255, 256, 4096, 65535, 65536]
+
+
+@pytest.mark.parametrize("ruid", [0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 64) - 1])
+def test_chunk_delivery_matches_msgpack_at_boundaries(ruid):
+    for size in _SIZES:
+        for n in (0, 1, 15, 16):
+            chunks = [(bytes([i]) * 32, bytes([i]) * size) for i in range(n if size < 60000 else min(n, 2))]
+            frame = codec.encode(ChunkDelivery(ruid, ruid, chunks))
+            body = msgpack.packb([4, ruid, ruid, [[a, d] for a, d in chunks]], use_bin_type=True)
+            assert frame == len(body).to_bytes(4, "big") + body
+            assert codec.encode_body(ChunkDelivery(ruid, ruid, chunks)) == body
+
+
+def test_chunk_delivery_array16_array32_and_odd_addr_lengths():
+    for n in (65535, 65536):
+        chunks = [(b"\x01" * 32, b"")] * n
+        body = msgpack.packb([4, 1, 2, [[a, d] for a, d in chunks]], use_bin_type=True)
+        assert codec.encode(ChunkDelivery(1, 2, chunks))[4:] == body
+    odd = [(b"\x02" * 31, b"x"), (b"", b"y" * 300)]  # not decodable (addr must be 32 bytes), still exact
+    assert codec.encode_body(ChunkDelivery(3, 4, odd)) == msgpack.packb([4, 3, 4, [list(c) for c in odd]], use_bin_type=True)
+    with pytest.raises(codec.CodecError):
+        codec.encode(ChunkDelivery(1, 1, [(b"\x01" * 32, b"z" * (8 << 20))] * 2))  # over 16 MiB
+
+
+@given(_u, _u, st.lists(st.tuples(st.binary(min_size=32, max_size=32), st.binary(max_size=300)), max_size=20))
+def test_chunk_delivery_matches_msgpack(ruid, last, chunks):
+    body = msgpack.packb([4, ruid, last, [[a, d] for a, d in chunks]], use_bin_type=True)
+    assert codec.encode(ChunkDelivery(ruid, last, chunks)) == len(body).to_bytes(4, "big") + body

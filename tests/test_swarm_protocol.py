@@ -105,6 +105,71 @@ def test_bounded_roundtrip(node, srv):
     assert msgs[0].last_index == 4
 
 
+def test_first_group_read_with_the_offer_and_partial_wants(node, srv):
+    """The server reads the first fetch group while its offer travels; whatever is wanted (inside
+    that group and past it) is delivered in index order, exactly once, with the frame split per
+    group."""
+    addrs = put_chunks(node, 300, size=8)
+    reads = []
+    get_many = node.store.chunks.get_many
+    node.store.chunks.get_many = lambda a: reads.append(len(a)) or get_many(a)
+    srv.feed(GetRange(1, C, 1, 300, 1024, True))
+    [offer] = srv.out()
+    assert reads == [server.FETCH_GROUP]  # read before any WantedHashes
+    want = [i % 3 == 0 or i > 250 for i in range(300)]
+    srv.feed(WantedHashes(1, codec.bitvector_encode(want)))
+    msgs = srv.out()
+    assert msgs[-1] == BatchDone(1, 300)
+    delivered = [a for m in msgs[:-1] for a, _ in m.chunks]
+    assert delivered == [a for a, w in zip(addrs, want) if w]
+    assert reads[0] == server.FETCH_GROUP and sum(reads[1:]) == sum(want[server.FETCH_GROUP:])
+    assert max(m.last_index for m in msgs[:-1]) == 300
+
+    # an offer answered with an empty vector drops its read; one wanting only later items skips it
+    srv.feed(GetRange(2, C, 1, 300, 1024, True))
+    srv.out()
+    srv.feed(WantedHashes(2, b""))
+    assert srv.out() == [BatchDone(2, 300)]
+    srv.feed(GetRange(3, C, 1, 300, 1024, True))
+    srv.out()
+    srv.feed(WantedHashes(3, codec.bitvector_encode([i == 299 for i in range(300)])))
+    msgs = srv.out()
+    assert [c for m in msgs[:-1] for c in m.chunks] == [(addrs[299], node.store.chunks.data[addrs[299]])]
+
+
+def test_one_offer_read_ahead_per_connection(node, srv):
+    """Offers open on several streams hold at most one read-ahead group between them."""
+    addrs = put_chunks(node, 3)
+    sid = node.store.log.create_stream().result.stream_id
+    for i in range(3):
+        node.store.log.append(sid, make_batch(i))
+    srv.feed(GetRange(1, C, 1, 3, 10, True), GetRange(2, codec.log_id(sid), 1, 3, 10, True))
+    offers = srv.out()
+    assert [type(m) for m in offers] == [OfferedHashes, OfferedHashes]
+    proto = srv.proto
+    assert [b.prefetch is not None for b in (proto.offers[1], proto.offers[2])] == [True, False]
+    srv.feed(WantedHashes(2, codec.bitvector_encode([True] * 3)), WantedHashes(1, codec.bitvector_encode([True] * 3)))
+    msgs = srv.out()
+    assert BatchDone(1, 3) in msgs and BatchDone(2, 3) in msgs
+    assert [a for m in msgs if isinstance(m, ChunkDelivery) and m.ruid == 1 for a, _ in m.chunks] == addrs
+    assert len([c for m in msgs if isinstance(m, ChunkDelivery) and m.ruid == 2 for c in m.chunks]) == 3
+
+
+def test_unreadable_chunk_skipped(node, srv):
+    addrs = put_chunks(node, 3)
+    get_many = node.store.chunks.get_many
+
+    def corrupt(a):
+        return get_many(a).addCallback(lambda got: [ValueError("failed its CRC") if x == addrs[1] else d
+                                                    for x, d in zip(a, got)])
+
+    node.store.chunks.get_many = corrupt
+    srv.feed(GetRange(1, C, 1, 3, 10, False))
+    msgs = srv.out()
+    assert msgs[-1] == BatchDone(1, 3)
+    assert [a for m in msgs[:-1] for a, _ in m.chunks] == [addrs[0], addrs[2]]
+
+
 def test_empty_want_answered_at_once_and_no_stuck_stream(node, srv):
     put_chunks(node, 3)
     srv.feed(GetRange(1, C, 1, 3, 10, True))
@@ -255,7 +320,7 @@ def test_client_pulls_only_wanted_and_persists(node, clock):
     assert (req2.from_, req2.to) == (4, 5)
 
 
-@pytest.mark.parametrize("bad", ["hash", "unsolicited"])
+@pytest.mark.parametrize("bad", ["hash", "unsolicited", "second of a frame"])
 def test_client_drops_bad_peer_and_stores_nothing(node, clock, bad):
     svc, w = client(node, clock)
     w.out()
@@ -267,6 +332,8 @@ def test_client_drops_bad_peer_and_stores_nothing(node, clock, bad):
     assert w.out() == [WantedHashes(req.ruid, b"\x03")]
     if bad == "hash":
         w.feed(ChunkDelivery(req.ruid, 2, [(a0, d0 + b"x")]))
+    elif bad == "second of a frame":
+        w.feed(ChunkDelivery(req.ruid, 2, [(a0, d0), (a1, d1 + b"x")]))  # the frame is checked whole
     else:
         other = chunk(9)
         w.feed(ChunkDelivery(req.ruid, 2, [other]))

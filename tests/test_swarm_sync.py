@@ -96,11 +96,17 @@ def test_three_nodes_both_ways_converge(tmp_path, node_factory):
     # each stream kept its id everywhere and its owner did not get a copy back as a new stream
     sids = sorted(int(k.key) for k in contents[0] if k.name == "LOG")
     assert sorted(s >> 32 for s in sids) == [21, 22, 23]
-    # idle and caught up: nothing more crosses the wire (only hashes ever did for known items)
+    # idle and caught up: nothing more crosses the wire (only hashes ever did for known items).
+    # Every link must come up and report no lag; data can converge through the other links before
+    # a node's last connect retry (backoff up to 5 s) has even happened, so wait for it.
     time.sleep(1.5)
+
+    def links_up(n):
+        peers = peers_snapshot(nodes[n]).values()
+        return len(peers) == 2 and all(p["connected"] and p.get("lag") == 0 for p in peers)
+
     for n in "abc":
-        for p in peers_snapshot(nodes[n]).values():
-            assert p["connected"] and p["lag"] == 0
+        wait_until(lambda: links_up(n), timeout=30.0, what="node %s's peer links up and caught up" % n)
 
 
 def test_restart_mid_batch_resumes(tmp_path, node_factory):

@@ -198,15 +198,86 @@ def _fields(msg) -> list:
 
 def encode_body(msg) -> bytes:
     """The msgpack body of ``msg`` (no length prefix)."""
+    if msg.code == CHUNK_DELIVERY:
+        return encode_chunk_delivery(msg.ruid, msg.last_index, msg.chunks)[4:]
     return msgpack.packb(_fields(msg), use_bin_type=True)
 
 
 def encode(msg) -> bytes:
     """One complete frame: the u32 big-endian length, then the msgpack body."""
+    if msg.code == CHUNK_DELIVERY:
+        return encode_chunk_delivery(msg.ruid, msg.last_index, msg.chunks)
     body = encode_body(msg)
     if len(body) > MAX_FRAME:
         raise CodecError("message of %d bytes exceeds the 16 MiB frame limit" % len(body))
     return _LENGTH.pack(len(body)) + body
+
+
+# ChunkDelivery is most of the bytes of a sync; msgpack.packb copies every bin through its growing
+# buffer (10x slower than one join), so its frame is laid out here, byte for byte what packb gives
+# (smallest uint, array and bin forms; tests/test_swarm_codec.py checks it against msgpack).
+
+
+def _msgpack_array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n <= 0xFFFF:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _msgpack_uint(v: int) -> bytes:
+    if type(v) is not int or v < 0 or v > MAX_UINT64:
+        raise CodecError("%r is not an unsigned integer" % (v,))
+    if v < 0x80:
+        return bytes((v,))
+    if v <= 0xFF:
+        return b"\xcc" + bytes((v,))
+    if v <= 0xFFFF:
+        return b"\xcd" + v.to_bytes(2, "big")
+    if v <= 0xFFFFFFFF:
+        return b"\xce" + v.to_bytes(4, "big")
+    return b"\xcf" + v.to_bytes(8, "big")
+
+
+_BIN16 = struct.Struct(">BH")
+_ITEM_ADDR = b"\x92\xc4\x20"  # [addr, data] with a 32-byte addr: fixarray 2, bin 8 of length 32
+
+
+def _msgpack_bin_header(n: int) -> bytes:
+    if n <= 0xFF:
+        return b"\xc4" + bytes((n,))
+    if n <= 0xFFFF:
+        return _BIN16.pack(0xC5, n)
+    if n <= 0xFFFFFFFF:
+        return b"\xc6" + n.to_bytes(4, "big")
+    raise CodecError("bin of %d bytes is too long for msgpack" % n)
+
+
+def chunk_delivery_parts(ruid: int, last_index: int, chunks) -> list:
+    """The whole ChunkDelivery frame (length prefix included) for ``[(addr, data), ...]`` as a
+    list of byte strings to write in order (the chunks' data are not copied)."""
+    parts = [b"", b"\x94\x04", _msgpack_uint(ruid), _msgpack_uint(last_index), _msgpack_array_header(len(chunks))]
+    add = parts.append
+    bin_header = _msgpack_bin_header
+    for addr, data in chunks:
+        if len(addr) == HASH_SIZE:
+            add(_ITEM_ADDR)
+        else:
+            add(b"\x92" + bin_header(len(addr)))
+        add(addr)
+        add(bin_header(len(data)))
+        add(data)
+    size = sum(map(len, parts))
+    if size > MAX_FRAME:
+        raise CodecError("message of %d bytes exceeds the 16 MiB frame limit" % size)
+    parts[0] = _LENGTH.pack(size)
+    return parts
+
+
+def encode_chunk_delivery(ruid: int, last_index: int, chunks) -> bytes:
+    """The whole ChunkDelivery frame (length prefix included) for ``[(addr, data), ...]``."""
+    return b"".join(chunk_delivery_parts(ruid, last_index, chunks))
 
 
 def chunk_delivery_overhead(n_chunks: int) -> int:
@@ -302,14 +373,20 @@ def decode_body(body) -> object:
     if code == CHUNK_DELIVERY:
         _arity(a, 4, "ChunkDelivery")
         chunks = []
-        for c in _list(a[3], "chunks"):
-            c = _list(c, "chunk")
+        add = chunks.append
+        for c in _list(a[3], "chunks"):  # inlined checks: this loop runs once per synced item
+            if type(c) is not list:
+                raise CodecError("chunk must be an array")
             if len(c) != 2:
                 raise CodecError("a delivered chunk must be [addr, data]")
-            addr = _bin(c[0], "addr")
+            addr, data = c
+            if type(addr) is not bytes:
+                raise CodecError("addr must be msgpack bin")
             if len(addr) != HASH_SIZE:
                 raise CodecError("addr must be 32 bytes")
-            chunks.append((addr, _bin(c[1], "data")))
+            if type(data) is not bytes:
+                raise CodecError("data must be msgpack bin")
+            add((addr, data))
         return ChunkDelivery(_uint(a[1], "ruid"), _uint(a[2], "last_index"), chunks)
     if code == WANTED_HASHES:
         _arity(a, 3, "WantedHashes")
@@ -327,42 +404,59 @@ def decode_body(body) -> object:
 
 
 class FrameReader:
-    """Splits a byte stream into message bodies: a bytearray with a read offset (no quadratic
-    copying), the declared length checked against MAX_FRAME before the body is buffered."""
+    """Splits a byte stream into message bodies. A body that arrives whole within one read is
+    copied out of it once; a body spread over reads is kept as views of those reads and joined
+    once when complete (no growing buffer, no quadratic copying). The declared length is checked
+    against MAX_FRAME before any of the body is buffered."""
 
     def __init__(self, max_frame: int = MAX_FRAME):
         self.max_frame = max_frame
-        self._buf = bytearray()
-        self._pos = 0
+        self._head = b""  # an incomplete length prefix
+        self._need = None  # length of the body being collected, or None
+        self._parts = []  # its pieces so far (views of the reads)
+        self._have = 0
+
+    def _length(self, length: int) -> int:
+        if length > self.max_frame:
+            raise FrameTooLarge("declared frame length %d exceeds %d" % (length, self.max_frame))
+        return length
 
     def feed(self, data: bytes) -> List[bytes]:
         """Add bytes; return the complete bodies now available. FrameTooLarge if a declared length
         is above the limit (the caller closes the connection)."""
-        self._buf += data
         out = []
-        buf = self._buf
-        pos = self._pos
-        end = len(buf)
-        while end - pos >= 4:
-            (length,) = _LENGTH.unpack_from(buf, pos)
-            if length > self.max_frame:
-                raise FrameTooLarge("declared frame length %d exceeds %d" % (length, self.max_frame))
-            if end - pos - 4 < length:
-                break
-            out.append(bytes(buf[pos + 4 : pos + 4 + length]))
-            pos += 4 + length
-        if pos:
-            if pos == end:
-                buf.clear()
-                pos = 0
-            elif pos > 1 << 20:
-                del buf[:pos]
-                pos = 0
-        self._pos = pos
+        view = memoryview(data)
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._need is None:
+                if self._head or end - pos < 4:
+                    take = min(4 - len(self._head), end - pos)
+                    self._head += bytes(view[pos : pos + take])
+                    pos += take
+                    if len(self._head) < 4:
+                        break
+                    (length,) = _LENGTH.unpack(self._head)
+                    self._head = b""
+                else:
+                    (length,) = _LENGTH.unpack_from(view, pos)
+                    pos += 4
+                length = self._length(length)
+                if end - pos >= length:  # the whole body is in this read
+                    out.append(bytes(view[pos : pos + length]))
+                    pos += length
+                    continue
+                self._need, self._parts, self._have = length, [], 0
+            take = min(self._need - self._have, end - pos)
+            self._parts.append(view[pos : pos + take])
+            self._have += take
+            pos += take
+            if self._have == self._need:
+                out.append(b"".join(self._parts))
+                self._need, self._parts, self._have = None, [], 0
         return out
 
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        return len(self._head) + self._have
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,9 +91,11 @@ class ChunksSource:
         get_many = getattr(self.store.chunks, "get_many", None)
         if get_many is not None:
             # one read transaction and one thread hop for the group, where the store offers it
+            # (None: gone since the offer; an exception: its pack entry failed its check)
             datas = yield get_many([item.locator for item in items])
             return [
-                (item, item.hash, data) if data is not None else (item, None, LookupError("chunk vanished"))
+                (item, None, LookupError("chunk vanished") if data is None else data)
+                if data is None or isinstance(data, Exception) else (item, item.hash, data)
                 for item, data in zip(items, datas)
             ]
         ds = [self.store.chunks.get(item.locator) for item in items]
@@ -186,18 +188,32 @@ class LogSource:
 
     @defer.inlineCallbacks
     def fetch(self, items):
-        results = yield defer.DeferredList([self.store.log.read(self.sid, item.locator, 1) for item in items], consumeErrors=True)
+        # one store read for the group from its first batch (its batches usually follow each
+        # other); whatever that read did not return is read alone
+        budget = sum(item.length or 1 for item in items)
+        try:
+            got = yield self.store.log.read(self.sid, items[0].locator, max(budget, 1))
+        except Exception:
+            got = []
+        by_base = {int.from_bytes(b[1:9], "big", signed=True): b for b in got}
         out = []
-        for item, (ok, got) in zip(items, results):
-            if not ok:
-                out.append((item, None, got.value))
-                continue
-            data = got[0] if got else None
-            if data is None or int.from_bytes(data[1:9], "big", signed=True) != item.locator:
-                out.append((item, None, LookupError("batch at %d vanished" % item.locator)))
-                continue
-            digest = hashlib.sha256(data).digest()
-            self._remember(item.locator, len(data), digest)
+        for item in items:
+            data = by_base.get(item.locator)
+            if data is None:
+                try:
+                    alone = yield self.store.log.read(self.sid, item.locator, 1)
+                except Exception as e:
+                    out.append((item, None, e))
+                    continue
+                data = alone[0] if alone else None
+                if data is None or int.from_bytes(data[1:9], "big", signed=True) != item.locator:
+                    out.append((item, None, LookupError("batch at %d vanished" % item.locator)))
+                    continue
+            digest = item.hash
+            if digest is None or len(data) != item.length:
+                # no offer (roundtrip off) or not the batch that was offered: hash what is sent
+                digest = hashlib.sha256(data).digest()
+                self._remember(item.locator, len(data), digest)
             out.append((item, digest, data))
         return out
 
@@ -228,10 +244,16 @@ def _groups(items):
         yield group
 
 
+def _drop_prefetch(batch):
+    if batch.prefetch is not None:
+        batch.prefetch[1].addErrback(lambda f: None)
+        batch.prefetch = None
+
+
 class Batch:
     """One open GetRange on a connection."""
 
-    __slots__ = ("req", "source", "items", "last", "waiter", "expiry", "closed", "size")
+    __slots__ = ("req", "source", "items", "last", "waiter", "expiry", "closed", "size", "prefetch")
 
     def __init__(self, req, source, size):
         self.req = req
@@ -242,6 +264,7 @@ class Batch:
         self.waiter = None
         self.expiry = None
         self.closed = False
+        self.prefetch = None  # (n, Deferred): the first n offered items, read while the offer travels
 
 
 @implementer(IPushProducer)
@@ -311,6 +334,11 @@ class SwarmServerProtocol(Protocol):
     def send(self, msg):
         if not self.dead:
             self.transport.write(codec.encode(msg))
+
+    def send_delivery(self, ruid, last_index, chunks):
+        # the frame's pieces go to the transport as they are: its buffer join is their one copy
+        if not self.dead:
+            self.transport.writeSequence(codec.chunk_delivery_parts(ruid, last_index, chunks))
 
     # -- IPushProducer (write backpressure for big deliveries) --------------------------------------
 
@@ -390,6 +418,7 @@ class SwarmServerProtocol(Protocol):
         if batch.waiter is not None:
             w, batch.waiter = batch.waiter, None
             w.cancel()
+        _drop_prefetch(batch)
 
     def _failed(self, failure, batch):
         if failure.check(defer.CancelledError) or batch.closed and self.dead:
@@ -440,6 +469,13 @@ class SwarmServerProtocol(Protocol):
             self.offers[req.ruid] = batch
             batch.expiry = self.factory.clock.callLater(self.factory.offer_timeout, self._expire, batch)
             self.send(OfferedHashes(req.ruid, batch.last, b"".join(i.hash for i in items)))
+            # Read the first group while the offer and its answer cross the wire: a peer that
+            # is catching up wants all of it, and the first frame then leaves without a store hop.
+            # One such read per connection at a time, so offers on many streams hold no more
+            # than one group's bytes between them.
+            if not any(b.prefetch is not None for b in self.offers.values()):
+                first = next(_groups(items))
+                batch.prefetch = (len(first), batch.source.fetch(first))
             return
         yield self._deliver(batch, items)
 
@@ -461,6 +497,7 @@ class SwarmServerProtocol(Protocol):
         flags = codec.bitvector_decode(msg.bitvector, len(batch.items))
         wanted = [item for item, f in zip(batch.items, flags) if f]
         if not wanted:
+            _drop_prefetch(batch)
             self._finish(batch)  # CONTRACT §6: an empty vector is answered by BatchDone at once
             return
         self._deliver(batch, wanted).addErrback(self._failed, batch)
@@ -480,9 +517,26 @@ class SwarmServerProtocol(Protocol):
         frame = []
         frame_bytes = 0
         frame_last = 0
-        groups = list(_groups(items))
+        pending = None
+        if batch.prefetch is not None:
+            n, pending = batch.prefetch
+            batch.prefetch = None
+            top = batch.items[n - 1].index
+            k = 0
+            while k < len(items) and items[k].index <= top:
+                k += 1
+            if k:
+                # the wanted items among the prefetched ones are a prefix of `items`
+                head = set(items[:k])
+                pending.addCallback(lambda fetched: [f for f in fetched if f[0] in head])
+                groups = [items[:k]] + list(_groups(items[k:]))
+            else:
+                pending.addErrback(lambda f: None)
+                pending = None
+        if pending is None:
+            groups = list(_groups(items))
+            pending = batch.source.fetch(groups[0])
         # one group read ahead: the store reads the next group while this one is framed and sent
-        pending = batch.source.fetch(groups[0])
         for n in range(len(groups)):
             fetched = yield pending
             pending = batch.source.fetch(groups[n + 1]) if n + 1 < len(groups) else None
@@ -501,7 +555,7 @@ class SwarmServerProtocol(Protocol):
                     continue
                 size = len(data) + codec.HASH_SIZE + 16
                 if frame and (frame_bytes + size > FRAME_BYTES or len(frame) >= FRAME_ITEMS):
-                    self.send(ChunkDelivery(batch.req.ruid, frame_last, frame))
+                    self.send_delivery(batch.req.ruid, frame_last, frame)
                     frame, frame_bytes = [], 0
                 frame.append((digest, data))
                 frame_bytes += size
@@ -510,7 +564,7 @@ class SwarmServerProtocol(Protocol):
                 stats["bytes"] += len(data)
             if frame:
                 # a frame per read group, so the peer verifies and stores while we read on
-                self.send(ChunkDelivery(batch.req.ruid, frame_last, frame))
+                self.send_delivery(batch.req.ruid, frame_last, frame)
                 frame, frame_bytes = [], 0
             yield self._writable()
             if batch.closed or self.dead:

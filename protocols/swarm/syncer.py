@@ -53,6 +53,7 @@ INFO_INTERVAL = 1.0  # StreamInfoReq period (new streams, cursors, liveness)
 RETRY_DELAY = 0.5  # after StreamState 4 / an expired offer
 PENDING_LIMIT = 64 * 1024 * 1024  # bytes of accepted-but-not-yet-durable items before reading pauses
 RECENT_LOG_HASHES = 8192
+RECV_BYTES = 1 << 20  # read deliveries in pieces this big (Twisted's default is 64 KiB)
 
 _BATCH_HEAD = struct.Struct(">qi")  # base_offset, record_count at bytes 1..13 of a record batch
 
@@ -110,22 +111,38 @@ class LocalSink:
         held = self.store.chunks.has_many(addrs)
         return [h or a in self.pending_chunks for a, h in zip(addrs, held)]
 
-    def put_chunk(self, addr, data):
-        d = self.pending_chunks.get(addr)
-        if d is not None:
-            return _chain(d)
-        n = len(data)
-        self.pending_bytes += n
-        d = self.store.chunks.put(data, pin=True)
+    def put_chunks(self, addrs, datas):
+        """Store verified chunks (pinned) in one store transaction; fires once they, and any of
+        them another syncer is already writing, are durable."""
+        pending = self.pending_chunks
+        fresh_addrs, fresh_datas, others = [], [], []
+        for addr, data in zip(addrs, datas):
+            d = pending.get(addr)
+            if d is None:
+                fresh_addrs.append(addr)
+                fresh_datas.append(data)
+            elif d not in others:
+                others.append(d)
+        waits = [_chain(d) for d in others]
+        if fresh_addrs:
+            n = sum(map(len, fresh_datas))
+            self.pending_bytes += n
+            d = self.store.chunks.put_many(fresh_datas, pin=True, addrs=fresh_addrs)
 
-        def done(result):
-            self.pending_chunks.pop(addr, None)
-            self._release(n)
-            return result
+            def done(result, d=d):
+                for addr in fresh_addrs:
+                    if pending.get(addr) is d:
+                        del pending[addr]
+                self._release(n)
+                return result
 
-        d.addBoth(done)
-        self.pending_chunks[addr] = d
-        return d  # only this syncer's batch waits on it; a duplicate gets a _chain
+            d.addBoth(done)
+            for addr in fresh_addrs:
+                pending[addr] = d
+            waits.append(d)  # only this syncer's batch waits on it; others get a _chain
+        if len(waits) == 1:
+            return waits[0]
+        return defer.gatherResults(waits, consumeErrors=True)
 
     # logs
     def replicable(self, sid) -> bool:
@@ -335,22 +352,29 @@ class StreamSync:
         roundtrip = self.req.roundtrip
         if roundtrip and not self.want_sent:
             raise PeerMisbehaved("ChunkDelivery before WantedHashes")
-        svc = self.conn.svc
-        for addr, data in msg.chunks:
+        chunks = msg.chunks
+        if not chunks:
+            return
+        # the whole frame is checked before any of it is stored
+        wanted = self.wanted
+        sha256 = hashlib.sha256
+        for addr, data in chunks:
             if roundtrip:
-                if addr not in self.wanted:
+                if addr not in wanted:
                     raise PeerMisbehaved("unsolicited item %s" % addr.hex())
-            if hashlib.sha256(data).digest() != addr:
+                wanted.discard(addr)
+            if sha256(data).digest() != addr:
                 raise PeerMisbehaved("item %s does not match its SHA-256" % addr.hex())
-            if roundtrip:
-                self.wanted.discard(addr)
-            if self.is_log:
+        if self.is_log:
+            for addr, data in chunks:
                 self._take_log(addr, data)
-            else:
-                self.writes.append(self.conn.sink.put_chunk(addr, data))
-            self.items += 1
-            self.bytes += len(data)
-            svc.count(1, len(data))
+        else:
+            addrs, datas = zip(*chunks)
+            self.writes.append(self.conn.sink.put_chunks(addrs, datas))
+        nbytes = sum(len(data) for _, data in chunks)
+        self.items += len(chunks)
+        self.bytes += nbytes
+        self.conn.svc.count(len(chunks), nbytes)
 
     def _take_log(self, digest, data):
         from storage import record_batch
@@ -465,6 +489,8 @@ class SyncProtocol(Protocol):
             self.transport.setTcpNoDelay(True)
         except Exception:
             pass
+        # fewer, bigger reads: one dataReceived per MiB of a delivery rather than per 64 KiB
+        self.transport.bufferSize = RECV_BYTES
         self.last_rx = self.svc.clock.seconds()
         self.svc.connected(self)
         self.ticker = task.LoopingCall(self.tick)
