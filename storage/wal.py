@@ -20,6 +20,7 @@ import struct
 import time
 import zlib
 
+from storage.crc import crc32_combine
 from storage.errors import DataCorrupted, OffsetOutOfRange
 
 ENTRY = struct.Struct(">IIB")
@@ -29,6 +30,13 @@ MAX_PAYLOAD = 1 << 30
 
 T_BATCH = 1  # payload: u64 stream_id | u64 append_ms | record batch
 T_OPS = 2  # payload: msgpack list of raw index operations (storage.store.apply_ops)
+
+# A batch entry's fixed head: entry framing, u64 stream_id | u64 append_ms, the record batch's
+# 29-byte header (u8 magic | i64 base_offset | i32 record_count | i64 base_ts | u32 crc | i32 records_len)
+_BATCH_HEAD = struct.Struct(">IIBQQBqiqIi")
+BATCH_HEAD_SIZE = _BATCH_HEAD.size  # 54
+BATCH_AT = ENTRY_SIZE + 16  # where the record batch starts in a batch entry
+_BATCH_MAGIC = 0x22
 
 SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
@@ -44,6 +52,65 @@ def entry_crc(base: int, etype: int, parts) -> int:
 
 def segment_name(base: int) -> str:
     return "%020d%s" % (base, SUFFIX)
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def _read_cached(fd: int, n: int, offset: int, buf=None):
+    """Up to ``n`` bytes at ``offset`` if they are in the page cache (preadv2 RWF_NOWAIT: never
+    waits for the disk), else None (also where the OS or file system cannot tell, or the file
+    ends before them)."""
+    if _NOWAIT is None:
+        return None
+    if buf is None:
+        buf = bytearray(n)
+    try:
+        got = os.preadv(fd, [buf], offset, _NOWAIT)
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no answer
+        return None
+    return buf if got == n else None
+
+
+class SegmentFile:
+    """A private duplicate of a WAL segment's fd, closed when the last reference goes. It stays valid
+    however long a reader holds it: after the segment is deleted, and after the WAL closes the
+    segment's own fd (whose number the OS may then reuse for another file)."""
+
+    __slots__ = ("fd", "__weakref__")
+
+    def __init__(self, fd: int):
+        self.fd = os.dup(fd)
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class FileSpan:
+    """Where one stored record batch lies: ``length`` bytes at ``offset`` of ``file.fd`` (a
+    SegmentFile). ``header`` is a copy of the batch's first 29 bytes (its record batch header).
+    The bytes never change (stored batches are immutable); ``len(span)`` is the batch's length."""
+
+    __slots__ = ("file", "offset", "length", "header")
+
+    def __init__(self, file: SegmentFile, offset: int, length: int, header: bytes):
+        self.file = file
+        self.offset = offset
+        self.length = length
+        self.header = header
+
+    def __len__(self):
+        return self.length
+
+    def read(self) -> bytes:
+        """The batch's bytes (blocking: a read pool, a test, a transport that cannot sendfile)."""
+        data = os.pread(self.file.fd, self.length, self.offset)
+        if len(data) != self.length:
+            raise DataCorrupted("batch at file offset %d is truncated" % self.offset)
+        return data
 
 
 class Wal:
@@ -64,6 +131,7 @@ class Wal:
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
         self.batch_pending = False  # a batch entry was written since the last sync
+        self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -269,6 +337,79 @@ class Wal:
             raise DataCorrupted("entry at %d failed its CRC" % pos)
         return body
 
+    def batch_span(self, pos: int, total: int, sid: int, base_offset: int, count: int, files: dict,
+                   cached_only: bool = False):
+        """A FileSpan for the ``total``-byte batch entry at ``pos`` (stream ``sid``, batch at
+        ``base_offset`` with ``count`` records per the index), or None when the quick check below
+        fails (the caller then reads the entry with the full CRC check, ``read_batch``).
+
+        The check reads only the entry's 54-byte head: framing, stream id, the batch header
+        against the index, and the entry's CRC recomputed from the head's bytes and the batch's
+        stored records CRC with ``crc32_combine`` (O(1), no pass over the records block). So every
+        byte but the records block is verified, and the stored records CRC is the one the block
+        had when it was written: a reader checking the block against it (SBP's frame CRC) detects
+        a block that changed on disk. ``files`` maps segment base -> SegmentFile for this read.
+
+        ``cached_only`` (the reactor thread): never wait for the disk. The head is read with
+        RWF_NOWAIT and one byte every 64 KiB back from the batch's last is probed the same way;
+        if any of them is not in the page cache, None (the caller goes to the read pool)."""
+        bases = self.bases
+        i = bisect.bisect_right(bases, pos) - 1
+        base = bases[i] if i >= 0 else None
+        fd = self.fds.get(base) if base is not None else None
+        if fd is None:
+            raise OffsetOutOfRange("position %d is no longer stored" % pos)
+        f = files.get(base)
+        if f is None:
+            f = files[base] = SegmentFile(fd)
+        off = pos - base
+        if cached_only:
+            head = _read_cached(f.fd, BATCH_HEAD_SIZE, off)
+            if head is None:
+                return None
+            probe = bytearray(1)
+            # from the last byte back to the head's page, every 64 KiB
+            for at in range(off + total - 1, off + 4096, -(64 << 10)):
+                if _read_cached(f.fd, 1, at, probe) is None:
+                    return None
+        else:
+            head = os.pread(f.fd, BATCH_HEAD_SIZE, off)
+        if len(head) < BATCH_HEAD_SIZE or total < BATCH_HEAD_SIZE:
+            return None
+        (length, crc, t, h_sid, _ms, magic, h_base, h_count, _ts, records_crc,
+         records_len) = _BATCH_HEAD.unpack(head)
+        if (t != T_BATCH or length != total - ENTRY_SIZE or h_sid != sid or magic != _BATCH_MAGIC
+                or h_base != base_offset or h_count != count or records_len != total - BATCH_HEAD_SIZE):
+            return None
+        head_crc = zlib.crc32(memoryview(head)[ENTRY_SIZE:], zlib.crc32(_CRC_PREFIX.pack(base, length, t)))
+        if crc32_combine(head_crc, records_crc, records_len) != crc:
+            return None
+        return FileSpan(f, off + BATCH_AT, total - BATCH_AT, bytes(head[BATCH_AT:]))
+
+    def warm(self, spans):
+        """Bring the spans' bytes into the page cache (read pool), so a later ``sendfile`` of them
+        on the reactor thread finds them in memory instead of waiting for the disk. ``sendfile``
+        to /dev/null reads the pages without copying them anywhere. A file shorter than a span
+        (truncated behind our back) raises DataCorrupted."""
+        ranges = {}
+        for s in spans:
+            r = ranges.get(s.file)
+            end = s.offset + s.length
+            if r is None:
+                ranges[s.file] = [s.offset, end]
+            else:
+                r[0] = min(r[0], s.offset)
+                r[1] = max(r[1], end)
+        if not ranges:
+            return
+        null = self._null
+        for f, (lo, hi) in ranges.items():
+            while lo < hi:
+                n = os.sendfile(null, f.fd, lo, hi - lo)
+                if n <= 0:
+                    raise DataCorrupted("a WAL segment ends before the batches the index names")
+                lo += n
+
     def read_span(self, pos: int, total: int):
         """Raw bytes of ``total`` bytes at ``pos`` in one segment and that segment's base."""
         bases = self.bases
@@ -321,3 +462,6 @@ class Wal:
                 pass
         self.fds = {}
         self.graveyard = []
+        if self._null is not None:
+            os.close(self._null)
+            self._null = None
