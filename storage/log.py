@@ -273,31 +273,27 @@ class RecordLog:
 
     def _cached_spans(self, sid, offset, max_bytes, limit):
         """Reactor thread, no waiting for the disk: the FileSpans of ``read_spans`` when every
-        batch is big enough for one and its pages are in the page cache (``cached_only``), so a
-        FETCH of recent or recently read data needs no thread hop; None otherwise."""
+        batch is big enough for one and its pages are in the page cache (``wal.cached_spans``), so
+        a FETCH of recent or recently read data needs no thread hop; None otherwise."""
         store = self._store
-        wal = store.wal
         cur = self._locate(store.snapshot(), sid, offset)
         if cur is None:
             return None
-        out = []
-        files = {}
+        entries = []
         total = 0
+        unpack_key, unpack_val = INDEX_KEY.unpack, INDEX_VAL.unpack
         for key, value in cur:
-            ksid, base = INDEX_KEY.unpack(key)
+            ksid, base = unpack_key(key)
             if ksid != sid or base >= limit:
                 break
-            pos, length, count, _ = INDEX_VAL.unpack(value)
+            pos, length, count, _ = unpack_val(value)
             if length < _DIRECT_READ:
                 return None
-            span = wal.batch_span(pos, length, sid, base, count, files, cached_only=True)
-            if span is None:
-                return None
-            out.append(span)
+            entries.append((pos, length, base, count))
             total += length - 25
             if total >= max_bytes:
                 break
-        return out
+        return store.wal.cached_spans(sid, entries, {})
 
     def _locate(self, txn, sid, offset):
         """A cursor on the batch holding ``offset`` (or None)."""

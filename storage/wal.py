@@ -57,21 +57,6 @@ def segment_name(base: int) -> str:
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
-def _read_cached(fd: int, n: int, offset: int, buf=None):
-    """Up to ``n`` bytes at ``offset`` if they are in the page cache (preadv2 RWF_NOWAIT: never
-    waits for the disk), else None (also where the OS or file system cannot tell, or the file
-    ends before them)."""
-    if _NOWAIT is None:
-        return None
-    if buf is None:
-        buf = bytearray(n)
-    try:
-        got = os.preadv(fd, [buf], offset, _NOWAIT)
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no answer
-        return None
-    return buf if got == n else None
-
-
 class SegmentFile:
     """A private duplicate of a WAL segment's fd, closed when the last reference goes. It stays valid
     however long a reader holds it: after the segment is deleted, and after the WAL closes the
@@ -111,6 +96,22 @@ class FileSpan:
         if len(data) != self.length:
             raise DataCorrupted("batch at file offset %d is truncated" % self.offset)
         return data
+
+
+def _span_from_head(head, f, base, off, total, sid, base_offset, count):
+    """The FileSpan of the batch entry at ``off`` of segment ``base`` (file ``f``) whose first 54
+    bytes are ``head``, if they check out (``Wal.batch_span``); else None."""
+    if len(head) < BATCH_HEAD_SIZE or total < BATCH_HEAD_SIZE:
+        return None
+    (length, crc, t, h_sid, _ms, magic, h_base, h_count, _ts, records_crc,
+     records_len) = _BATCH_HEAD.unpack(head)
+    if (t != T_BATCH or length != total - ENTRY_SIZE or h_sid != sid or magic != _BATCH_MAGIC
+            or h_base != base_offset or h_count != count or records_len != total - BATCH_HEAD_SIZE):
+        return None
+    head_crc = zlib.crc32(head[ENTRY_SIZE:], zlib.crc32(_CRC_PREFIX.pack(base, length, t)))
+    if crc32_combine(head_crc, records_crc, records_len) != crc:
+        return None
+    return FileSpan(f, off + BATCH_AT, total - BATCH_AT, bytes(head[BATCH_AT:]))
 
 
 class Wal:
@@ -337,8 +338,7 @@ class Wal:
             raise DataCorrupted("entry at %d failed its CRC" % pos)
         return body
 
-    def batch_span(self, pos: int, total: int, sid: int, base_offset: int, count: int, files: dict,
-                   cached_only: bool = False):
+    def batch_span(self, pos: int, total: int, sid: int, base_offset: int, count: int, files: dict):
         """A FileSpan for the ``total``-byte batch entry at ``pos`` (stream ``sid``, batch at
         ``base_offset`` with ``count`` records per the index), or None when the quick check below
         fails (the caller then reads the entry with the full CRC check, ``read_batch``).
@@ -348,43 +348,66 @@ class Wal:
         stored records CRC with ``crc32_combine`` (O(1), no pass over the records block). So every
         byte but the records block is verified, and the stored records CRC is the one the block
         had when it was written: a reader checking the block against it (SBP's frame CRC) detects
-        a block that changed on disk. ``files`` maps segment base -> SegmentFile for this read.
+        a block that changed on disk. ``files`` maps segment base -> SegmentFile for this read."""
+        base, f = self._segment_file(pos, files)
+        off = pos - base
+        return _span_from_head(os.pread(f.fd, BATCH_HEAD_SIZE, off), f, base, off, total, sid, base_offset, count)
 
-        ``cached_only`` (the reactor thread): never wait for the disk. The head is read with
-        RWF_NOWAIT and one byte every 64 KiB back from the batch's last is probed the same way;
-        if any of them is not in the page cache, None (the caller goes to the read pool)."""
+    def cached_spans(self, sid: int, entries, files: dict):
+        """``batch_span`` for each ``(pos, total, base_offset, count)`` without ever waiting for
+        the disk (the reactor thread): the heads are read with preadv2(RWF_NOWAIT), and each
+        batch's last byte (plus one byte every 64 KiB back from it in batches over 68 KiB) is
+        probed the same way, one batch's last byte in the same read as the next batch's head when
+        they are adjacent. None if any of it is not in the page cache or any check fails (the
+        caller goes to the read pool, which checks properly)."""
+        if _NOWAIT is None:
+            return None
+        out = []
+        buf = bytearray(1 + BATCH_HEAD_SIZE)
+        view = memoryview(buf)
+        head = view[1:]
+        whole = [view]
+        head_only = [head]
+        preadv = os.preadv
+        prev_f = prev_end = None
+        try:
+            for pos, total, base_offset, count in entries:
+                base, f = self._segment_file(pos, files)
+                off = pos - base
+                if f is prev_f and off == prev_end:
+                    n = preadv(f.fd, whole, off - 1, _NOWAIT) - 1  # the previous batch's last byte too
+                else:
+                    if prev_f is not None and preadv(prev_f.fd, [view[:1]], prev_end - 1, _NOWAIT) != 1:
+                        return None
+                    n = preadv(f.fd, head_only, off, _NOWAIT)
+                if n != BATCH_HEAD_SIZE:
+                    return None
+                for at in range(off + total - 1 - (64 << 10), off + 4096, -(64 << 10)):
+                    if preadv(f.fd, [view[:1]], at, _NOWAIT) != 1:
+                        return None
+                span = _span_from_head(head, f, base, off, total, sid, base_offset, count)
+                if span is None:
+                    return None
+                out.append(span)
+                prev_f, prev_end = f, off + total
+            if prev_f is not None and preadv(prev_f.fd, [view[:1]], prev_end - 1, _NOWAIT) != 1:
+                return None
+        except OSError:  # EAGAIN: not in the page cache; EOPNOTSUPP: the file system cannot tell
+            return None
+        return out
+
+    def _segment_file(self, pos: int, files: dict):
+        """(segment base, SegmentFile) of the segment holding ``pos``, one per read in ``files``."""
         bases = self.bases
         i = bisect.bisect_right(bases, pos) - 1
         base = bases[i] if i >= 0 else None
-        fd = self.fds.get(base) if base is not None else None
-        if fd is None:
-            raise OffsetOutOfRange("position %d is no longer stored" % pos)
         f = files.get(base)
         if f is None:
+            fd = self.fds.get(base) if base is not None else None
+            if fd is None:
+                raise OffsetOutOfRange("position %d is no longer stored" % pos)
             f = files[base] = SegmentFile(fd)
-        off = pos - base
-        if cached_only:
-            head = _read_cached(f.fd, BATCH_HEAD_SIZE, off)
-            if head is None:
-                return None
-            probe = bytearray(1)
-            # from the last byte back to the head's page, every 64 KiB
-            for at in range(off + total - 1, off + 4096, -(64 << 10)):
-                if _read_cached(f.fd, 1, at, probe) is None:
-                    return None
-        else:
-            head = os.pread(f.fd, BATCH_HEAD_SIZE, off)
-        if len(head) < BATCH_HEAD_SIZE or total < BATCH_HEAD_SIZE:
-            return None
-        (length, crc, t, h_sid, _ms, magic, h_base, h_count, _ts, records_crc,
-         records_len) = _BATCH_HEAD.unpack(head)
-        if (t != T_BATCH or length != total - ENTRY_SIZE or h_sid != sid or magic != _BATCH_MAGIC
-                or h_base != base_offset or h_count != count or records_len != total - BATCH_HEAD_SIZE):
-            return None
-        head_crc = zlib.crc32(memoryview(head)[ENTRY_SIZE:], zlib.crc32(_CRC_PREFIX.pack(base, length, t)))
-        if crc32_combine(head_crc, records_crc, records_len) != crc:
-            return None
-        return FileSpan(f, off + BATCH_AT, total - BATCH_AT, bytes(head[BATCH_AT:]))
+        return base, f
 
     def warm(self, spans):
         """Bring the spans' bytes into the page cache (read pool), so a later ``sendfile`` of them

@@ -231,7 +231,8 @@ async def test_goaway_closes_after_the_queued_replies(store, srv):
     frames = []
     while (f := fb.next()) is not None:
         frames.append(f)
-    assert [f.stream_id for f in frames] == [1, 2, 3] and fb.buffered() == 0
+    # replies leave as they complete (read pool reads may finish in any order), each one whole
+    assert sorted(f.stream_id for f in frames) == [1, 2, 3] and fb.buffered() == 0
 
 
 def wal_entry(store, sid, index):
