@@ -32,14 +32,13 @@ from twisted.logger import Logger
 from storage.wal import FileSpan
 
 
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)
+
+
 class FileSender:
     log = Logger()
 
     HIGH = 4 << 20  # queued bytes (file ranges included) above which on_backlog(True)
-    # TCP_CORK while the queue is sent: the prefix, the batches and the CRC leave in full-sized
-    # segments (with TCP_NODELAY every send() and the end of every sendfile() would push a
-    # short one), and the rest is pushed when the queue is empty.
-    CORK = hasattr(socket, "TCP_CORK")
 
     def __init__(self, transport, on_backlog):
         self.transport = transport
@@ -51,7 +50,6 @@ class FileSender:
         self._on_backlog = on_backlog
         self._backlogged = False
         self._lose_when_drained = False
-        self._corked = False
         self._orig_do_write = transport.doWrite
         transport.doWrite = self._do_write
 
@@ -162,9 +160,6 @@ class FileSender:
         sock = self._sock
         out = self._fileno
         try:
-            if not self._corked and self.CORK:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
-                self._corked = True
             while q:
                 item = q[0]
                 if type(item) is list:
@@ -182,15 +177,14 @@ class FileSender:
                         item[2] = left - n
                         return True  # the socket's buffer is full
                 else:
-                    n = sock.send(item)
+                    # MSG_MORE when more follows (a reply's prefix and header before its batches):
+                    # no short segment of its own
+                    n = sock.send(item, _MSG_MORE if len(q) > 1 else 0)
                     self.queued -= n
                     if n < len(item):
                         q[0] = memoryview(item)[n:]
                         return True
                 q.popleft()
-            if self._corked:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)  # push the tail now
-                self._corked = False
         except (BlockingIOError, InterruptedError):
             return True
         except OSError as e:
