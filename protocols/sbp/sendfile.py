@@ -18,8 +18,9 @@ Backpressure: ``on_backlog(True)`` once more than ``HIGH`` bytes wait in the que
 ``on_backlog(False)`` once it is empty (the protocol stops and resumes reading requests, as it
 does for Twisted's buffer). Queued file ranges hold no memory, only a duplicate fd per segment.
 
-The store brought the ranges' pages into the page cache in its read pool (``Wal.warm``), so
-``sendfile`` on the reactor thread copies from memory rather than waiting for the disk.
+The store found the ranges' pages in the page cache (``Wal.cached_spans``) or brought them in from
+its read pool (``Wal.warm``), so ``sendfile`` on the reactor thread copies from memory rather than
+waiting for the disk.
 """
 
 import os
