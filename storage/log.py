@@ -265,8 +265,8 @@ class RecordLog:
             return defer.succeed([])
         try:
             spans = self._cached_spans(sid, offset, max_bytes, s.next_offset)
-        except errors.StoreError:
-            spans = None  # the read pool reports it
+        except Exception:
+            spans = None  # the read pool does it again, and reports what fails
         if spans is not None:
             return defer.succeed(spans)
         return self._store.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset, True)
