@@ -9,8 +9,8 @@ either side), one side at a time:
 
 1. append 1 KiB records in 64-record batches, pipelined: ``--fsync always`` vs ``appendfsync always``
    and ``--fsync interval:1000`` vs ``appendfsync everysec`` (records/s and the ratio);
-2. sequential read of the ``--records`` records appended in (1): FETCH (1 MiB per request) vs
-   ``XRANGE key (last + COUNT 1000``, one request at a time;
+2. sequential read of the ``--records`` records appended in (1): FETCH (1 MiB per request: 16
+   batches, 1024 records) vs ``XRANGE key (last + COUNT 1024``, one request at a time;
 3. append latency p50/p99/p99.9 at a steady 20 MB/s (64 KiB batches paced open-loop), both fsync
    pairs.
 """
@@ -37,6 +37,9 @@ from storage import record_batch  # noqa: E402
 RECORD_SIZE = 1024
 BATCH_RECORDS = 64
 FETCH_BYTES = 1 << 20
+# Records per read request on both sides: a 1 MiB FETCH returns whole batches until it has 1 MiB,
+# i.e. 16 batches of 64 (~66 KB each), so XRANGE asks for the same 1024.
+XRANGE_COUNT = 1024
 
 
 def free_port():
@@ -184,9 +187,10 @@ def _recv_exact_into(s, view):
 
 
 def sbp_read_load(port, sid, total, q):
-    """Sequential FETCHes, one at a time; each reply is received straight into one buffer (no
-    re-buffering), every batch's CRC and the frame's CRC checked in one pass, and the batch headers
-    walked for the next offset."""
+    """Sequential FETCHes, one at a time. Each reply is received straight into one buffer (no
+    re-buffering) and checked as it arrives, as the Redis reader counts its reply's marks as they
+    arrive: every batch's records CRC is computed and checked once the batch is in, the frame CRC
+    combined from them and checked at the end, and the batch headers walked for the next offset."""
     s = _connect(port)
     buf = bytearray(codec.MAX_FRAME_LENGTH + 4)
     view = memoryview(buf)
@@ -199,24 +203,39 @@ def sbp_read_load(port, sid, total, q):
         rid += 1
         header = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, offset, FETCH_BYTES)]))
         s.sendall(codec.encode_frame(codec.FETCH, 0, rid, header))
-        _recv_exact_into(s, view[:4])
-        (length,) = struct.unpack_from(">I", buf, 0)
-        _recv_exact_into(s, view[4:4 + length])
-        _length, magic, opcode, flags, stream_id, fmt_hlen = codec.PREFIX.unpack_from(buf, 0)
-        hlen = fmt_hlen & 0xFFFFFF
-        pstart, pend = 16 + hlen, length
-        (crc,) = struct.unpack_from(">I", buf, pend)
-        if pend == pstart:
-            break
-        # one pass: every batch's records CRC is checked, and the frame CRC is combined from them
-        if flags != 0x03 or crc != codec.batches_crc(buf, pstart, pend, verify=True):
+        n = 0
+        end = None  # frame end (4 + frame_length), once the prefix is in
+        pos = pend = None
+        crc = 0
+        records = 0
+        while end is None or n < end:
+            k = s.recv_into(view[n:] if end is None else view[n:end])
+            if not k:
+                raise ConnectionError("closed")
+            n += k
+            if end is None:
+                if n < codec.PREFIX_SIZE:
+                    continue
+                length, _magic, _opcode, flags, _stream_id, fmt_hlen = codec.PREFIX.unpack_from(buf, 0)
+                end = 4 + length
+                pos = codec.PREFIX_SIZE + (fmt_hlen & 0xFFFFFF)
+                pend = length  # the frame's CRC follows the payload
+            # check every batch that is complete
+            while pos + record_batch.HEADER_SIZE <= min(n, pend):
+                h = record_batch.read_header(buf, pos)
+                bend = pos + record_batch.HEADER_SIZE + h.records_len
+                if bend > n:
+                    break
+                crc = codec.batches_crc(buf, pos, bend, crc, verify=True)  # ValueError if corrupt
+                records += h.record_count
+                offset = h.base_offset + h.record_count
+                pos = bend
+        if pend == codec.PREFIX_SIZE + (fmt_hlen & 0xFFFFFF):
+            break  # empty reply
+        (frame_crc,) = struct.unpack_from(">I", buf, pend)
+        if flags != 0x03 or pos != pend or crc != frame_crc:
             raise AssertionError("bad FETCH reply")
-        pos = pstart
-        while pos < pend:
-            h = record_batch.read_header(buf, pos)
-            pos += record_batch.HEADER_SIZE + h.records_len
-            got += h.record_count
-        offset = h.base_offset + h.record_count
+        got += records
     el = time.perf_counter() - t0
     s.close()
     q.put({"seconds": el, "records": got, "requests": rid, "client_cpu": time.process_time() - c0})
@@ -227,7 +246,7 @@ _XR_VALUE_HEAD = b"*2\r\n$1\r\nf\r\n$%d\r\n" % RECORD_SIZE
 
 
 def redis_read_load(port, total, q):
-    """Sequential XRANGE ... COUNT 1000, one at a time. A reply is complete once it holds 2 x count
+    """Sequential XRANGE ... COUNT 1024, one at a time. A reply is complete once it holds 2 x count
     entry marks and the last value's bytes (values never contain the marks); only the last entry
     is parsed, for the next start ID. bytes.count/rfind run in C, so the client stays cheap."""
     s = _connect(port)
@@ -241,7 +260,7 @@ def redis_read_load(port, total, q):
     while got < total:
         requests += 1
         start = last if last == b"-" else b"(" + last
-        s.sendall(redis_cmd(b"XRANGE", b"s", start, b"+", b"COUNT", b"1000"))
+        s.sendall(redis_cmd(b"XRANGE", b"s", start, b"+", b"COUNT", b"%d" % XRANGE_COUNT))
         n = 0
         count = None
         marks = 0
@@ -472,7 +491,7 @@ def main():
             if fsync != "always":
                 r1 = sbp_read["records"] / sbp_read["seconds"]
                 r2 = red_read["records"] / red_read["seconds"]
-                print("sequential read of %d records (FETCH 1 MiB vs XRANGE COUNT 1000):" % sbp_read["records"])
+                print("sequential read of %d records (FETCH 1 MiB vs XRANGE COUNT %d):" % (sbp_read["records"], XRANGE_COUNT))
                 print("  SBP   %s  (%d requests; server CPU %.2f s, client CPU %.2f s)" % (
                     fmt_rate(r1), sbp_read["requests"], sbp_read["server_cpu"], sbp_read["client_cpu"]))
                 print("  Redis %s  (%d requests; server CPU %.2f s, client CPU %.2f s)" % (

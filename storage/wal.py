@@ -20,6 +20,7 @@ import struct
 import time
 import zlib
 
+from storage.crc import crc32_combine
 from storage.errors import DataCorrupted, OffsetOutOfRange
 
 ENTRY = struct.Struct(">IIB")
@@ -29,6 +30,13 @@ MAX_PAYLOAD = 1 << 30
 
 T_BATCH = 1  # payload: u64 stream_id | u64 append_ms | record batch
 T_OPS = 2  # payload: msgpack list of raw index operations (storage.store.apply_ops)
+
+# A batch entry's fixed head: entry framing, u64 stream_id | u64 append_ms, the record batch's
+# 29-byte header (u8 magic | i64 base_offset | i32 record_count | i64 base_ts | u32 crc | i32 records_len)
+_BATCH_HEAD = struct.Struct(">IIBQQBqiqIi")
+BATCH_HEAD_SIZE = _BATCH_HEAD.size  # 54
+BATCH_AT = ENTRY_SIZE + 16  # where the record batch starts in a batch entry
+_BATCH_MAGIC = 0x22
 
 SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
@@ -44,6 +52,66 @@ def entry_crc(base: int, etype: int, parts) -> int:
 
 def segment_name(base: int) -> str:
     return "%020d%s" % (base, SUFFIX)
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+class SegmentFile:
+    """A private duplicate of a WAL segment's fd, closed when the last reference goes. It stays valid
+    however long a reader holds it: after the segment is deleted, and after the WAL closes the
+    segment's own fd (whose number the OS may then reuse for another file)."""
+
+    __slots__ = ("fd", "__weakref__")
+
+    def __init__(self, fd: int):
+        self.fd = os.dup(fd)
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class FileSpan:
+    """Where one stored record batch lies: ``length`` bytes at ``offset`` of ``file.fd`` (a
+    SegmentFile). ``header`` is a copy of the batch's first 29 bytes (its record batch header).
+    The bytes never change (stored batches are immutable); ``len(span)`` is the batch's length."""
+
+    __slots__ = ("file", "offset", "length", "header")
+
+    def __init__(self, file: SegmentFile, offset: int, length: int, header: bytes):
+        self.file = file
+        self.offset = offset
+        self.length = length
+        self.header = header
+
+    def __len__(self):
+        return self.length
+
+    def read(self) -> bytes:
+        """The batch's bytes (blocking: a read pool, a test, a transport that cannot sendfile)."""
+        data = os.pread(self.file.fd, self.length, self.offset)
+        if len(data) != self.length:
+            raise DataCorrupted("batch at file offset %d is truncated" % self.offset)
+        return data
+
+
+def _span_from_head(head, f, base, off, total, sid, base_offset, count):
+    """The FileSpan of the batch entry at ``off`` of segment ``base`` (file ``f``) whose first 54
+    bytes are ``head``, if they check out (``Wal.batch_span``); else None."""
+    if len(head) < BATCH_HEAD_SIZE or total < BATCH_HEAD_SIZE:
+        return None
+    (length, crc, t, h_sid, _ms, magic, h_base, h_count, _ts, records_crc,
+     records_len) = _BATCH_HEAD.unpack(head)
+    if (t != T_BATCH or length != total - ENTRY_SIZE or h_sid != sid or magic != _BATCH_MAGIC
+            or h_base != base_offset or h_count != count or records_len != total - BATCH_HEAD_SIZE):
+        return None
+    head_crc = zlib.crc32(head[ENTRY_SIZE:], zlib.crc32(_CRC_PREFIX.pack(base, length, t)))
+    if crc32_combine(head_crc, records_crc, records_len) != crc:
+        return None
+    return FileSpan(f, off + BATCH_AT, total - BATCH_AT, bytes(head[BATCH_AT:]))
 
 
 class Wal:
@@ -64,6 +132,7 @@ class Wal:
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
         self.batch_pending = False  # a batch entry was written since the last sync
+        self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -269,6 +338,101 @@ class Wal:
             raise DataCorrupted("entry at %d failed its CRC" % pos)
         return body
 
+    def batch_span(self, pos: int, total: int, sid: int, base_offset: int, count: int, files: dict):
+        """A FileSpan for the ``total``-byte batch entry at ``pos`` (stream ``sid``, batch at
+        ``base_offset`` with ``count`` records per the index), or None when the quick check below
+        fails (the caller then reads the entry with the full CRC check, ``read_batch``).
+
+        The check reads only the entry's 54-byte head: framing, stream id, the batch header
+        against the index, and the entry's CRC recomputed from the head's bytes and the batch's
+        stored records CRC with ``crc32_combine`` (O(1), no pass over the records block). So every
+        byte but the records block is verified, and the stored records CRC is the one the block
+        had when it was written: a reader checking the block against it (SBP's frame CRC) detects
+        a block that changed on disk. ``files`` maps segment base -> SegmentFile for this read."""
+        base, f = self._segment_file(pos, files)
+        off = pos - base
+        return _span_from_head(os.pread(f.fd, BATCH_HEAD_SIZE, off), f, base, off, total, sid, base_offset, count)
+
+    def cached_spans(self, sid: int, entries, files: dict):
+        """``batch_span`` for each ``(pos, total, base_offset, count)`` without ever waiting for
+        the disk (the reactor thread): the heads are read with preadv2(RWF_NOWAIT), and each
+        batch's last byte (plus one byte every 64 KiB back from it in batches over 68 KiB) is
+        probed the same way, one batch's last byte in the same read as the next batch's head when
+        they are adjacent. None if any of it is not in the page cache or any check fails (the
+        caller goes to the read pool, which checks properly)."""
+        if _NOWAIT is None:
+            return None
+        out = []
+        buf = bytearray(1 + BATCH_HEAD_SIZE)
+        view = memoryview(buf)
+        head = view[1:]
+        whole = [view]
+        head_only = [head]
+        preadv = os.preadv
+        prev_f = prev_end = None
+        try:
+            for pos, total, base_offset, count in entries:
+                base, f = self._segment_file(pos, files)
+                off = pos - base
+                if f is prev_f and off == prev_end:
+                    n = preadv(f.fd, whole, off - 1, _NOWAIT) - 1  # the previous batch's last byte too
+                else:
+                    if prev_f is not None and preadv(prev_f.fd, [view[:1]], prev_end - 1, _NOWAIT) != 1:
+                        return None
+                    n = preadv(f.fd, head_only, off, _NOWAIT)
+                if n != BATCH_HEAD_SIZE:
+                    return None
+                for at in range(off + total - 1 - (64 << 10), off + 4096, -(64 << 10)):
+                    if preadv(f.fd, [view[:1]], at, _NOWAIT) != 1:
+                        return None
+                span = _span_from_head(head, f, base, off, total, sid, base_offset, count)
+                if span is None:
+                    return None
+                out.append(span)
+                prev_f, prev_end = f, off + total
+            if prev_f is not None and preadv(prev_f.fd, [view[:1]], prev_end - 1, _NOWAIT) != 1:
+                return None
+        except OSError:  # EAGAIN: not in the page cache; EOPNOTSUPP: the file system cannot tell
+            return None
+        return out
+
+    def _segment_file(self, pos: int, files: dict):
+        """(segment base, SegmentFile) of the segment holding ``pos``, one per read in ``files``."""
+        bases = self.bases
+        i = bisect.bisect_right(bases, pos) - 1
+        base = bases[i] if i >= 0 else None
+        f = files.get(base)
+        if f is None:
+            fd = self.fds.get(base) if base is not None else None
+            if fd is None:
+                raise OffsetOutOfRange("position %d is no longer stored" % pos)
+            f = files[base] = SegmentFile(fd)
+        return base, f
+
+    def warm(self, spans):
+        """Bring the spans' bytes into the page cache (read pool), so a later ``sendfile`` of them
+        on the reactor thread finds them in memory instead of waiting for the disk. ``sendfile``
+        to /dev/null reads the pages without copying them anywhere. A file shorter than a span
+        (truncated behind our back) raises DataCorrupted."""
+        ranges = {}
+        for s in spans:
+            r = ranges.get(s.file)
+            end = s.offset + s.length
+            if r is None:
+                ranges[s.file] = [s.offset, end]
+            else:
+                r[0] = min(r[0], s.offset)
+                r[1] = max(r[1], end)
+        if not ranges:
+            return
+        null = self._null
+        for f, (lo, hi) in ranges.items():
+            while lo < hi:
+                n = os.sendfile(null, f.fd, lo, hi - lo)
+                if n <= 0:
+                    raise DataCorrupted("a WAL segment ends before the batches the index names")
+                lo += n
+
     def read_span(self, pos: int, total: int):
         """Raw bytes of ``total`` bytes at ``pos`` in one segment and that segment's base."""
         bases = self.bases
@@ -321,3 +485,6 @@ class Wal:
                 pass
         self.fds = {}
         self.graveyard = []
+        if self._null is not None:
+            os.close(self._null)
+            self._null = None

@@ -381,10 +381,16 @@ class BlockingSbpClient:
             self.close()
             raise SbpConnectionError("send to %s:%d failed: %s" % (self.host, self.port, e)) from None
 
-    def _read_frame(self, deadline=None):
+    def _read_frame(self, deadline=None, sid=None):
         while True:
             try:
                 f = self._frames.next()
+            except codec.BadCrc as e:
+                # a whole frame whose payload fails its CRC (stored data corrupted): that reply
+                # fails, the connection goes on
+                if sid is not None and e.stream_id == sid:
+                    raise SbpError(codec.DATA_CORRUPTED, "reply failed its CRC: %s" % e) from None
+                continue
             except codec.FrameError as e:
                 self.close()
                 raise SbpConnectionError("bad frame from server: %s" % e) from None
@@ -409,7 +415,7 @@ class BlockingSbpClient:
         asm = ReplyAssembler(call.opcode)
         deadline = time.monotonic() + self.timeout + extra_wait
         while True:
-            f = self._read_frame(deadline)
+            f = self._read_frame(deadline, sid)
             if f.opcode == codec.GOAWAY and not f.is_response:
                 self._goaway = True
                 continue  # the server is going away: our in-flight request still gets its reply
@@ -603,6 +609,14 @@ class SbpClientProtocol(Protocol):
                 self.log.warn("bad frame from server: {error}", error=str(e))
                 self.transport.loseConnection()
                 return
+            except codec.BadCrc as e:
+                # the reply's payload fails its CRC (stored data corrupted): that call fails
+                entry = self.pending.pop(e.stream_id, None)
+                if entry is not None:
+                    entry[2].errback(SbpError(codec.DATA_CORRUPTED, "reply failed its CRC: %s" % e))
+                else:
+                    self.log.warn("frame discarded: {error}", error=str(e))
+                continue
             except codec.FrameError as e:
                 self.log.warn("frame discarded: {error}", error=str(e))
                 continue

@@ -20,7 +20,6 @@ table decodes to an instance of a generated dataclass named as in the schema (``
 import binascii
 import dataclasses
 import struct
-import zlib
 from typing import List, Optional
 
 import flatbuffers
@@ -128,74 +127,23 @@ FRAME_OVERHEAD = PREFIX_SIZE + 4
 _crc32 = binascii.crc32
 crc32 = binascii.crc32
 
-
-def _load_crc32_combine():
-    """zlib's crc32_combine(crc1, crc2, len2) through ctypes (about 0.7 us); None without libz."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        lib = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
-        fn = lib.crc32_combine
-        fn.restype = ctypes.c_ulong
-        fn.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long]
-        if fn(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) != zlib.crc32(b"abcd"):
-            return None
-        return fn
-    except Exception:
-        return None
-
-
-_crc32_combine = _load_crc32_combine()
-
-
-def _gf2_times(mat, vec):
-    out = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat):
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def _crc32_combine_py(crc1, crc2, len2):
-    """zlib's crc32_combine in Python (the fallback when libz cannot be loaded; slow)."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
-
-
-def crc32_combine(crc1, crc2, len2):
-    """CRC-32 of A + B from crc32(A), crc32(B) and len(B)."""
-    if _crc32_combine is not None:
-        return _crc32_combine(crc1, crc2, len2)
-    return _crc32_combine_py(crc1, crc2, len2)
+# zlib's crc32_combine (ctypes, ~0.7 us): storage/crc.py
+from storage.crc import crc32_combine  # noqa: E402
 
 
 _BATCH_CRC_AT = 21  # record batch: u8 magic, i64 base_offset, i32 count, i64 base_ts, then u32 crc
 _BATCH_HEADER_SIZE = 29
+
+
+def batch_crc_from_header(header, batch_length, crc=0):
+    """``crc`` extended over one record batch of ``batch_length`` bytes known only by its 29-byte
+    ``header`` (whose stored records-block CRC stands in for the block). ValueError if the
+    header's records_len does not match ``batch_length``."""
+    (stored,) = _CRC.unpack_from(header, _BATCH_CRC_AT)
+    (records_len,) = _I32BE.unpack_from(header, 25)
+    if records_len != batch_length - _BATCH_HEADER_SIZE:
+        raise ValueError("batch header does not match its length")
+    return crc32_combine(_crc32(memoryview(header)[:_BATCH_HEADER_SIZE], crc), stored, records_len)
 
 
 def batches_crc(buf, start, end, crc=0, verify=False):
@@ -293,6 +241,13 @@ class BadFrame(FrameError):
     """Bad CRC or header_length beyond the frame: system error with status 2."""
 
 
+class BadCrc(BadFrame):
+    """A whole frame whose payload fails its CRC. The frame was consumed, so the connection stays
+    usable. In a FETCH reply it means the stored batches changed since they were written: the
+    server sends big batches straight from its files with a frame CRC derived from the CRCs they
+    were stored with, so the reader's check is what catches a records block corrupted on disk."""
+
+
 class UnsupportedHeaderFormat(FrameError):
     """header_format other than 1: system error with status 3."""
 
@@ -371,7 +326,7 @@ def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=()) -> Fr
     if not deferred:
         expect = _crc32(payload) if payload else 0
         if crc != expect:
-            raise BadFrame("payload crc 0x%08x != 0x%08x" % (crc, expect), opcode, stream_id)
+            raise BadCrc("payload crc 0x%08x != 0x%08x" % (crc, expect), opcode, stream_id)
     fmt = fmt_hlen >> 24
     if fmt != HEADER_FORMAT_FLATBUFFERS:
         raise UnsupportedHeaderFormat("header format %d is not FlatBuffers (1)" % fmt, opcode, stream_id)

@@ -9,6 +9,12 @@ reads outstanding; past it the server stops reading that connection (``transport
 and replies carry ``throttle_time_ms``. The protocol is also the transport's streaming producer: when
 the socket's send buffer fills (a slow FETCH reader) the server stops reading new requests until it
 drains, so the node never buffers more than the replies to requests already accepted.
+
+Zero-copy FETCH: on a plain TCP/UNIX connection the store answers FETCH reads with
+``log.read_spans`` (big batches as FileSpans: where they lie in the WAL files) and the reply goes
+out through a ``sendfile.FileSender``: prefix and header as bytes, each such batch with
+``os.sendfile`` from the file, then the CRC, derived from the stored batches' CRCs. The
+FileSender's queue is a second send buffer: over its limit the server stops reading as well.
 """
 
 import json
@@ -25,7 +31,9 @@ from zope.interface import implementer
 
 from protocols.sbp import codec
 from protocols.sbp.codec import T
+from protocols.sbp.sendfile import FileSender
 from storage import errors, record_batch
+from storage.wal import FileSpan
 
 _BATCH_HEADER = record_batch.HEADER
 _BATCH_HEADER_SIZE = record_batch.HEADER_SIZE
@@ -127,6 +135,10 @@ _DEFER_CRC = frozenset([codec.APPEND])
 class SbpServerFactory(Factory):
     log = Logger()
 
+    # FETCH replies send big stored batches straight from the WAL files (os.sendfile) on plain
+    # TCP/UNIX connections; False: every reply is bytes read by the store's read pool.
+    zero_copy = True
+
     def __init__(self, node, inflight_budget=DEFAULT_INFLIGHT_BUDGET):
         self.node = node
         self.store = node.store
@@ -135,7 +147,7 @@ class SbpServerFactory(Factory):
         self.connections = set()
         self.shutting_down = False
         metrics = node.metrics.setdefault("sbp", {})
-        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "read_ahead_hits", "errors"):
+        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "errors"):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
@@ -190,6 +202,10 @@ class SbpServerProtocol(Protocol):
         self._read_ahead = None
         self._fetches = set()  # _FetchOp in progress
         self._idle_waiters = []
+        self._sender = None  # FileSender: replies with batches sent from the WAL files
+        self._send_backlog = False  # the FileSender's queue is over its limit
+        self._out = None  # where replies are written: the FileSender, or the transport
+        self._read = None  # store.log.read, or read_spans with a FileSender
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -201,6 +217,14 @@ class SbpServerProtocol(Protocol):
         peer = self.transport.getPeer()
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
         self.transport.registerProducer(self, True)
+        if self.factory.zero_copy:
+            self._sender = FileSender.for_transport(self.transport, self._backlog)
+        if self._sender is not None:
+            self._out = self._sender
+            self._read = self.store.log.read_spans
+        else:
+            self._out = self.transport
+            self._read = self.store.log.read if self.store is not None else None
         # FETCH replies run to 16 MiB: hand the kernel up to 4 MiB per send() instead of Twisted's
         # 128 KiB (one reactor iteration each): fewer iterations per big reply.
         if getattr(self.transport, "SEND_LIMIT", None) is not None:
@@ -218,6 +242,8 @@ class SbpServerProtocol(Protocol):
             op.cancel()
         self._fetches.clear()
         self._read_ahead = None
+        if self._sender is not None:
+            self._sender.discard()
         self.frames = codec.FrameBuffer()
         self._fire_idle()
 
@@ -235,8 +261,22 @@ class SbpServerProtocol(Protocol):
     def stopProducing(self):
         pass
 
+    def _backlog(self, full):
+        """The FileSender's queue went over its limit (full) or drained."""
+        self._send_backlog = full
+        self._update_reading()
+        if not full and not self._reading_paused and not self._lost:
+            self._process()
+
+    def _lose(self):
+        if self._sender is not None:
+            self._sender.lose_connection()
+        else:
+            self.transport.loseConnection()
+
     def _update_reading(self):
-        want = self._write_paused or self._closing or self._inflight_bytes > self.factory.inflight_budget
+        want = (self._write_paused or self._send_backlog or self._closing
+                or self._inflight_bytes > self.factory.inflight_budget)
         if want != self._reading_paused and not self._lost:
             self._reading_paused = want
             if want:
@@ -272,7 +312,7 @@ class SbpServerProtocol(Protocol):
         if self._closing and not self._lost and not self._close_sent:
             self._close_sent = True
             self.transport.unregisterProducer()
-            self.transport.loseConnection()  # after the buffered replies are written
+            self._lose()  # after the buffered replies are written
         if self._lost:
             # only once the connection is really closed: our last replies have left
             waiters, self._idle_waiters = self._idle_waiters, []
@@ -289,7 +329,7 @@ class SbpServerProtocol(Protocol):
         if not self._closing:
             self._closing = True
             self._update_reading()
-            self.transport.write(codec.goaway_frame())
+            self._out.write(codec.goaway_frame())
             for op in list(self._fetches):
                 op.shutdown()
         self._fire_idle()
@@ -322,8 +362,8 @@ class SbpServerProtocol(Protocol):
                 frame = frames.next()
             except codec.FrameLengthError as e:
                 self._warn("frame refused, closing: {error}", e)
-                self.transport.write(codec.goaway_frame())
-                self.transport.loseConnection()
+                self._out.write(codec.goaway_frame())
+                self._lose()
                 self._lost = True
                 return
             except codec.FrameError as e:
@@ -331,7 +371,7 @@ class SbpServerProtocol(Protocol):
                     self._warn("frame discarded: {error}", e)
                 else:
                     self._warn("bad frame: {error}", e)
-                    self.transport.write(codec.system_error_frame(e.opcode, e.stream_id, e.status, str(e)))
+                    self._out.write(codec.system_error_frame(e.opcode, e.stream_id, e.status, str(e)))
                 continue
             if frame is None:
                 return
@@ -342,11 +382,11 @@ class SbpServerProtocol(Protocol):
                 self._dispatch(frame)
             except codec.HeaderDecodeError as e:
                 self._warn("bad extended header: {error}", e)
-                self.transport.write(codec.system_error_frame(frame.opcode, frame.stream_id, codec.INVALID_REQUEST, str(e)))
+                self._out.write(codec.system_error_frame(frame.opcode, frame.stream_id, codec.INVALID_REQUEST, str(e)))
             except Exception as e:  # a bug must not take the connection down
                 self.log.failure("SBP request 0x{opcode:04x} failed", opcode=frame.opcode)
                 self.factory.metrics["errors"] += 1
-                self.transport.write(codec.system_error_frame(frame.opcode, frame.stream_id, codec.UNKNOWN, str(e)))
+                self._out.write(codec.system_error_frame(frame.opcode, frame.stream_id, codec.UNKNOWN, str(e)))
 
     def _warn(self, fmt, e):
         self.factory.metrics["errors"] += 1
@@ -355,7 +395,7 @@ class SbpServerProtocol(Protocol):
     def _reply(self, frame, table_name, obj):
         if self._lost:
             return
-        self.transport.write(codec.encode_frame(frame.opcode, codec.RESPONSE_LAST, frame.stream_id, codec.encode_table(table_name, obj)))
+        self._out.write(codec.encode_frame(frame.opcode, codec.RESPONSE_LAST, frame.stream_id, codec.encode_table(table_name, obj)))
 
     def _dispatch(self, frame):
         op = frame.opcode
@@ -365,7 +405,7 @@ class SbpServerProtocol(Protocol):
             return self.do_fetch(frame)
         if op == codec.PING:
             # CONTRACT §3: echoed with flags 0x03, same header and payload
-            self.transport.writeSequence(codec.encode_frame_parts(
+            self._out.writeSequence(codec.encode_frame_parts(
                 codec.PING, codec.RESPONSE_LAST, frame.stream_id, frame.header, (frame.payload,) if frame.payload else ()))
             return
         if op == codec.GOAWAY:
@@ -443,8 +483,8 @@ class SbpServerProtocol(Protocol):
         if batches is None:
             # CONTRACT §3: lengths that do not add up to the payload: system error INVALID_REQUEST
             self._warn("APPEND batch lengths do not add up: {error}", "%d entries" % len(infos))
-            self.transport.write(codec.system_error_frame(codec.APPEND, frame.stream_id, codec.INVALID_REQUEST,
-                                                          "batch lengths do not add up to the payload"))
+            self._out.write(codec.system_error_frame(codec.APPEND, frame.stream_id, codec.INVALID_REQUEST,
+                                                     "batch lengths do not add up to the payload"))
             return
         # CONTRACT §3: the frame's payload CRC, from each entry's header bytes and its records
         # block CRC (which validation needs anyway) combined: one pass over the payload, not two.
@@ -462,8 +502,8 @@ class SbpServerProtocol(Protocol):
             block_crcs.append(bcrc)
         if frame.crc is not None and frame_crc != frame.crc:
             self._warn("bad frame: {error}", "APPEND payload crc 0x%08x != 0x%08x" % (frame.crc, frame_crc))
-            self.transport.write(codec.system_error_frame(codec.APPEND, frame.stream_id, codec.INVALID_REQUEST,
-                                                          "payload crc mismatch"))
+            self._out.write(codec.system_error_frame(codec.APPEND, frame.stream_id, codec.INVALID_REQUEST,
+                                                     "payload crc mismatch"))
             return
         nbytes = len(frame.payload)
         metrics = self.factory.metrics
@@ -542,7 +582,7 @@ class SbpServerProtocol(Protocol):
     def _appended_one(self, base, frame, info, now_ms, nbytes):
         if not self._lost:
             header = codec.encode_append_response_one(self.throttle_time_ms(), info.stream_id, info.request_index, base, now_ms)
-            self.transport.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
+            self._out.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
         self._end(nbytes)
 
     def _append_one_failed(self, failure, frame, info, now_ms, nbytes):
@@ -557,7 +597,7 @@ class SbpServerProtocol(Protocol):
             r = results[0]
             header = codec.encode_append_response_one(self.throttle_time_ms(), r.stream_id, r.request_index,
                                                       r.base_offset, r.stream_append_time_ms)
-            self.transport.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
+            self._out.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
             return
         # a frame of many tiny entries could need a reply header over 16 MiB: split the results
         # over several frames (0x01 each, the last 0x03), as FETCH does
@@ -565,14 +605,16 @@ class SbpServerProtocol(Protocol):
         for i, chunk in enumerate(chunks):
             flags = codec.RESPONSE_LAST if i == len(chunks) - 1 else codec.FLAG_RESPONSE
             header = codec.encode_table("AppendResponse", T.AppendResponse(self.throttle_time_ms(), codec.status(), chunk))
-            self.transport.write(codec.encode_frame(codec.APPEND, flags, frame.stream_id, header))
+            self._out.write(codec.encode_frame(codec.APPEND, flags, frame.stream_id, header))
 
     # -- FETCH -----------------------------------------------------------------------------------
 
     def _start_read_ahead(self, sid, offset, max_bytes):
-        """After a single-stream FETCH ending at ``offset`` below the stream's tail, read the next
-        ``max_bytes`` in the store's read pool while the reply travels, so a sequential reader's
-        next FETCH finds it ready. One per connection (the latest), at most READ_AHEAD_MAX bytes."""
+        """After a single-stream FETCH ending at ``offset`` below the stream's tail (and once its
+        reply is written), read the next ``max_bytes`` while the reply travels, so a sequential
+        reader's next FETCH finds it ready: in the store's read pool, or at once from the page
+        cache (``read_spans``) while the reader is still busy with this reply. One per connection
+        (the latest), at most READ_AHEAD_MAX bytes."""
         if max_bytes > READ_AHEAD_MAX or self._lost or self._closing:
             return
         try:
@@ -581,15 +623,16 @@ class SbpServerProtocol(Protocol):
             return
         if offset >= meta.next_offset or offset < meta.trim_offset:
             return
-        self._read_ahead = _ReadAhead(self.store.log, sid, offset, max_bytes, meta.next_offset)
+        self._read_ahead = _ReadAhead(self._read, sid, offset, max_bytes, meta.next_offset)
 
     def _read_ahead_or_read(self, sid, offset, max_bytes):
-        """``store.log.read(sid, offset, max_bytes)``, served from the read-ahead when it matches.
+        """``store.log.read(sid, offset, max_bytes)`` (``read_spans`` with a FileSender), served from
+        the read-ahead when it matches.
         Stored batches never change, so a read-ahead result is what a read now would return,
         unless it stopped at the tail (under max_bytes) and the stream has grown since."""
         ra, self._read_ahead = self._read_ahead, None
         if ra is None or ra.key != (sid, offset, max_bytes):
-            return self.store.log.read(sid, offset, max_bytes)
+            return self._read(sid, offset, max_bytes)
         out = defer.Deferred()
 
         def deliver(_):
@@ -604,7 +647,7 @@ class SbpServerProtocol(Protocol):
                 self.factory.metrics["read_ahead_hits"] += 1
                 out.callback(ra.batches)
             else:
-                self.store.log.read(sid, offset, max_bytes).addBoth(lambda r: None if out.called else out.callback(r))
+                self._read(sid, offset, max_bytes).addBoth(lambda r: None if out.called else out.callback(r))
 
         ra.when_done(deliver)
         return out
@@ -842,7 +885,7 @@ class SbpServerProtocol(Protocol):
 class _ReadAhead:
     __slots__ = ("key", "next_at_read", "batches", "nbytes", "failure", "done", "_waiters")
 
-    def __init__(self, log, sid, offset, max_bytes, next_at_read):
+    def __init__(self, read, sid, offset, max_bytes, next_at_read):
         self.key = (sid, offset, max_bytes)
         self.next_at_read = next_at_read
         self.batches = None
@@ -851,7 +894,7 @@ class _ReadAhead:
         self.done = False
         self._waiters = []
         try:
-            d = log.read(sid, offset, max_bytes)
+            d = read(sid, offset, max_bytes)
         except Exception as e:  # pragma: no cover (the store returns failed Deferreds)
             d = defer.fail(e)
         d.addCallbacks(self._got, self._failed)
@@ -990,6 +1033,7 @@ class _FetchOp:
         self.proto._begin(max_bytes)
         d = self.proto._read_ahead_or_read(info.stream_id, info.fetch_offset, max_bytes)
         e.wait = d
+        ahead = []
 
         def got(batches):
             e.wait = None
@@ -1005,9 +1049,10 @@ class _FetchOp:
             e.nbytes = total
             self._complete(e, codec.status() if taken else codec.status(codec.NO_NEW_RECORD, "no new record"))
             if taken and len(self.entries) == 1:
-                # a sequential reader will ask for what follows: read it ahead
-                last = record_batch.read_header(taken[-1])
-                self.proto._start_read_ahead(info.stream_id, last.base_offset + last.record_count, max_bytes)
+                # a sequential reader will ask for what follows: read it ahead (once this reply
+                # is written: from the page cache that is done at once, on this thread)
+                last = record_batch.read_header(_head(taken[-1]))
+                ahead.append(last.base_offset + last.record_count)
 
         def failed(f):
             e.wait = None
@@ -1019,6 +1064,8 @@ class _FetchOp:
             # write first: a full send buffer pauses reading before the budget is released
             self.reserved -= max_bytes
             self._flush()
+            if ahead:
+                self.proto._start_read_ahead(info.stream_id, ahead[0], max_bytes)
             self.proto._end(max_bytes)
 
         d.addCallbacks(got, failed)
@@ -1074,7 +1121,7 @@ class _FetchOp:
                 w.cancel()
 
     def finish_empty(self):
-        self.proto.transport.write(codec.encode_frame(
+        self.proto._out.write(codec.encode_frame(
             codec.FETCH, codec.RESPONSE_LAST, self.frame.stream_id,
             codec.encode_table("FetchResponse", T.FetchResponse(self.proto.throttle_time_ms(), codec.status(), []))))
 
@@ -1114,20 +1161,34 @@ class _FetchOp:
                 header = codec.encode_table("FetchResponse", T.FetchResponse(proto.throttle_time_ms(), codec.status(), results))
             parts = [b for e in group for b in e.batches]
             metrics["fetch_bytes"] += sum(e.nbytes for e in group)
-            # the payload CRC from the stored batches' own CRCs (the store checked each batch when
-            # reading it): no pass over the payload on the reactor thread
+            # the payload CRC from the stored batches' own CRCs (the store checked each batch's
+            # head, and bytes batches whole, when reading it): no pass over the payload here
             crc = 0
-            try:
-                for b in parts:
-                    crc = codec.batches_crc(b, 0, len(b), crc)
-            except ValueError:
-                crc = None
-            proto.transport.writeSequence(codec.encode_frame_parts(codec.FETCH, flags, self.frame.stream_id, header, parts,
-                                                                   payload_crc=crc))
+            spans = 0
+            for b in parts:
+                if type(b) is FileSpan:
+                    crc = codec.batch_crc_from_header(b.header, b.length, crc)
+                    spans += b.length
+                else:
+                    try:
+                        crc = codec.batches_crc(b, 0, len(b), crc)
+                    except ValueError:
+                        crc = codec.crc32(b, crc)
+            frame_parts = codec.encode_frame_parts(codec.FETCH, flags, self.frame.stream_id, header, parts, payload_crc=crc)
+            if spans:
+                metrics["fetch_sendfile_bytes"] += spans
+                proto._sender.send(frame_parts)
+            else:
+                proto._out.writeSequence(frame_parts)
             for e in group:
                 e.batches = []
         if last:
             proto._fetch_done(self)
+
+
+def _head(batch):
+    """A batch's first bytes (its record batch header): bytes, or a FileSpan's copy of them."""
+    return batch.header if type(batch) is FileSpan else batch
 
 
 def build_factory(node):

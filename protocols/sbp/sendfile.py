@@ -1,0 +1,219 @@
+"""Replies whose stored batches go from WAL segment files to the socket with ``os.sendfile``.
+
+Twisted's TCP transport buffers bytes only, and every byte of a FETCH reply written through it is
+copied by the read pool (``pread``), joined by Twisted and copied again by ``send()``. A
+``FileSender`` sits beside the transport of one connection and keeps its output in order when part
+of it is file ranges (``storage.wal.FileSpan``: the store says where a batch lies, the protocol
+decides to sendfile it): the bytes already in Twisted's buffer go first, then the FileSender's
+queue (the reply's prefix and header, each batch straight from the page cache, the CRC), and any
+bytes written meanwhile wait behind it. So no thread touches reply data on its way out.
+
+It drives the socket from the reactor's writability events by standing in for the transport's
+``doWrite`` (the reactor calls the instance attribute): Twisted's own buffer is flushed by the
+original ``doWrite`` first, then the queue is sent until the socket is full, and once both are
+empty the original ``doWrite`` runs again so Twisted stops writing, resumes a producer it paused
+or finishes a ``loseConnection`` as usual. ``lose_connection()`` waits for the queue.
+
+Backpressure: ``on_backlog(True)`` once more than ``HIGH`` bytes wait in the queue,
+``on_backlog(False)`` once it is empty (the protocol stops and resumes reading requests, as it
+does for Twisted's buffer). Queued file ranges hold no memory, only a duplicate fd per segment.
+
+The store found the ranges' pages in the page cache (``Wal.cached_spans``) or brought them in from
+its read pool (``Wal.warm``), so ``sendfile`` on the reactor thread copies from memory rather than
+waiting for the disk.
+"""
+
+import os
+import socket
+from collections import deque
+
+from twisted.internet import main, tcp
+from twisted.logger import Logger
+
+from storage.wal import FileSpan
+
+
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)
+
+
+class FileSender:
+    log = Logger()
+
+    HIGH = 4 << 20  # queued bytes (file ranges included) above which on_backlog(True)
+
+    def __init__(self, transport, on_backlog):
+        self.transport = transport
+        self._sock = transport.socket
+        self._fileno = transport.socket.fileno()
+        self._queue = deque()  # bytes / memoryview, or [SegmentFile, offset, left]
+        self.queued = 0
+        self.sent_file_bytes = 0
+        self._on_backlog = on_backlog
+        self._backlogged = False
+        self._lose_when_drained = False
+        self._orig_do_write = transport.doWrite
+        transport.doWrite = self._do_write
+
+    @classmethod
+    def for_transport(cls, transport, on_backlog):
+        """A FileSender for a plain TCP (or UNIX) socket transport, else None (TLS, test
+        transports): then replies are written as bytes."""
+        if not isinstance(transport, tcp.Connection) or getattr(transport, "TLS", False):
+            return None
+        if not all(hasattr(transport, a) for a in ("dataBuffer", "offset", "_tempDataLen", "socket")):
+            return None  # not the Twisted FileDescriptor this was written against
+        try:
+            transport.socket.fileno()
+        except Exception:
+            return None
+        return cls(transport, on_backlog)
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """True while queued output waits (later bytes must queue behind it)."""
+        return bool(self._queue)
+
+    def write(self, data):
+        if self._queue:
+            self._queue.append(data)
+            self.queued += len(data)
+            self._check_backlog()
+        else:
+            self.transport.write(data)
+
+    def writeSequence(self, parts):
+        if self._queue:
+            for p in parts:
+                self.write(p)
+        else:
+            self.transport.writeSequence(parts)
+
+    def send(self, parts):
+        """Send ``parts`` (bytes and FileSpans) in order after everything written before."""
+        q = self._queue
+        small = []  # consecutive bytes parts go out in one send()
+        for p in parts:
+            if type(p) is FileSpan:
+                if small:
+                    self._queue_bytes(small)
+                    small = []
+                if p.length:
+                    q.append([p.file, p.offset, p.length])
+                    self.queued += p.length
+            elif p:
+                small.append(p)
+        if small:
+            self._queue_bytes(small)
+        if not q:
+            return
+        if not self._twisted_pending():
+            # the socket is probably writable now: send without waiting a reactor iteration
+            if not self._drain():
+                self._abort()
+                return
+        if q:
+            self.transport.startWriting()
+        self._drained_check()
+
+    def _queue_bytes(self, parts):
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._queue.append(data)
+        self.queued += len(data)
+
+    def lose_connection(self):
+        """``transport.loseConnection()`` once the queue has been sent."""
+        if self._queue:
+            self._lose_when_drained = True
+        else:
+            self.transport.loseConnection()
+
+    def discard(self):
+        """The connection is gone: drop the queue (its files are closed with the last reference)."""
+        self._queue.clear()
+        self.queued = 0
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _twisted_pending(self) -> bool:
+        t = self.transport
+        return bool(t._tempDataLen) or len(t.dataBuffer) > t.offset
+
+    def _check_backlog(self):
+        if self._queue:
+            if not self._backlogged and self.queued > self.HIGH:
+                self._backlogged = True
+                self._on_backlog(True)
+        elif self._backlogged:
+            self._backlogged = False
+            self._on_backlog(False)
+
+    def _drained_check(self):
+        self._check_backlog()
+        if self._lose_when_drained and not self._queue:
+            self._lose_when_drained = False
+            self.transport.loseConnection()
+
+    def _drain(self) -> bool:
+        """Send from the queue until it is empty or the socket is full; False on a fatal error."""
+        q = self._queue
+        sock = self._sock
+        out = self._fileno
+        try:
+            while q:
+                item = q[0]
+                if type(item) is list:
+                    f, off, left = item
+                    n = os.sendfile(out, f.fd, off, left)
+                    if n <= 0:
+                        # the file ends before the range the store named (truncated behind our
+                        # back): this frame cannot be completed
+                        self.log.error("WAL segment shorter than a FETCH reply's batch; closing the connection")
+                        return False
+                    self.queued -= n
+                    self.sent_file_bytes += n
+                    if n < left:
+                        item[1] = off + n
+                        item[2] = left - n
+                        return True  # the socket's buffer is full
+                else:
+                    # MSG_MORE when more follows (a reply's prefix and header before its batches):
+                    # no short segment of its own
+                    n = sock.send(item, _MSG_MORE if len(q) > 1 else 0)
+                    self.queued -= n
+                    if n < len(item):
+                        q[0] = memoryview(item)[n:]
+                        return True
+                q.popleft()
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as e:
+            self.log.debug("send failed: {error}", error=e)
+            return False
+        return True
+
+    def _abort(self):
+        self.discard()
+        self.transport.abortConnection()
+
+    def _do_write(self):
+        """The reactor found the socket writable."""
+        if self._twisted_pending() or not self._queue:
+            result = self._orig_do_write()
+            if result is not None or not self._queue or self._twisted_pending():
+                return result
+            # Twisted's buffer is sent (and it stopped writing): the queue is next
+        if not self._drain():
+            self.discard()
+            return main.CONNECTION_LOST
+        if self._queue:
+            self.transport.startWriting()
+            self._check_backlog()
+            return None
+        self._drained_check()  # may resume the protocol, which may queue more
+        if self._queue or self._twisted_pending():
+            self.transport.startWriting()
+            return None
+        # both empty: Twisted stops writing, resumes a producer it paused or closes as asked
+        return self._orig_do_write()
