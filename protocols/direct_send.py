@@ -15,14 +15,18 @@ This reads ``twisted.internet.abstract.FileDescriptor``'s buffer attributes (``d
 from twisted.internet import tcp
 
 
+def has_unsent(transport) -> bool:
+    """True while Twisted holds bytes of this (``tcp.Connection``) transport not yet sent."""
+    return bool(transport._tempDataLen) or len(transport.dataBuffer) > transport.offset
+
+
 def idle_socket(transport):
     """The transport's socket when it is a plain TCP or UNIX connection, open, not TLS, holding no
     unsent bytes; None otherwise."""
     if (
         not isinstance(transport, tcp.Connection)
         or transport.TLS
-        or transport._tempDataLen
-        or transport.offset != len(transport.dataBuffer)
+        or has_unsent(transport)
         or not transport.connected
         or transport.disconnecting
         or transport._writeDisconnected

@@ -131,7 +131,6 @@ class Wal:
         self._buf_start = self.end  # global position of _buf[0]
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
-        self.batch_pending = False  # a batch entry was written since the last sync
         self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
 
     # -- recovery ---------------------------------------------------------------------------------
@@ -213,8 +212,6 @@ class Wal:
             self.flush()
             self._new_segment(self.end)
         pos = self.end
-        if etype == T_BATCH:
-            self.batch_pending = True
         self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts), etype)
         for p in parts:
             self._buf += p
@@ -266,7 +263,6 @@ class Wal:
             if fd is not None:
                 os.fdatasync(fd)
         self._dirty.clear()
-        self.batch_pending = False
 
     @property
     def dirty(self) -> bool:

@@ -30,6 +30,7 @@ from collections import deque
 from twisted.internet import main, tcp
 from twisted.logger import Logger
 
+from protocols.direct_send import has_unsent
 from storage.wal import FileSpan
 
 
@@ -137,8 +138,7 @@ class FileSender:
     # -- internals ---------------------------------------------------------------------------------
 
     def _twisted_pending(self) -> bool:
-        t = self.transport
-        return bool(t._tempDataLen) or len(t.dataBuffer) > t.offset
+        return has_unsent(self.transport)
 
     def _check_backlog(self):
         if self._queue:
