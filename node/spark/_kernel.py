@@ -229,10 +229,13 @@ def decode_fetch(buf, lo, hi):
                 if p < 0:
                     break
                 if keep:
-                    name_offsets = grow(name_offsets, nh + 2)
-                    value_offsets = grow(value_offsets, nh + 2)
-                    name_data = grow(name_data, name_used + nl)
-                    value_data = grow(value_data, value_used + vl)
+                    if nh + 2 > name_offsets.size:
+                        name_offsets = grow(name_offsets, nh + 2)
+                        value_offsets = grow(value_offsets, nh + 2)
+                    if name_used + nl > name_data.size:
+                        name_data = grow(name_data, name_used + nl)
+                    if value_used + vl > value_data.size:
+                        value_data = grow(value_data, value_used + vl)
                     copy(name_data, name_used, buf, ns, nl)
                     copy(value_data, value_used, buf, vs, vl)
                     name_used += nl
