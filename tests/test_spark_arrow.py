@@ -392,8 +392,8 @@ def fetch_results(draw):
     base = draw(st.integers(0, 2**40))
     offset = base
     out = []
-    for _ in range(draw(st.integers(1, 4))):
-        n = draw(st.integers(1, 20))
+    for _ in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(1, 12))
         parts = [draw(encoded_array(n))]
         for i in range(n):
             parts.append(draw(encoded_array(4)) + draw(encoded_int(i)))
@@ -402,7 +402,7 @@ def fetch_results(draw):
             parts.append(draw(encoded_array(len(headers))))
             for name, value in headers:
                 parts.append(draw(encoded_array(2)) + draw(encoded_bytes(name)) + draw(encoded_bytes(value)))
-            parts.append(draw(encoded_bytes(draw(st.binary(max_size=300)))))
+            parts.append(draw(encoded_bytes(draw(st.binary(max_size=80)))))
         base_ts = draw(st.integers(-(2**62), 2**62))
         out.append(framed(b"".join(parts), n, base_offset=offset, base_ts=base_ts))
         offset += n

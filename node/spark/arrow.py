@@ -59,7 +59,9 @@ def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = True
         _check_crcs(buf, lo, hi)
     kernel = load_kernel()
     if kernel is not None:
-        out = kernel(np.frombuffer(buf, np.uint8), lo, hi)
+        data = np.frombuffer(buf, np.uint8)
+        data.flags.writeable = False  # one compiled signature (read-only), whatever buf is
+        out = kernel(data, lo, hi)
         if out[0] == KERNEL_OK:
             return _kernel_to_arrow(out, stream_id)
     return fetch_to_arrow_msgpack(buf, stream_id, lo, hi)
