@@ -19,10 +19,14 @@ goes through msgpack, as compiling in each Spark worker would cost more than it 
 process pays ``import numba`` and loading the cache once (about 0.5-1 s, see docs/spark.md).
 """
 
+import logging
 import os
+import sys
 import tempfile
 
 import numpy as np
+
+log = logging.getLogger("sbpnode.spark")
 
 # The kernel's status codes.
 OK = 0
@@ -32,20 +36,23 @@ _loaded = None
 
 
 def load_kernel():
-    """The compiled kernel, or None if numba is missing or can cache nowhere (callers then decode
-    with msgpack: compiling in every Spark worker would cost seconds per worker)."""
+    """The compiled kernel, or None if numba is missing, broken or can cache nowhere (callers then
+    decode with msgpack: compiling in every Spark worker would cost seconds per worker)."""
     global _loaded
     if _loaded is None:
-        _loaded = _import() or False
+        try:
+            _loaded = _import() or False
+        except Exception as e:  # a broken numba/llvmlite install must not break reads
+            log.warning("sbp: compiled decoder unavailable (%r); decoding with msgpack", e)
+            _loaded = False
     return _loaded or None
 
 
 def _import():
-    import sys
-
     try:
         from node.spark import _kernel as k
-    except ImportError:
+    except ImportError as e:
+        log.info("sbp: numba not importable (%s); decoding with msgpack", e)
         return None
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
         sys.modules.pop("node.spark._kernel", None)
@@ -54,8 +61,9 @@ def _import():
         numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(), "numba-cache-%d" % os.getuid())
         try:
             from node.spark import _kernel as k
-        except RuntimeError:
+        except RuntimeError as e:
             sys.modules.pop("node.spark._kernel", None)
+            log.warning("sbp: no writable cache for the compiled decoder (%s); decoding with msgpack", e)
             return None
     return k.decode_fetch
 
