@@ -138,12 +138,12 @@ def decode_fetch(buf, lo, hi):
     name data. ``status`` is FALLBACK, with nothing decoded, for anything but well-formed batches.
     """
     size = buf.size
+    status = OK if size < 1 << 31 else FALLBACK  # int32 value offsets (FETCH frames are <= 16 MiB)
     # Pass 1, the 29-byte batch headers (CONTRACT §3, big-endian): the rows in [lo, hi).
     pos = 0
     rows = 0
     next_offset = lo
-    status = OK
-    while pos < size:
+    while status == OK and pos < size:
         if size - pos < 29 or byte(buf, pos) != 0x22:
             status = FALLBACK
             break
