@@ -7,8 +7,10 @@ Appends ``--records`` records (``--body-bytes`` bodies, in ``--ranges`` ranges, 
 partitions) to one stream over SBP, writes the same rows (CONTRACT §8 columns) to one Parquet file,
 starts a ``local[2]`` SparkSession (not timed), then reads every row and column of both sources
 in ``--repeat`` interleaved rounds after one warm-up each (Spark's ``noop`` sink, or ``--action agg``)
-and prints the best and median rows/s and the ratio of the best runs. A third source yields the same rows as pre-built Arrow batches: the cost of
-PySpark's Python data source path alone on this machine (an upper bound for any Python source).
+and prints the best and median rows/s, the ratio of the best runs, and the CPU seconds each run
+cost the JVM, Spark's Python workers and the node (from /proc). A third source yields the same
+rows as pre-built Arrow batches: the cost of PySpark's Python data source path alone on this
+machine (an upper bound for any Python source).
 """
 
 import argparse
@@ -75,6 +77,56 @@ def write_parquet(path, sid, records, body_bytes, ts0):
             )
         )
     writer.close()
+
+
+class CpuMeter:
+    """CPU seconds used by this process's descendants (the JVM; Spark's Python workers) and by the
+    node, read from /proc (Linux). A process that exits between two readings loses its share,
+    which only under-counts (Spark keeps its read workers for the session)."""
+
+    def __init__(self, node_pid=None):
+        self.node_pid = node_pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _procs(self):
+        out = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % pid) as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[int(pid)] = (int(fields[1]), comm, (int(fields[11]) + int(fields[12])) / self.tick)
+        return out
+
+    def read(self):
+        """{pid: (kind, cpu seconds)} for the JVM, the Python workers and the node."""
+        procs = self._procs()
+        children = {}
+        for pid, (ppid, _, _) in procs.items():
+            children.setdefault(ppid, []).append(pid)
+        out = {}
+        todo = list(children.get(os.getpid(), []))
+        while todo:
+            pid = todo.pop()
+            if pid in out or pid == self.node_pid:
+                continue
+            out[pid] = ("jvm" if procs[pid][1] == "java" else "python", procs[pid][2])
+            todo.extend(children.get(pid, []))
+        if self.node_pid in procs:
+            out[self.node_pid] = ("node", procs[self.node_pid][2])
+        return out
+
+    @staticmethod
+    def delta(before, after):
+        out = {"jvm": 0.0, "python": 0.0, "node": 0.0}
+        for pid, (kind, cpu) in after.items():
+            out[kind] += cpu - before.get(pid, (kind, 0.0))[1]
+        return out
 
 
 def timed(df, action):
@@ -214,15 +266,25 @@ def main(argv=None):
             print("%-8s partitions=%d, warm-up (aggregate over every column) %.2f s" % (name, df.rdd.getNumPartitions(), warm))
         # Rounds interleave the sources so a burst of load from elsewhere on the machine hits all.
         times = {name: [] for name, _ in sources}
+        cpu = {name: [] for name, _ in sources}
+        meter = CpuMeter(node_proc.proc.pid if node_proc is not None else None)
         for _ in range(args.repeat):
             for name, df in sources:
+                before = meter.read()
                 times[name].append(timed(df, args.action)[0])
+                cpu[name].append(meter.delta(before, meter.read()))
         best = {}
         for name, _ in sources:
             best[name] = args.records / min(times[name])
             print("%-8s %s runs %s s: best %.0f rows/s, median %.0f rows/s"
                   % (name, args.action, " ".join("%.2f" % t for t in times[name]), best[name],
                      args.records / statistics.median(times[name])))
+        # CPU per run (medians), which the other sessions' load changes far less than wall time.
+        print("CPU seconds per run (median): %s" % "; ".join(
+            "%s: JVM %.2f, Python workers %.2f, node %.2f, total %.2f" % (
+                name, *(statistics.median(c[k] for c in cpu[name]) for k in ("jvm", "python", "node")),
+                statistics.median(sum(c.values()) for c in cpu[name]))
+            for name, _ in sources))
         print("best runs: sbp %.0f rows/s, parquet %.0f rows/s, ratio sbp/parquet = %.2f (target >= 0.5); "
               "Python data source ceiling %.0f rows/s = %.2f of parquet; sbp = %.2f of the ceiling"
               % (best["sbp"], best["parquet"], best["sbp"] / best["parquet"], best["ceiling"],

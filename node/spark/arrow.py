@@ -2,8 +2,9 @@
 
 Pure functions, no I/O and no pyspark import, so they run in any Spark Python worker and unit-test
 without a session. The read path builds one ``pyarrow.RecordBatch`` per FETCH result (many record
-batches): each records block is msgpack-unpacked once and its four fields are transposed with
-``zip(*records)``, so no per-record Python object is built beyond what msgpack itself returns.
+batches). It is decoded by the compiled kernel of node/spark/decode.py straight into Arrow buffers;
+a FETCH result the kernel does not take (or a worker without numba) goes through msgpack: each
+records block unpacked once, its fields taken column-wise with ``itemgetter`` maps.
 """
 
 import gc
@@ -16,6 +17,7 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
+from node.spark.decode import OK as KERNEL_OK, load_kernel
 from storage.record_batch import HEADER, HEADER_SIZE, MAGIC, InvalidBatch, encode_block
 
 # CONTRACT §8, as Spark spells it; every column nullable, as a DDL string makes it.
@@ -45,22 +47,6 @@ _get3 = itemgetter(3)
 
 
 def fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = True):
-    """Decode one FETCH result into rows with ``lo <= offset < hi`` (see ``_fetch_to_arrow``).
-
-    The cyclic garbage collector is paused meanwhile: unpacking allocates tens of thousands of
-    tuples, which would trigger collections scanning every live object (measured: about 40% of
-    the decode time), while none of them can form a cycle.
-    """
-    if not gc.isenabled():
-        return _fetch_to_arrow(buf, stream_id, lo, hi, check_crc)
-    gc.disable()
-    try:
-        return _fetch_to_arrow(buf, stream_id, lo, hi, check_crc)
-    finally:
-        gc.enable()
-
-
-def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = True):
     """Decode one FETCH result (concatenated whole batches) into rows with ``lo <= offset < hi``.
 
     Returns ``(record_batch or None, next_offset)``, where next_offset is one past the last record
@@ -69,6 +55,74 @@ def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = Tru
     ``[lo, hi)`` are kept. Raises InvalidBatch on a malformed batch or (with ``check_crc``) a
     records block CRC mismatch.
     """
+    if check_crc:
+        _check_crcs(buf, lo, hi)
+    kernel = load_kernel()
+    if kernel is not None:
+        data = np.frombuffer(buf, np.uint8)
+        data.flags.writeable = False  # one compiled signature (read-only), whatever buf is
+        out = kernel(data, lo, hi)
+        if out[0] == KERNEL_OK:
+            return _kernel_to_arrow(out, stream_id)
+    return fetch_to_arrow_msgpack(buf, stream_id, lo, hi)
+
+
+def _check_crcs(buf, lo, hi):
+    """The records block CRC of every batch holding rows in ``[lo, hi)``; malformed headers are
+    left to the decoders, which refuse them."""
+    view = memoryview(buf)
+    size = len(view)
+    pos = 0
+    while size - pos >= HEADER_SIZE:
+        magic, base, count, _, crc, rlen = HEADER.unpack_from(view, pos)
+        end = pos + HEADER_SIZE + rlen
+        if magic != MAGIC or rlen < 0 or end > size:
+            return
+        if max(lo - base, 0) < min(hi - base, count) and zlib.crc32(view[pos + HEADER_SIZE : end]) != crc:
+            raise InvalidBatch("records block CRC mismatch in batch at offset %d" % base)
+        pos = end
+
+
+def _kernel_to_arrow(out, stream_id):
+    """The kernel's arrays as one RecordBatch: every buffer is used as it is, without a copy."""
+    _, next_offset, n, offsets, ts_us, body_offsets, body_data, list_offsets, nh, name_offsets, name_data, value_offsets, value_data = out
+    if n == 0:
+        return None, next_offset
+    buf = pa.py_buffer
+    if nh:
+        names = pa.Array.from_buffers(pa.binary(), nh, [None, buf(name_offsets[: nh + 1]), buf(name_data[: name_offsets[nh]])])
+        values = pa.Array.from_buffers(pa.binary(), nh, [None, buf(value_offsets[: nh + 1]), buf(value_data[: value_offsets[nh]])])
+        pairs = pa.StructArray.from_arrays([names, values], fields=list(HEADER_TYPE))
+        headers = pa.Array.from_buffers(HEADERS_TYPE, n, [None, buf(list_offsets[: n + 1])], children=[pairs])
+    else:
+        headers = _empty_headers(n)
+    columns = [
+        pa.array(np.full(n, stream_id, dtype=np.int64)),
+        pa.Array.from_buffers(pa.int64(), n, [None, buf(offsets[:n])]),
+        pa.Array.from_buffers(TIMESTAMP_TYPE, n, [None, buf(ts_us[:n])]),
+        headers,
+        pa.Array.from_buffers(pa.binary(), n, [None, buf(body_offsets[: n + 1]), buf(body_data[: body_offsets[n]])]),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA), next_offset
+
+
+def fetch_to_arrow_msgpack(buf, stream_id: int, lo: int, hi: int):
+    """``fetch_to_arrow`` through msgpack (see ``_fetch_to_arrow``), without the CRC check.
+
+    The cyclic garbage collector is paused meanwhile: unpacking allocates tens of thousands of
+    tuples, which would trigger collections scanning every live object (measured: about 40% of
+    the decode time), while none of them can form a cycle.
+    """
+    if not gc.isenabled():
+        return _fetch_to_arrow(buf, stream_id, lo, hi)
+    gc.disable()
+    try:
+        return _fetch_to_arrow(buf, stream_id, lo, hi)
+    finally:
+        gc.enable()
+
+
+def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int):
     view = memoryview(buf)
     size = len(view)
     pos = 0
@@ -80,7 +134,7 @@ def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = Tru
     while pos < size:
         if size - pos < HEADER_SIZE:
             raise InvalidBatch("truncated batch header at byte %d" % pos)
-        magic, base, count, base_ts, crc, rlen = HEADER.unpack_from(view, pos)
+        magic, base, count, base_ts, _, rlen = HEADER.unpack_from(view, pos)
         end = pos + HEADER_SIZE + rlen
         if magic != MAGIC or rlen < 0 or end > size or count < 1:
             raise InvalidBatch("malformed batch at byte %d" % pos)
@@ -91,8 +145,6 @@ def _fetch_to_arrow(buf, stream_id: int, lo: int, hi: int, check_crc: bool = Tru
         last = min(hi - base, count)
         if first >= last:
             continue
-        if check_crc and zlib.crc32(block) != crc:
-            raise InvalidBatch("records block CRC mismatch in batch at offset %d" % base)
         try:
             records = _unpackb(block, raw=True, use_list=False)
         except Exception as e:  # msgpack raises several unrelated types on garbage
