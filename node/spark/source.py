@@ -153,8 +153,10 @@ def read_partition(p: SbpPartition):
     if not isinstance(p, SbpPartition):
         return  # Spark plans one bare InputPartition when partitions() finds nothing to read
     for offset, buf in _fetch_ahead(p):
-        # No second CRC pass: the node checks each stored batch when it reads it (DataCorrupted
-        # otherwise) and the SBP frame's CRC-32 covers the payload on the wire (CONTRACT §3).
+        # No second CRC pass: the SBP frame's CRC-32 covers the payload (CONTRACT §3), and the
+        # node derives it from the stored batches' CRCs rather than from the bytes it sends
+        # (zero-copy replies), so a records block corrupted on disk fails the frame check in the
+        # client (SbpError DATA_CORRUPTED); the node checks every other byte of a stored batch.
         batch, _ = fetch_to_arrow(buf, p.stream_id, offset, p.end, check_crc=False)
         if batch is not None:
             yield batch
