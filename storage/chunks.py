@@ -64,18 +64,7 @@ class Packs:
     def append(self, addr, data):
         total = PACK_ENTRY_SIZE + len(data)
         if self.active is None or (self.size > 0 and self.size + total > self.pack_bytes):
-            new = 1 if self.active is None else self.active + 1
-            fd = os.open(self._path(new), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds = dict(self.fds)
-            fds[new] = fd
-            self.fds = fds
-            self.active, self.size = new, 0
-            if self.sync_dir:
-                dfd = os.open(self.dir, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+            self._roll()
         pos = self.size
         head = PACK_ENTRY.pack(len(data), _pack_crc(self.active, pos, addr, data)) + addr
         n = os.pwritev(self.fds[self.active], [head, data], pos)

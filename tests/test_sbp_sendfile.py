@@ -6,8 +6,6 @@ for a reader that does not read, GOAWAY after queued replies, and corruption."""
 import glob
 import os
 import socket
-import struct
-import time
 
 import pytest
 import pytest_twisted
@@ -18,28 +16,9 @@ from protocols.sbp.client import BlockingSbpClient, SbpClient, SbpError
 from protocols.sbp.codec import T
 from protocols.sbp.sendfile import FileSender
 from storage import Store, record_batch
+from tests.test_sbp_server import Node  # the NodeContext surface over a real store
 
 BIG = 64  # 1 KiB records per big batch (~66 KB: sent with sendfile)
-
-
-class FakeConfig:
-    max_batch_bytes = 16 * 1024 * 1024 - 64 * 1024
-
-
-class Node:
-    def __init__(self, store):
-        self.store = store
-        self.config = FakeConfig()
-        self.node_id = 7
-        self.reactor = reactor
-        self.metrics = {}
-        self.hooks = []
-
-    def advertised(self, name):
-        return "127.0.0.1:0"
-
-    def on_shutdown(self, fn):
-        self.hooks.append(fn)
 
 
 @pytest.fixture
