@@ -258,29 +258,7 @@ class ChunkStore:
 
     def put_in(self, raw, data, pin=False):
         """Writer thread, inside ``raw``'s transaction: store ``data``, return its address."""
-        addr = hashlib.sha256(data).digest()
-        existing = raw.get(index.CHUNKS, addr)
-        if existing is not None:
-            if pin:
-                fields = list(CHUNK_VAL.unpack(existing))
-                if not fields[4]:
-                    fields[4] = 1
-                    raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(*fields))
-                    raw.delete(index.CHUNKFREE, addr)
-            return addr
-        pack_id, pos, total = self._store.packs.append(addr, data)
-        prev = raw.get(index.SYS, index.CHUNK_SEQ)
-        seq = (U64.unpack(prev)[0] if prev else 0) + 1
-        added = now_ms()
-        raw.put(index.SYS, index.CHUNK_SEQ, U64.pack(seq))
-        raw.put(index.CHUNKS, addr, CHUNK_VAL.pack(pack_id, pos, len(data), seq, 1 if pin else 0, added))
-        raw.put(index.CHUNKSEQ, U64.pack(seq), addr)
-        live = raw.get(index.PACKS, U32.pack(pack_id))
-        raw.put(index.PACKS, U32.pack(pack_id), U64.pack((U64.unpack(live)[0] if live else 0) + total))
-        if not pin and raw.get(index.CHUNKREF, addr) is None:
-            raw.put(index.CHUNKFREE, addr, U64.pack(added))
-        raw.on_reactor.append(lambda: self._arrived(seq))
-        return addr
+        return self.put_many_in(raw, [data], pin)[0]
 
     def get_in(self, raw, addr):
         """Writer thread, inside ``raw``'s transaction (so chunks put earlier in the same group

@@ -11,7 +11,7 @@ from twisted.internet import reactor
 
 from storage import Store, errors
 from storage.wal import ENTRY_SIZE
-from tests.storage_helpers.util import base_of, batch
+from tests.storage_helpers.util import base_of, batch, entry_positions
 
 
 def open_store(path):
@@ -20,21 +20,6 @@ def open_store(path):
 
 def wal_files(path):
     return sorted(glob.glob(os.path.join(str(path), "wal", "*.wal")))
-
-
-def entry_positions(st, sid):
-    """(position, entry length) of every batch of ``sid``, from the index."""
-    from storage.index import INDEX_KEY, INDEX_VAL, INDEX
-
-    out = []
-    with st.env.begin() as txn:
-        cur = txn.cursor(db=st.dbs[INDEX])
-        cur.set_range(INDEX_KEY.pack(sid, 0))
-        for k, v in cur:
-            if INDEX_KEY.unpack(k)[0] != sid:
-                break
-            out.append(INDEX_VAL.unpack(v)[:2])
-    return out
 
 
 async def two_phase(tmp_path, n_a=5, n_b=6):

@@ -13,7 +13,7 @@ from twisted.internet import reactor
 from storage import Store, errors
 from storage import record_batch as rb
 from storage.wal import FileSpan
-from tests.storage_helpers.util import batch
+from tests.storage_helpers.util import batch, entry_positions
 
 BIG = 40  # records of 1000 B: a ~41 KB batch, above the 16 KiB FileSpan threshold
 
@@ -151,20 +151,6 @@ def flip(f, off):
     f.write(bytes([b[0] ^ 0x40]))
 
 
-def positions(st, sid):
-    from storage.index import INDEX, INDEX_KEY, INDEX_VAL
-
-    out = []
-    with st.env.begin() as txn:
-        cur = txn.cursor(db=st.dbs[INDEX])
-        cur.set_range(INDEX_KEY.pack(sid, 0))
-        for k, v in cur:
-            if INDEX_KEY.unpack(k)[0] != sid:
-                break
-            out.append(INDEX_VAL.unpack(v)[:2])
-    return out
-
-
 # offsets in the batch entry: 9-byte framing, 16-byte stream id + append time, then the batch
 @pytest.mark.parametrize("where,off", [("entry framing", 5), ("stream prefix", 12), ("base offset", 25 + 4),
                                        ("timestamp", 25 + 15), ("records crc", 25 + 22), ("records len", 25 + 27)])
@@ -175,7 +161,7 @@ async def test_corrupt_head_is_data_corrupted(tmp_path, where, off, evicted):
     sid = (await st.log.create_stream()).stream_id
     for i in range(6):
         await st.log.append(sid, batch(BIG, 1000, i))
-    pos, _ = positions(st, sid)[2]
+    pos, _ = entry_positions(st, sid)[2]
     patch(tmp_path, pos, off, flip)
     if evicted:
         evict(tmp_path)
@@ -196,7 +182,7 @@ async def test_corrupt_records_block_fails_the_stored_crc(tmp_path):
     sid = (await st.log.create_stream()).stream_id
     for i in range(4):
         await st.log.append(sid, batch(BIG, 1000, i))
-    pos, length = positions(st, sid)[1]
+    pos, length = entry_positions(st, sid)[1]
     patch(tmp_path, pos, length - 100, flip)
     (span,) = await st.log.read_spans(sid, BIG, 1)
     data = span.read()
@@ -213,7 +199,7 @@ async def test_truncated_segment_is_data_corrupted(tmp_path):
     sid = (await st.log.create_stream()).stream_id
     for i in range(6):
         await st.log.append(sid, batch(BIG, 1000, i))
-    pos, length = positions(st, sid)[4]
+    pos, length = entry_positions(st, sid)[4]
     (name,) = wal_files(tmp_path)
     os.truncate(name, pos - int(os.path.basename(name)[:-4]) + length - 10)  # inside batch 4's block
     with pytest.raises(errors.DataCorrupted):

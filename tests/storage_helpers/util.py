@@ -15,3 +15,18 @@ def base_of(stored: bytes) -> int:
 
 def same_except_base(stored: bytes, original: bytes) -> bool:
     return stored[:1] == original[:1] and stored[9:] == original[9:]
+
+
+def entry_positions(st, sid):
+    """(position, entry length) of every batch of ``sid``, from the store's index."""
+    from storage.index import INDEX, INDEX_KEY, INDEX_VAL
+
+    out = []
+    with st.env.begin() as txn:
+        cur = txn.cursor(db=st.dbs[INDEX])
+        cur.set_range(INDEX_KEY.pack(sid, 0))
+        for k, v in cur:
+            if INDEX_KEY.unpack(k)[0] != sid:
+                break
+            out.append(INDEX_VAL.unpack(v)[:2])
+    return out
