@@ -276,7 +276,17 @@ class RecordLog:
         batch is big enough for one and its pages are in the page cache (``wal.cached_spans``), so
         a FETCH of recent or recently read data needs no thread hop; None otherwise."""
         store = self._store
-        cur = self._locate(store.snapshot(), sid, offset)
+        entries = self._entries(store.snapshot(), sid, offset, max_bytes, limit)
+        if not entries or any(length < _DIRECT_READ for _, length, _, _ in entries):
+            return None
+        return store.wal.cached_spans(sid, entries, {})
+
+    def _entries(self, txn, sid, offset, max_bytes, limit):
+        """CONTRACT §3's FETCH rule over the index: ``(pos, length, base, count)`` of whole batches
+        from the one holding ``offset``, the first always, then each next while the bytes taken
+        are below ``max_bytes``, none at or past ``limit``; None if no stored batch holds
+        ``offset``."""
+        cur = self._locate(txn, sid, offset)
         if cur is None:
             return None
         entries = []
@@ -287,13 +297,11 @@ class RecordLog:
             if ksid != sid or base >= limit:
                 break
             pos, length, count, _ = unpack_val(value)
-            if length < _DIRECT_READ:
-                return None
             entries.append((pos, length, base, count))
             total += length - 25
             if total >= max_bytes:
                 break
-        return store.wal.cached_spans(sid, entries, {})
+        return entries
 
     def _locate(self, txn, sid, offset):
         """A cursor on the batch holding ``offset`` (or None)."""
@@ -318,21 +326,10 @@ class RecordLog:
         next while the total is below ``max_bytes``. With ``spans``, big batches as FileSpans."""
         store = self._store
         wal = store.wal
-        entries = []
         with store.env.begin() as txn:
-            cur = self._locate(txn, sid, offset)
-            if cur is None:
-                raise errors.OffsetOutOfRange("offset %d of stream %d is not stored" % (offset, sid))
-            total = 0
-            for key, value in cur:
-                ksid, base = INDEX_KEY.unpack(key)
-                if ksid != sid or base >= limit:
-                    break
-                pos, length, count, _ = INDEX_VAL.unpack(value)
-                entries.append((pos, length, base, count))
-                total += length - 25
-                if total >= max_bytes:
-                    break
+            entries = self._entries(txn, sid, offset, max_bytes, limit)
+        if entries is None:
+            raise errors.OffsetOutOfRange("offset %d of stream %d is not stored" % (offset, sid))
         out = []
         i = 0
         files = {}
