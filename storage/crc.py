@@ -47,25 +47,17 @@ def _gf2_square(mat):
 
 
 def _crc32_combine_py(crc1, crc2, len2):
-    """zlib's crc32_combine in Python (the fallback when libz cannot be loaded; slow)."""
+    """zlib's crc32_combine in Python (the fallback when libz cannot be loaded; slow): apply to
+    crc1 the operator for len2 zero bytes, built by squaring, then add crc2."""
     if len2 <= 0:
         return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    while True:
-        even = _gf2_square(odd)
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    op = _gf2_square(_gf2_square(op))  # four zero bits
+    while len2:
+        op = _gf2_square(op)  # 1, 2, 4, ... zero bytes
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
     return crc1 ^ crc2
 
 
