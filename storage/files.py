@@ -21,13 +21,11 @@ import struct
 from twisted.internet import defer
 
 from storage import errors
-from storage.meta import COUNTERS
 
 ROOT_TABLE = "toasty.root"
 ENT_TABLE = "toasty.ent"
 CHK_TABLE = "toasty.chk"
 GEN_COUNTER = "toasty.gen"
-_GEN_COUNTER_KEY = GEN_COUNTER.encode()  # its key in meta's counters (Txn.next_id)
 ROOT_KEY = b"/"
 ROOT_INODE = 0
 ROOT_GEN = 1
@@ -150,27 +148,6 @@ class ReadResult:
         self.size = size
 
 
-class _BatchGenerations:
-    """The node-wide generation counter (``txn.next_id``'s record) for one batch transaction: read
-    once, counted here, written back once -- not a read and a write per operation."""
-
-    def __init__(self, txn):
-        self.txn = txn
-        self.first = self.value = None
-
-    def next(self) -> int:
-        if self.value is None:
-            self.first = self.value = self.txn.get(COUNTERS, _GEN_COUNTER_KEY) or 0
-        self.value += 1
-        while self.value in (NO_GENERATION, MISSING_GENERATION):  # CONTRACT §5: never 0 or 2^64-1
-            self.value += 1
-        return self.value
-
-    def store(self):
-        if self.value is not None and self.value != self.first:
-            self.txn.put(COUNTERS, _GEN_COUNTER_KEY, self.value)
-
-
 _ROOT_PLACEHOLDER = Entity([ROOT_INODE, ROOT_GEN, True, 0, 0])
 
 
@@ -205,11 +182,11 @@ class FileTree:
 
     def _new_gen(self, txn) -> int:
         gens = self._gens
-        if gens is not None:  # inside a batch: its counter, written back once at its end
-            return gens.next()
-        gen = txn.next_id(GEN_COUNTER)
+        # inside a batch: its counter, written back once at its end
+        take = gens.next if gens is not None else (lambda: txn.next_id(GEN_COUNTER))
+        gen = take()
         while gen in (NO_GENERATION, MISSING_GENERATION):  # CONTRACT §5: never 0 or 2^64-1
-            gen = txn.next_id(GEN_COUNTER)
+            gen = take()
         return gen
 
     def _lookup_parent(self, txn, components, create_root=False) -> Entity:
@@ -387,7 +364,7 @@ class FileTree:
             if not self._root_ready:
                 self._root(txn, create=True)
             results = []
-            self._gens = gens = _BatchGenerations(txn)
+            self._gens = gens = txn.counter(GEN_COUNTER)
             try:
                 for fn, _ in batch:
                     try:

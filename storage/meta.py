@@ -104,6 +104,31 @@ class _ReadTxn:
     put = delete = next_id = chunk_incref = chunk_decref = chunk_put = _readonly
 
 
+def _counter_key(name) -> bytes:
+    return name.encode() if isinstance(name, str) else bytes(name)
+
+
+class Counter:
+    """See ``Txn.counter``."""
+
+    __slots__ = ("txn", "key", "first", "value")
+
+    def __init__(self, txn, key: bytes):
+        self.txn = txn
+        self.key = key
+        self.first = self.value = None
+
+    def next(self) -> int:
+        if self.value is None:
+            self.first = self.value = self.txn.get(COUNTERS, self.key) or 0
+        self.value += 1
+        return self.value
+
+    def store(self):
+        if self.value is not None and self.value != self.first:
+            self.txn.put(COUNTERS, self.key, self.value)
+
+
 class Txn(_ReadTxn):
     """The writer-thread transaction handed to ``transact(fn)``."""
 
@@ -121,9 +146,15 @@ class Txn(_ReadTxn):
         self._raw.delete(index.META, encode_key(pfx, bytes(key)))
 
     def next_id(self, name) -> int:
-        current = self.get(COUNTERS, name.encode() if isinstance(name, str) else bytes(name)) or 0
-        self.put(COUNTERS, name.encode() if isinstance(name, str) else bytes(name), current + 1)
+        current = self.get(COUNTERS, _counter_key(name)) or 0
+        self.put(COUNTERS, _counter_key(name), current + 1)
         return current + 1
+
+    def counter(self, name) -> "Counter":
+        """``next_id(name)`` for a transaction that takes many ids: the counter is read at the
+        first ``next()`` and written back once by ``store()``; nothing else in this transaction
+        may take ids of ``name`` meanwhile."""
+        return Counter(self, _counter_key(name))
 
     def chunk_incref(self, addrs):
         ChunkStore._incref(self._raw, addrs)
