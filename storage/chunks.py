@@ -12,13 +12,13 @@ import hashlib
 import os
 import struct
 import time
-import zlib
 
 from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
 from storage.index import U64
+from storage.crc import crc32
 from storage.store import now_ms
 
 PACK_ENTRY = struct.Struct(">II")
@@ -40,7 +40,7 @@ def _digests(datas):
 
 
 def _pack_crc(pack_id, pos, addr, data):
-    return zlib.crc32(data, zlib.crc32(struct.pack(">IQ", pack_id, pos) + addr))
+    return crc32(data, crc32(struct.pack(">IQ", pack_id, pos) + addr))
 
 
 class Packs:

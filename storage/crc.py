@@ -1,5 +1,11 @@
 """CRC-32 helpers shared by the store and the SBP codec (pure functions, no I/O).
 
+``crc32(data, value=0)`` is zlib's CRC-32 (same polynomial, same values, same running-value
+argument). It comes from zlib-ng's Python binding when installed (a setup.cfg dependency): zlib-ng
+computes CRC-32 with carry-less multiplication (PCLMULQDQ / VPCLMULQDQ / ARMv8 CRC), about 18 us
+per MiB against the system zlib's 245 us on this project's machine. Every checksum the node, its
+clients and the Spark source compute over records goes through it; ``zlib.crc32`` is the fallback.
+
 ``crc32_combine(crc1, crc2, len2)`` is zlib's: the CRC-32 of A + B from crc32(A), crc32(B) and
 len(B), in O(log len) without touching the bytes. The store uses it to check a WAL entry's CRC
 from its header bytes and the record batch's stored records-block CRC (the zero-copy read path);
@@ -7,6 +13,11 @@ the SBP server derives frame CRCs from stored batch CRCs with it.
 """
 
 import zlib
+
+try:
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
+    crc32 = zlib.crc32
 
 
 def _load_crc32_combine():

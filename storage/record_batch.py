@@ -13,10 +13,11 @@ Pure functions over bytes: no I/O.
 """
 
 import struct
-import zlib
 from typing import Iterable, List, NamedTuple, Sequence, Tuple
 
 import msgpack
+
+from storage.crc import crc32
 
 MAGIC = 0x22
 HEADER = struct.Struct(">BqiqIi")
@@ -78,7 +79,7 @@ def encode(
 def encode_block(block: bytes, record_count: int, base_timestamp_ms: int, base_offset: int = 0) -> bytes:
     """Frame an already-packed records block."""
     return HEADER.pack(
-        MAGIC, base_offset, record_count, base_timestamp_ms, zlib.crc32(block), len(block)
+        MAGIC, base_offset, record_count, base_timestamp_ms, crc32(block), len(block)
     ) + block
 
 
@@ -104,7 +105,7 @@ def validate(buf, check_records: bool = True) -> BatchHeader:
     if header.record_count < 1:
         raise InvalidBatch("record_count must be >= 1")
     block = memoryview(buf)[HEADER_SIZE:]
-    if zlib.crc32(block) != header.crc:
+    if crc32(block) != header.crc:
         raise InvalidBatch("records block CRC mismatch")
     if check_records:
         _decode_block(block, header)

@@ -23,6 +23,7 @@ from twisted.python.threadpool import ThreadPool
 from storage import errors, index
 from storage.index import INDEX_KEY, INDEX_VAL, U64, RawTxn, apply_ops
 from storage.policy import FsyncPolicy
+from storage.presync import PreSync
 from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS, Wal
 
 _BATCH_PREFIX = struct.Struct(">QQ")  # stream_id, append_ms
@@ -184,6 +185,10 @@ class Store:
         self._pool.start()
         self._writer = threading.Thread(target=self._run_writer, name="storage-writer", daemon=True)
         self._writer.start()
+        self._presync = None
+        if policy.mode == "interval":
+            self._presync = PreSync(self.wal, self.packs, policy.interval_ms / 1000.0)
+            self._presync.start()
         self._timers = []
         if retention_check_s:
             self._timers.append(self._every(retention_check_s, self.log._retention_tick))
@@ -548,6 +553,8 @@ class Store:
 
         def finish(_):
             self._writer.join()
+            if self._presync is not None:
+                self._presync.stop()
             self.log._close_waiters()
             self.chunks._close_waiters()
             self._pool.stop()

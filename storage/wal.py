@@ -18,9 +18,8 @@ import bisect
 import os
 import struct
 import time
-import zlib
 
-from storage.crc import crc32_combine
+from storage.crc import crc32, crc32_combine
 from storage.errors import DataCorrupted, OffsetOutOfRange
 
 ENTRY = struct.Struct(">IIB")
@@ -44,9 +43,9 @@ GRAVE_S = 30.0  # deleted segments' fds stay open this long
 
 def entry_crc(base: int, etype: int, parts) -> int:
     length = sum(len(p) for p in parts)
-    crc = zlib.crc32(_CRC_PREFIX.pack(base, length, etype))
+    crc = crc32(_CRC_PREFIX.pack(base, length, etype))
     for p in parts:
-        crc = zlib.crc32(p, crc)
+        crc = crc32(p, crc)
     return crc
 
 
@@ -108,7 +107,7 @@ def _span_from_head(head, f, base, off, total, sid, base_offset, count):
     if (t != T_BATCH or length != total - ENTRY_SIZE or h_sid != sid or magic != _BATCH_MAGIC
             or h_base != base_offset or h_count != count or records_len != total - BATCH_HEAD_SIZE):
         return None
-    head_crc = zlib.crc32(head[ENTRY_SIZE:], zlib.crc32(_CRC_PREFIX.pack(base, length, t)))
+    head_crc = crc32(head[ENTRY_SIZE:], crc32(_CRC_PREFIX.pack(base, length, t)))
     if crc32_combine(head_crc, records_crc, records_len) != crc:
         return None
     return FileSpan(f, off + BATCH_AT, total - BATCH_AT, bytes(head[BATCH_AT:]))

@@ -241,6 +241,35 @@ async def test_fsync_policies_sync_when_they_say(tmp_path):
 
 
 @pytest_twisted.ensureDeferred
+async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_path):
+    """Under interval:MS the pre-sync thread fdatasyncs the growing WAL segment and chunk pack
+    every MS/8 (at most 100 ms) so the writer's sync finds little left; only the writer's sync
+    clears the dirty marks (what is durable when does not change)."""
+    from twisted.internet import task
+
+    st = open_store(tmp_path, fsync="interval:60000")
+    presync = st._presync
+    assert presync is not None and presync.period == 0.1
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch())
+    await st.chunks.put(b"chunk" * 100)
+    deadline = reactor.seconds() + 10
+    while set(presync._seen) != {"wal", "packs"}:  # polled: the machine may be busy
+        assert reactor.seconds() < deadline
+        await task.deferLater(reactor, 0.02, lambda: None)
+    assert presync._seen["wal"] == (st.wal.active, st.wal.end)
+    assert st._unsynced()  # the writer's 60 s sync has not come: the dirty marks stay
+    passes = presync.passes
+    await task.deferLater(reactor, 0.3, lambda: None)
+    assert presync.passes == passes  # nothing grew: no further syncs
+    await st.close()
+    assert not presync._thread.is_alive()
+    st = open_store(tmp_path / "always", fsync="always")
+    assert st._presync is None  # every group is synced before its ack: nothing to write back early
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_io_error_fails_the_group_and_later_writes(tmp_path):
     import os
 

@@ -9,7 +9,6 @@ records block unpacked once, its fields taken column-wise with ``itemgetter`` ma
 
 import gc
 import time
-import zlib
 from itertools import repeat
 from operator import itemgetter
 
@@ -18,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from node.spark.decode import OK as KERNEL_OK, load_kernel
+from storage.crc import crc32
 from storage.record_batch import HEADER, HEADER_SIZE, MAGIC, InvalidBatch, encode_block
 
 # CONTRACT §8, as Spark spells it; every column nullable, as a DDL string makes it.
@@ -78,7 +78,7 @@ def _check_crcs(buf, lo, hi):
         end = pos + HEADER_SIZE + rlen
         if magic != MAGIC or rlen < 0 or end > size:
             return
-        if max(lo - base, 0) < min(hi - base, count) and zlib.crc32(view[pos + HEADER_SIZE : end]) != crc:
+        if max(lo - base, 0) < min(hi - base, count) and crc32(view[pos + HEADER_SIZE : end]) != crc:
             raise InvalidBatch("records block CRC mismatch in batch at offset %d" % base)
         pos = end
 

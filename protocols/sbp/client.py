@@ -8,7 +8,6 @@ Errors are ``SbpError(code, message)`` with the contract's status codes (``codec
 import itertools
 import select
 import socket
-import struct
 import time
 
 from protocols.sbp import codec

@@ -17,7 +17,6 @@ cost microseconds each, so the headers are read and written here by a schema-dri
 table decodes to an instance of a generated dataclass named as in the schema (``codec.T.AppendInfo``).
 """
 
-import binascii
 import dataclasses
 import struct
 from typing import List, Optional
@@ -121,14 +120,11 @@ _I32BE = struct.Struct(">i")
 FRAME_OVERHEAD = PREFIX_SIZE + 4
 
 
-# CRC-32 (zlib's polynomial and values). binascii.crc32 computes the same as zlib.crc32 but keeps
-# the GIL: zlib.crc32 releases it for buffers over 5 KiB, and on a busy node re-acquiring it behind
-# the storage writer thread cost more than the CRC itself (measured: bench/sbp_bench.py).
-_crc32 = binascii.crc32
-crc32 = binascii.crc32
+# CRC-32 (zlib's polynomial and values, computed by zlib-ng) and zlib's crc32_combine (ctypes,
+# ~0.7 us): storage/crc.py
+from storage.crc import crc32, crc32_combine  # noqa: E402
 
-# zlib's crc32_combine (ctypes, ~0.7 us): storage/crc.py
-from storage.crc import crc32_combine  # noqa: E402
+_crc32 = crc32
 
 
 _BATCH_CRC_AT = 21  # record batch: u8 magic, i64 base_offset, i32 count, i64 base_ts, then u32 crc

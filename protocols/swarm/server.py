@@ -24,7 +24,6 @@ from protocols.swarm import codec
 from protocols.swarm.codec import (
     ID,
     BatchDone,
-    ChunkDelivery,
     GetRange,
     OfferedHashes,
     StreamDescriptor,
