@@ -19,7 +19,7 @@ import os
 import struct
 import time
 
-from storage.crc import crc32, crc32_combine
+from storage.crc import crc32, crc32_combine, crc32_held
 from storage.errors import DataCorrupted, OffsetOutOfRange
 
 ENTRY = struct.Struct(">IIB")
@@ -41,7 +41,8 @@ SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
 
 
-def entry_crc(base: int, etype: int, parts) -> int:
+def entry_crc(base: int, etype: int, parts, crc32=crc32) -> int:
+    """The entry CRC. The writer thread passes ``crc32=crc32_held`` (storage/crc.py)."""
     length = sum(len(p) for p in parts)
     crc = crc32(_CRC_PREFIX.pack(base, length, etype))
     for p in parts:
@@ -211,7 +212,7 @@ class Wal:
             self.flush()
             self._new_segment(self.end)
         pos = self.end
-        self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts), etype)
+        self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts, crc32_held), etype)
         for p in parts:
             self._buf += p
         self.end += total

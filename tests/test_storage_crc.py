@@ -1,4 +1,4 @@
-"""storage/crc: crc32_combine (libz and the pure-Python fallback) equals zlib.crc32 of A + B."""
+"""storage/crc: crc32 and crc32_held equal zlib.crc32; crc32_combine (libz and the pure-Python fallback) equals zlib.crc32 of A + B."""
 
 import zlib
 
@@ -15,3 +15,16 @@ def test_combine_equals_crc_of_the_concatenation(a, b):
     want = zlib.crc32(a + b)
     assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == want
     assert crc._crc32_combine_py(zlib.crc32(a), zlib.crc32(b), len(b)) == want
+
+
+@pytest.mark.parametrize("size", [0, 1, 29, 4095, 4096, 4097, 8192, 65536 + 7, 1 << 20])
+@pytest.mark.parametrize("start", [0, 0xDEADBEEF])
+def test_crc32_and_crc32_held_are_zlibs(size, start):
+    """The zlib-ng CRC and the GIL-keeping sliced one give zlib's values, over bytes, bytearrays
+    and memoryview slices, with a running value."""
+    data = bytes(range(251)) * (size // 251 + 1)
+    data = data[:size]
+    want = zlib.crc32(data, start)
+    for form in (data, bytearray(data), memoryview(b"xx" + data)[2:]):
+        assert crc.crc32(form, start) == want
+        assert crc.crc32_held(form, start) == want

@@ -33,6 +33,7 @@ from protocols.sbp import codec
 from protocols.sbp.codec import T
 from protocols.sbp.sendfile import FileSender
 from storage import errors, record_batch
+from storage.crc import crc32_held
 from storage.wal import FileSpan
 
 _BATCH_HEADER = record_batch.HEADER
@@ -490,7 +491,7 @@ class SbpServerProtocol(Protocol):
         # block CRC (which validation needs anyway) combined: one pass over the payload, not two.
         block_crcs = []
         frame_crc = 0
-        crc32, combine = codec.crc32, codec.crc32_combine
+        crc32, combine = crc32_held, codec.crc32_combine  # the reactor keeps the GIL (storage/crc.py)
         for batch in batches:
             n = len(batch)
             if n >= _BATCH_HEADER_SIZE:
