@@ -10,8 +10,11 @@ A PreSync thread fdatasyncs the active WAL segment and the active chunk pack eve
 seconds (an eighth of the interval, at most 100 ms) whenever they grew, on duplicates of their fds.
 When the writer's own sync comes, most bytes are already on the disk and it takes a few ms.
 
-It changes nothing about what is durable when: only the writer's sync counts, and a pre-sync only
-makes bytes durable earlier. It never syncs LMDB, which could make an index durable before the WAL
+It changes nothing about what is durable in what order: only the writer's sync counts, and a
+pre-sync only makes bytes durable earlier. While a pre-sync is in ``fdatasync`` (``busy``) the
+writer postpones its due sync, up to twice the interval (``store.interval_sync_wait``, like Redis's
+``everysec``): on a stalled disk the appends keep committing instead of queueing behind a sync
+that waits for the same disk. It never syncs LMDB, which could make an index durable before the WAL
 bytes it names. I/O errors are left to the writer's sync, which reports them and stops the store.
 """
 
@@ -31,6 +34,7 @@ class PreSync:
         self._stop = threading.Event()
         self._seen = {}  # "wal"/"packs" -> (active id, size) at the last pass
         self.passes = 0  # passes that synced something (tests, stats)
+        self.busy = False  # True while an fdatasync runs (the writer postpones its sync meanwhile)
         self._thread = threading.Thread(target=self._run, name="storage-presync", daemon=True)
 
     def start(self):
@@ -66,12 +70,14 @@ class PreSync:
             dup = os.dup(fd)
         except OSError:
             return False
+        self.busy = True
         try:
             os.fdatasync(dup)
         except OSError as e:
             self.log.debug("pre-sync of {name} failed (the writer's sync will report it): {error}", name=name, error=e)
             return False
         finally:
+            self.busy = False
             os.close(dup)
         self._seen[name] = mark
         return True

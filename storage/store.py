@@ -41,6 +41,25 @@ QUEUE_HIGH = 64 << 20  # above this many queued bytes the store reports congesti
 QUEUE_HARD = 512 << 20  # above this, writes fail with StoreBusy instead of growing memory
 
 
+POSTPONED_POLL_S = 0.002
+
+
+def interval_sync_wait(now: float, last_sync: float, interval: float, presync_busy: bool) -> float:
+    """Seconds until the ``interval`` policy's sync is due; 0.0: sync now.
+
+    It is due ``interval`` after the last one. While a pre-sync is writing (storage/presync.py:
+    the disk is slow or stalled) it waits for it, but never past twice the interval, as Redis's
+    ``everysec`` postpones its fsync: groups keep committing meanwhile instead of queueing behind
+    a sync that would wait for the same disk, and the pre-sync leaves it less to write."""
+    due = last_sync + interval - now
+    if due > 0:
+        return due
+    late = now - last_sync
+    if presync_busy and late < 2 * interval:
+        return min(POSTPONED_POLL_S, 2 * interval - late)
+    return 0.0
+
+
 def _daemon_thread(*args, **kwargs):
     t = threading.Thread(*args, **kwargs)
     t.daemon = True
@@ -183,12 +202,12 @@ class Store:
         # daemon workers: a node that fails start-up after opening the store must still exit
         self._pool.threadFactory = _daemon_thread
         self._pool.start()
-        self._writer = threading.Thread(target=self._run_writer, name="storage-writer", daemon=True)
-        self._writer.start()
         self._presync = None
         if policy.mode == "interval":
             self._presync = PreSync(self.wal, self.packs, policy.interval_ms / 1000.0)
             self._presync.start()
+        self._writer = threading.Thread(target=self._run_writer, name="storage-writer", daemon=True)
+        self._writer.start()
         self._timers = []
         if retention_check_s:
             self._timers.append(self._every(retention_check_s, self.log._retention_tick))
@@ -355,10 +374,11 @@ class Store:
         interval = policy.interval_ms / 1000.0 if policy.mode == "interval" else None
         last_sync = time.monotonic()
         stopping = None
+        presync = self._presync
         while stopping is None:
             timeout = None
             if interval is not None and self._unsynced():
-                timeout = max(0.0, last_sync + interval - time.monotonic())
+                timeout = interval_sync_wait(time.monotonic(), last_sync, interval, presync is not None and presync.busy)
             group = self._take(timeout)
             force_sync = False
             for op in group:
@@ -371,7 +391,8 @@ class Store:
                 if work:
                     self._commit_group(work, policy.always or force_sync)
                 if force_sync or stopping is not None or (
-                    interval is not None and time.monotonic() - last_sync >= interval and self._unsynced()
+                    interval is not None and self._unsynced()
+                    and not interval_sync_wait(time.monotonic(), last_sync, interval, presync is not None and presync.busy)
                 ):
                     self._sync_all()
                     last_sync = time.monotonic()

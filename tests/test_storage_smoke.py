@@ -269,6 +269,18 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
     await st.close()
 
 
+def test_interval_sync_waits_for_a_busy_presync_up_to_twice_the_interval():
+    from storage.store import POSTPONED_POLL_S, interval_sync_wait
+
+    assert interval_sync_wait(10.0, 9.5, 1.0, False) == pytest.approx(0.5)  # not due yet
+    assert interval_sync_wait(10.0, 9.5, 1.0, True) == pytest.approx(0.5)
+    assert interval_sync_wait(10.0, 9.0, 1.0, False) == 0.0  # due, disk idle: now
+    assert interval_sync_wait(10.0, 9.0, 1.0, True) == POSTPONED_POLL_S  # due, pre-sync writing: poll
+    assert interval_sync_wait(10.0, 8.001, 1.0, True) == pytest.approx(0.001)  # never past 2 x interval
+    assert interval_sync_wait(10.0, 8.0, 1.0, True) == 0.0
+    assert interval_sync_wait(10.0, 5.0, 1.0, True) == 0.0
+
+
 @pytest_twisted.ensureDeferred
 async def test_io_error_fails_the_group_and_later_writes(tmp_path):
     import os
