@@ -47,6 +47,13 @@ class PreSync:
             self._thread.join()
 
     def _run(self):
+        try:
+            self._loop()
+        except Exception:  # a bug: the writer's own sync still does all that matters
+            self.log.failure("the pre-sync thread stopped")
+            self.busy = False
+
+    def _loop(self):
         while not self._stop.wait(self.period):
             synced = self._sync_if_grown("wal", self._wal.active, lambda: self._wal.end)
             synced |= self._sync_if_grown("packs", self._packs.active, lambda: self._packs.size)
