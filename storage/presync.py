@@ -55,19 +55,20 @@ class PreSync:
 
     def _loop(self):
         while not self._stop.wait(self.period):
-            synced = self._sync_if_grown("wal", self._wal.active, lambda: self._wal.end)
-            synced |= self._sync_if_grown("packs", self._packs.active, lambda: self._packs.size)
+            synced = self._sync_if_grown("wal", self._wal, lambda: self._wal.end)
+            synced |= self._sync_if_grown("packs", self._packs, lambda: self._packs.size)
             if synced:
                 self.passes += 1
 
-    def _sync_if_grown(self, name, active, size_now) -> bool:
-        """fdatasync the active file of the WAL or the packs if it grew since the last pass."""
+    def _sync_if_grown(self, name, owner, size_now) -> bool:
+        """fdatasync the active file of ``owner`` (the WAL or the packs) if it grew since the last
+        pass."""
+        active = owner.active
         if active is None:
             return False
         mark = (active, size_now())
         if self._seen.get(name) == mark:
             return False
-        owner = self._wal if name == "wal" else self._packs
         fd = owner.fds.get(active)  # copy-on-write dict: safe to read from this thread
         if fd is None:
             return False

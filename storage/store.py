@@ -375,10 +375,14 @@ class Store:
         last_sync = time.monotonic()
         stopping = None
         presync = self._presync
+
+        def sync_wait():  # seconds until the interval sync is due, with last_sync as it is now
+            return interval_sync_wait(time.monotonic(), last_sync, interval, presync is not None and presync.busy)
+
         while stopping is None:
             timeout = None
             if interval is not None and self._unsynced():
-                timeout = interval_sync_wait(time.monotonic(), last_sync, interval, presync is not None and presync.busy)
+                timeout = sync_wait()
             group = self._take(timeout)
             force_sync = False
             for op in group:
@@ -391,8 +395,7 @@ class Store:
                 if work:
                     self._commit_group(work, policy.always or force_sync)
                 if force_sync or stopping is not None or (
-                    interval is not None and self._unsynced()
-                    and not interval_sync_wait(time.monotonic(), last_sync, interval, presync is not None and presync.busy)
+                    interval is not None and self._unsynced() and not sync_wait()
                 ):
                     self._sync_all()
                     last_sync = time.monotonic()

@@ -124,8 +124,6 @@ FRAME_OVERHEAD = PREFIX_SIZE + 4
 # ~0.7 us): storage/crc.py
 from storage.crc import crc32, crc32_combine  # noqa: E402
 
-_crc32 = crc32
-
 
 _BATCH_CRC_AT = 21  # record batch: u8 magic, i64 base_offset, i32 count, i64 base_ts, then u32 crc
 _BATCH_HEADER_SIZE = 29
@@ -139,7 +137,7 @@ def batch_crc_from_header(header, batch_length, crc=0):
     (records_len,) = _I32BE.unpack_from(header, 25)
     if records_len != batch_length - _BATCH_HEADER_SIZE:
         raise ValueError("batch header does not match its length")
-    return crc32_combine(_crc32(memoryview(header)[:_BATCH_HEADER_SIZE], crc), stored, records_len)
+    return crc32_combine(crc32(memoryview(header)[:_BATCH_HEADER_SIZE], crc), stored, records_len)
 
 
 def batches_crc(buf, start, end, crc=0, verify=False):
@@ -157,9 +155,9 @@ def batches_crc(buf, start, end, crc=0, verify=False):
         bend = pos + _BATCH_HEADER_SIZE + records_len
         if records_len < 0 or bend > end:
             raise ValueError("truncated batch")
-        crc = _crc32(view[pos:pos + _BATCH_HEADER_SIZE], crc)
+        crc = crc32(view[pos:pos + _BATCH_HEADER_SIZE], crc)
         if verify:
-            actual = _crc32(view[pos + _BATCH_HEADER_SIZE:bend])
+            actual = crc32(view[pos + _BATCH_HEADER_SIZE:bend])
             if actual != stored:
                 raise ValueError("batch at %d fails its CRC" % pos)
         crc = crc32_combine(crc, stored, records_len)
@@ -259,7 +257,7 @@ def encode_frame_parts(opcode, flags, stream_id, header=b"", payload_parts=(), h
     if payload_crc is None:
         for p in payload_parts:
             plen += len(p)
-            crc = _crc32(p, crc)
+            crc = crc32(p, crc)
     else:
         for p in payload_parts:
             plen += len(p)
@@ -320,7 +318,7 @@ def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=()) -> Fr
     payload = bytes(view[pstart:pend]) if pend > pstart else b""
     deferred = opcode in defer_crc and payload
     if not deferred:
-        expect = _crc32(payload) if payload else 0
+        expect = crc32(payload) if payload else 0
         if crc != expect:
             raise BadCrc("payload crc 0x%08x != 0x%08x" % (crc, expect), opcode, stream_id)
     fmt = fmt_hlen >> 24
