@@ -398,7 +398,7 @@ class BlockingSbpClient:
             try:
                 if deadline is not None:
                     self._sock.settimeout(max(0.001, deadline - time.monotonic()))
-                data = self._sock.recv(1 << 20)
+                data = self._sock.recv(codec.READ_SIZE)
             except socket.timeout:
                 self.close()
                 raise SbpConnectionError("timed out waiting for %s:%d" % (self.host, self.port)) from None
@@ -589,6 +589,8 @@ class SbpClientProtocol(Protocol):
             self.transport.setTcpNoDelay(True)
         except Exception:
             pass
+        if hasattr(self.transport, "bufferSize"):
+            self.transport.bufferSize = codec.READ_SIZE  # FETCH replies run to 16 MiB
 
     def request(self, call):
         if self.lost:

@@ -218,6 +218,8 @@ class SbpServerProtocol(Protocol):
         peer = self.transport.getPeer()
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
         self.transport.registerProducer(self, True)
+        if hasattr(self.transport, "bufferSize"):
+            self.transport.bufferSize = codec.READ_SIZE
         if self.factory.zero_copy:
             self._sender = FileSender.for_transport(self.transport, self._backlog)
         if self._sender is not None:
