@@ -61,6 +61,13 @@ class Node:
     def __enter__(self):
         self.proc.start()
         self.port = self.proc.ports["sbp"]
+        # A node loads its compiled APPEND check on a thread after it starts (about 1 s; the first
+        # time on a machine, a few seconds of compiling): measure the node as it then runs.
+        c = BlockingSbpClient("127.0.0.1", self.port)
+        deadline = time.monotonic() + 60
+        while c.status().get("append_check") == "loading" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        c.close()
         return self
 
     def __exit__(self, *exc):

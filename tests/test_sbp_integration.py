@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 
 import pytest
 import pytest_twisted
@@ -75,6 +76,32 @@ def test_blocking_client_end_to_end_and_kill9_durability(node_factory):
     assert [r["range_index"] for r in ranges] == [0, 1] and ranges[0]["end_offset"] == 55
     c.close()
     c2.close()
+
+
+def test_node_switches_to_the_compiled_append_check(node_factory):
+    """The node validates APPENDs with msgpack until its compiled check has loaded (sbpctl status:
+    append_check), then with that: good batches go in, malformed ones still get CORRUPT_BATCH."""
+    node = node_factory()
+    c = client_for(node)
+    deadline = time.monotonic() + 120  # the first run on a machine compiles (seconds)
+    while c.status()["append_check"] == "loading" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        assert c.status()["append_check"] == "msgpack"
+    else:
+        assert c.status()["append_check"] == "compiled"
+    sid = c.create_stream()["stream_id"]
+    assert c.append(sid, batch(64, size=1000)) == 0
+    bad = bytearray(record_batch.encode([(1, [], b"x"), (2, [], b"y")]))
+    bad[30] = 0x01  # record 0's array header becomes an int: the block no longer holds 2 records
+    bad[21:25] = zlib.crc32(bytes(bad[29:])).to_bytes(4, "big")
+    with pytest.raises(SbpError) as e:
+        c.append(sid, bytes(bad))
+    assert e.value.code == codec.CORRUPT_BATCH
+    assert c.append(sid, batch(1)) == 64
+    c.close()
 
 
 def test_kill9_during_pipelined_appends_keeps_every_ack(node_factory):

@@ -2,6 +2,7 @@
 
 import time
 
+import msgpack
 import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
@@ -396,11 +397,47 @@ def test_validate_batch_agrees(recs, flips):
         expect = record_batch.validate(b).record_count
     except record_batch.InvalidBatch:
         expect = None
+    from protocols.sbp import block_check
+
+    compiled, block_check.records_block_ok = block_check.records_block_ok, None
     try:
         got = server.validate_batch(b)
     except record_batch.InvalidBatch:
         got = None
+    finally:
+        block_check.records_block_ok = compiled
     assert got == expect
+    # and with the compiled records-block check in front (its no goes to msgpack)
+    if compiled_block_check() is not None:
+        try:
+            got = server.validate_batch(b)
+        except record_batch.InvalidBatch:
+            got = None
+        assert got == expect
+        assert block_check.records_block_ok is not None
+
+
+def compiled_block_check():
+    from protocols.sbp import block_check
+
+    if block_check.records_block_ok is None:
+        block_check.load()
+    return block_check.records_block_ok
+
+
+def test_compiled_block_check_takes_the_contract_shape():
+    check = compiled_block_check()
+    if check is None:
+        pytest.skip("numba unavailable")
+    recs = [(0, [(b"k", b"v"), (b"n", b"")], b"body"), (1, [], b""), (2, [], b"x" * 70000)]
+    b = record_batch.encode(recs)
+    assert check(b, 3) and server.validate_batch(b) == 3
+    assert not check(b, 2)  # record_count disagrees
+    assert not check(b + b"\x00", 3)  # a byte after the last record
+    for cut in (30, len(b) // 2, len(b) - 1):
+        assert not check(b[:cut], 3)  # never reads past the end
+    swapped = msgpack.packb([[1, 0, [], b""], [0, 0, [], b""]])
+    assert not check(b"\0" * 29 + swapped, 2)  # offset_delta out of order
 
 
 @pytest_twisted.ensureDeferred

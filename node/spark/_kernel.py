@@ -13,22 +13,7 @@ import numpy as np
 from numba import njit
 
 from node.spark.decode import FALLBACK, OK
-
-_JIT = dict(cache=True, nogil=True)
-
-
-@njit(**_JIT)
-def byte(buf, p):
-    return np.int64(buf[np.uint64(p)])
-
-
-@njit(**_JIT)
-def be_uint(buf, p, n):
-    """``n`` bytes big-endian at ``p`` (8 bytes wrap to a two's complement int64)."""
-    v = np.int64(0)
-    for k in range(n):
-        v = (v << 8) | byte(buf, p + k)
-    return v
+from storage.msgpack_scan import JIT as _JIT, be_uint, byte, read_array, read_bytes, read_int
 
 
 @njit(**_JIT)
@@ -37,84 +22,6 @@ def copy(dst, d, src, s, n):
     s = np.uint64(s)
     for k in range(np.uint64(n)):
         dst[d + k] = src[s + k]
-
-
-@njit(**_JIT)
-def read_int(buf, p, end):
-    """A msgpack int that fits int64 at ``p``: (value, next position); next = -1 if there is none."""
-    if p >= end:
-        return 0, -1
-    b = byte(buf, p)
-    if b <= 0x7F:
-        return b, p + 1
-    if b >= 0xE0:
-        return b - 256, p + 1
-    if b == 0xCC or b == 0xD0:
-        n = 1
-    elif b == 0xCD or b == 0xD1:
-        n = 2
-    elif b == 0xCE or b == 0xD2:
-        n = 4
-    elif b == 0xCF or b == 0xD3:
-        n = 8
-    else:
-        return 0, -1
-    if p + 1 + n > end:
-        return 0, -1
-    if b == 0xCF and byte(buf, p + 1) >= 0x80:
-        return 0, -1  # a uint64 above int64's range
-    v = be_uint(buf, p + 1, n)
-    if b >= 0xD0 and n < 8:
-        half = np.int64(1) << (8 * n - 1)
-        if v >= half:
-            v -= half << 1
-    return v, p + 1 + n
-
-
-@njit(**_JIT)
-def read_array(buf, p, end):
-    """A msgpack array header at ``p``: (length, next position); next = -1 if there is none."""
-    if p >= end:
-        return 0, -1
-    b = byte(buf, p)
-    if 0x90 <= b <= 0x9F:
-        return b & 0x0F, p + 1
-    if b == 0xDC:
-        n = 2
-    elif b == 0xDD:
-        n = 4
-    else:
-        return 0, -1
-    if p + 1 + n > end:
-        return 0, -1
-    return be_uint(buf, p + 1, n), p + 1 + n
-
-
-@njit(**_JIT)
-def read_bytes(buf, p, end):
-    """A msgpack bin or str at ``p``: (start, length, next position); next = -1 if there is none."""
-    if p >= end:
-        return 0, 0, -1
-    b = byte(buf, p)
-    if 0xA0 <= b <= 0xBF:
-        n = 0
-        length = b & 0x1F
-    elif b == 0xC4 or b == 0xD9:
-        n = 1
-    elif b == 0xC5 or b == 0xDA:
-        n = 2
-    elif b == 0xC6 or b == 0xDB:
-        n = 4
-    else:
-        return 0, 0, -1
-    if n:
-        if p + 1 + n > end:
-            return 0, 0, -1
-        length = be_uint(buf, p + 1, n)
-    start = p + 1 + n
-    if start + length > end:
-        return 0, 0, -1
-    return start, length, start + length
 
 
 @njit(**_JIT)

@@ -11,20 +11,17 @@ body bin or str, and no bytes after the last record. Anything else (a malformed 
 makes it report ``FALLBACK``, and the caller decodes that FETCH result with msgpack, which reads it
 as it always did or raises ``InvalidBatch``.
 
-The kernel is compiled with numba once per machine (about 10 s) and cached on disk: numba puts the
-cache in ``__pycache__`` beside ``_kernel.py`` if writable, else in the user's cache directory
-(``~/.cache/numba``), or in ``NUMBA_CACHE_DIR`` when set. If none of them is writable, a per-user
-directory under the system temp dir is tried; failing that (or without numba) every FETCH result
-goes through msgpack, as compiling in each Spark worker would cost more than it saves. A new
+The kernel is compiled with numba once per machine (about 10 s) and cached on disk
+(``storage.jit`` says where); without a cache (or without numba) every FETCH result goes through
+msgpack, as compiling in each Spark worker would cost more than it saves. A new
 process pays ``import numba`` and loading the cache once (about 0.5-1 s, see docs/spark.md).
 """
 
 import logging
-import os
-import sys
-import tempfile
 
 import numpy as np
+
+from storage.jit import import_compiled
 
 log = logging.getLogger("sbpnode.spark")
 
@@ -49,22 +46,10 @@ def load_kernel():
 
 
 def _import():
-    try:
-        from node.spark import _kernel as k
-    except ImportError as e:
-        log.info("sbp: numba not importable (%s); decoding with msgpack", e)
+    k, why = import_compiled("node.spark._kernel")
+    if k is None:
+        log.warning("sbp: compiled decoder unavailable: %s; decoding with msgpack", why)
         return None
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        sys.modules.pop("node.spark._kernel", None)
-        import numba
-
-        numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(), "numba-cache-%d" % os.getuid())
-        try:
-            from node.spark import _kernel as k
-        except RuntimeError as e:
-            sys.modules.pop("node.spark._kernel", None)
-            log.warning("sbp: no writable cache for the compiled decoder (%s); decoding with msgpack", e)
-            return None
     return k.decode_fetch
 
 

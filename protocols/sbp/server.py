@@ -29,7 +29,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from protocols.sbp import codec
+from protocols.sbp import block_check, codec
 from protocols.sbp.codec import T
 from protocols.sbp.sendfile import FileSender
 from storage import errors, record_batch
@@ -53,8 +53,9 @@ _LIST, _INT, _BYTES, _FOUR, _TWO = {list}, {int}, {bytes}, {4}, {2}
 
 
 def validate_batch(batch, block_crc=None) -> int:
-    """CONTRACT §3 batch validity, without building per-record objects; returns record_count.
-    ``block_crc``: CRC-32 of ``batch[29:]`` if the caller has it.
+    """CONTRACT §3 batch validity; returns record_count. ``block_crc``: CRC-32 of ``batch[29:]`` if
+    the caller has it. The records block is checked by the compiled walker once it is loaded
+    (``block_check``), and otherwise, or when that one says no, by msgpack with column-wise checks.
 
     Same verdicts as ``record_batch.validate`` (tests/test_sbp_server.py checks that).
     """
@@ -70,6 +71,9 @@ def validate_batch(batch, block_crc=None) -> int:
     block = memoryview(batch)[_BATCH_HEADER_SIZE:]
     if (codec.crc32(block) if block_crc is None else block_crc) != crc:
         raise record_batch.InvalidBatch("records block CRC mismatch")
+    block_ok = block_check.records_block_ok
+    if block_ok is not None and block_ok(batch, count):
+        return count
     try:
         raw = msgpack.unpackb(block, raw=True, use_list=True, strict_map_key=False)
     except Exception:
@@ -152,6 +156,7 @@ class SbpServerFactory(Factory):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
+        block_check.start_loading()
         if hasattr(node, "on_shutdown"):
             node.on_shutdown(self.shutdown)
 
@@ -863,7 +868,8 @@ class SbpServerProtocol(Protocol):
             streams = len(self.store.log.streams())
         except Exception:
             streams = None
-        view = {"node_id": me.server_id, "sbp": me.advertise_addr, "streams": streams, "metrics": self.factory.node.metrics}
+        view = {"node_id": me.server_id, "sbp": me.advertise_addr, "streams": streams, "metrics": self.factory.node.metrics,
+                "append_check": block_check.state}
         detail = json.dumps(view, sort_keys=True, default=str).encode()
         return T.DescribePdClusterResponse(codec.status(codec.OK, None, detail), T.PlacementDriverCluster([node]))
 
