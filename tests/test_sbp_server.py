@@ -383,7 +383,6 @@ records = st.lists(st.tuples(st.integers(0, 2**40), st.lists(st.tuples(st.binary
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(recs=records, flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3))
 def test_validate_batch_agrees(recs, flips):
-    import msgpack
     import zlib
 
     b = bytearray(record_batch.encode(recs))
