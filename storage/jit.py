@@ -9,30 +9,22 @@ for when this returns None (numba missing or broken, or no cache anywhere).
 
 import importlib
 import os
-import sys
 import tempfile
 
 
 def import_compiled(name: str):
-    """``(module, None)``, or ``(None, why)`` when it cannot be had."""
-    before = set(sys.modules)
+    """``(module, None)``, or ``(None, why)`` when it cannot be had. (A module whose import raised
+    is not left in ``sys.modules``, so the retry runs it again.)"""
     try:
         return importlib.import_module(name), None
     except ImportError as e:
-        return None, "numba not importable (%s)" % e
+        return None, "not importable (%s)" % e
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        _forget(before)
+        pass
     try:
         import numba
 
         numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(), "numba-cache-%d" % os.getuid())
         return importlib.import_module(name), None
     except Exception as e:
-        _forget(before)
         return None, "no writable cache for compiled code (%s)" % e
-
-
-def _forget(before):
-    """Drop the modules a failed import left half made, so a retry runs them again."""
-    for mod in set(sys.modules) - before:
-        sys.modules.pop(mod, None)

@@ -566,3 +566,12 @@ async def test_client_goaway_finishes_in_flight_then_closes(node):
     assert codec.decode_header(f).fetch_responses[0].status.code == 0
     await task.deferLater(reactor, 0.01, lambda: None)
     assert c.tr.disconnecting
+
+
+def test_import_compiled_reports_what_it_cannot_import():
+    from storage.jit import import_compiled
+
+    mod, why = import_compiled("storage.no_such_compiled_module")
+    assert mod is None and "not importable" in why
+    mod, why = import_compiled("storage.msgpack_scan")
+    assert why is None and mod.records_block_ok is not None
