@@ -109,7 +109,6 @@ STATUS_NAMES = {
 MAGIC = 23
 HEADER_FORMAT_FLATBUFFERS = 1
 MIN_FRAME_LENGTH = 16
-_LENGTH = struct.Struct(">I")
 MAX_FRAME_LENGTH = 16 * 1024 * 1024
 # Bytes asked of the socket per read by the server and the clients. An APPEND of 64 x 1 KiB is
 # ~66 KB: with Twisted's default of 64 KiB every such frame took two reads and two passes through
@@ -122,6 +121,7 @@ PREFIX = struct.Struct(">IBHBII")
 PREFIX_SIZE = PREFIX.size  # 16
 _CRC = struct.Struct(">I")
 _I32BE = struct.Struct(">i")
+_LENGTH = struct.Struct(">I")  # a frame's u32 frame_length
 # Bytes a frame costs beyond header + payload: prefix + crc.
 FRAME_OVERHEAD = PREFIX_SIZE + 4
 
@@ -441,8 +441,7 @@ class FrameBuffer:
 
     def _length_error(self, length):
         head = self._peek(min(7, self.buffered()))
-        opcode = struct.unpack_from(">H", head, 5)[0] if len(head) >= 7 else 0
-        raise FrameLengthError("frame_length %d out of [16, 16 MiB]" % length, opcode)
+        check_length(length, struct.unpack_from(">H", head, 5)[0] if len(head) >= 7 else 0)
 
 
 # -- FlatBuffers headers ---------------------------------------------------------------------------
