@@ -1,11 +1,11 @@
 """The Primary_Partition key-value server (CONTRACT §4) over the node's store (``store.kv``).
 
-One ``KvServerProtocol`` per connection. It frames with a bytearray and a read offset, decodes
+One ``KvServerProtocol`` per connection. It frames with ``protocols/framing.Framer``, decodes
 each message with the codec, runs it against the store and queues the encoded reply. Replies leave
 in request order even though SET and REMOVE complete later (when durable): every executed request
 owns a slot in an ordered queue and the head of the queue is written as soon as it is ready.
 
-The hot commands skip the codec's request objects: a run of consecutive GETs in the buffer is one
+The hot commands skip the codec's request objects: a run of consecutive GETs in one read is one
 ``store.kv.get_many``, and a run of consecutive SETs/REMOVEs is one ``store.kv.write_many`` (one
 group commit, one Deferred, one slot for the whole run). Everything written in one pass over the
 buffer leaves in one ``send``.
@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from protocols.direct_send import send_now
+from protocols.framing import Framer
 from protocols.partition import codec
 from protocols.partition.codec import (
     CREATE_CURSOR,
@@ -41,7 +42,6 @@ from protocols.partition.codec import (
     HEADER_LEN,
     INVALID_COMMAND,
     MAX_MESSAGE,
-    MIN_TOTAL_LEN,
     OK,
     REMOVE,
     SET,
@@ -165,8 +165,7 @@ class KvServerProtocol(Protocol):
         self.kv = kv
         self.store = store  # for its congestion signal (None: not checked)
         self.metrics = metrics if metrics is not None else {}
-        self._buf = bytearray()
-        self._pos = 0
+        self._frames = Framer(codec.Layout())
         self._cursors = {}
         self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
         self._slots = deque()  # executed requests whose replies are not yet written: [bytes|None, count]
@@ -202,8 +201,7 @@ class KvServerProtocol(Protocol):
         # CONTRACT §4: cursors belong to the connection and vanish with it.
         self._cursors.clear()
         self._blocked.clear()
-        self._buf = bytearray()
-        self._pos = 0
+        self._frames.clear()
         self.metrics["connections"] = self.metrics.get("connections", 1) - 1
         if self._peer_errors > 1:
             self.log.warn("kv peer {peer} sent {n} bad requests in all", peer=self.peer, n=self._peer_errors)
@@ -252,7 +250,7 @@ class KvServerProtocol(Protocol):
     def dataReceived(self, data):
         if self._closing or self._lost:
             return
-        self._buf += data
+        self._frames.feed(data)
         self._process()
 
     def _process(self):
@@ -289,10 +287,7 @@ class KvServerProtocol(Protocol):
                 self._process()
 
     def _process_frames(self):
-        buf = self._buf
-        pos = self._pos
-        n = len(buf)
-        u64 = _U64.unpack_from
+        frames = self._frames
         self._handled = handled = 0
         slots = self._slots
         while not self._closing:
@@ -306,62 +301,53 @@ class KvServerProtocol(Protocol):
                     self._budget_paused = True
                     self._update_reading()
                 break
-            avail = n - pos
-            if avail < 8:
-                break
-            (total,) = u64(buf, pos)
-            if total > MAX_MESSAGE:
-                # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
-                if avail < 16:
-                    break
-                (cid,) = u64(buf, pos + 8)
-                self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=total)
-                self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
+            try:
+                span = frames.next()
+            except codec.TotalRefused as e:
+                if e.client_id is not None:
+                    # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
+                    self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=e.length)
+                    self._submit(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
+                else:
+                    # CONTRACT §4: total_len < 8 closes the connection.
+                    self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=e.length)
                 self._close_when_flushed()
-                pos = n
+                frames.clear()
                 break
-            if total < MIN_TOTAL_LEN:
-                # CONTRACT §4: total_len < 8 closes the connection.
-                self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=total)
-                self._close_when_flushed()
-                pos = n
+            if span is None:
                 break
-            if avail < total:
-                break
+            buf, pos, end = span
+            total = end - pos
             handled += 1
             if total >= 28:
                 # Fast paths for the hot commands (same rules as the codec, no request object).
+                # A run goes on in place over the whole frames after this one in the same read.
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
                 if cmd == GET and klen and 28 + klen <= total and not self._unacked and not self._blocked and not slots:
-                    pos = self._get_run(buf, pos, n, total, cid, klen)
+                    after = self._get_run(buf, pos, len(buf), total, cid, klen)
+                    if after > end:
+                        frames.skip_to(after)
                     continue
                 if (cmd == SET or cmd == REMOVE) and not self._blocked:
-                    end = self._write_run(buf, pos, n)
-                    if end != pos:
-                        pos = end
+                    after = self._write_run(buf, pos, len(buf))
+                    if after != pos:
+                        if after > end:
+                            frames.skip_to(after)
                         continue
             if total < HEADER_LEN:
-                cid = u64(buf, pos + 8)[0] if total >= 16 else 0
+                cid = _U64.unpack_from(buf, pos + 8)[0] if total >= 16 else 0
                 self._peer_error("kv peer {peer} sent a {total}-byte message (header is 26)", total=total)
                 self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
             else:
                 try:
                     req = codec.decode_request(buf, pos)
                 except codec.DecodeError as e:
-                    cid = u64(buf, pos + 8)[0]
+                    cid = _U64.unpack_from(buf, pos + 8)[0]
                     self._peer_error("kv peer {peer}: {reason}; ERR {code}", reason=e.reason, code=e.code)
                     self._submit(codec.encode_error(cid, e.code))
                 else:
                     self._submit(req)
-            pos += total
         self.metrics["requests"] = self.metrics.get("requests", 0) + handled + self._handled
-        if pos >= n:
-            buf.clear()
-            pos = 0
-        elif pos > 65536 and pos * 2 > n:
-            del buf[:pos]
-            pos = 0
-        self._pos = pos
 
     def _get_run(self, buf, pos, n, total, cid, klen):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one

@@ -26,6 +26,7 @@ from twisted.internet import defer, endpoints, protocol, task
 from twisted.logger import Logger
 
 from protocols.toasty import codec, paths
+from protocols.framing import Framer
 from protocols.toasty.codec import HEADER, HEADER_LEN
 
 MISSING = codec.MISSING_GENERATION
@@ -282,15 +283,28 @@ def verify_chunk(h, data):
 # -- Twisted client ----------------------------------------------------------------------------
 
 
+class _ExpectedReplies:
+    """The reply types the oldest outstanding request may get (``codec.Layout``'s ``allowed``)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending):
+        self.pending = pending
+
+    def __contains__(self, mtype):
+        if not self.pending:
+            raise codec.CodecError("reply with no request outstanding")
+        return mtype in codec.REPLIES[self.pending[0][0]]
+
+
 class ToastyClientProtocol(protocol.Protocol):
     """One connection to either listener: ``request(msg) -> Deferred[reply]`` (replies in order)."""
 
     log = Logger()
 
     def __init__(self):
-        self._buf = bytearray()
-        self._pos = 0
         self._pending = deque()
+        self._frames = Framer(codec.Layout(_ExpectedReplies(self._pending)))
         self._lost = None
 
     def connectionMade(self):
@@ -308,33 +322,19 @@ class ToastyClientProtocol(protocol.Protocol):
         return d
 
     def dataReceived(self, data):
-        self._buf += data
-        buf = self._buf
+        frames = self._frames
+        frames.feed(data)
         while True:
-            avail = len(buf) - self._pos
-            if avail < HEADER_LEN:
-                break
-            version, mtype, length = HEADER.unpack_from(buf, self._pos)
-            if not self._pending:
-                return self._fail("reply with no request outstanding")
-            req_type, d = self._pending[0]
             try:
-                codec.check_header(version, mtype, length, codec.REPLIES[req_type])
+                span = frames.next()
+                if span is None:
+                    return
+                buf, pos, end = span
+                reply = codec.decode_reply(HEADER.unpack_from(buf, pos)[1], buf[pos + HEADER_LEN : end])
             except codec.CodecError as e:
                 return self._fail(str(e))
-            if avail < length:
-                break
-            body = bytes(buf[self._pos + HEADER_LEN : self._pos + length])
-            self._pos += length
-            try:
-                reply = codec.decode_reply(mtype, body)
-            except codec.CodecError as e:
-                return self._fail(str(e))
-            self._pending.popleft()
+            _, d = self._pending.popleft()
             d.callback(reply)
-        if self._pos:
-            del buf[: self._pos]
-            self._pos = 0
 
     def _fail(self, why):
         self.log.warn("bad toasty reply: {why}", why=why)

@@ -1,8 +1,8 @@
 """Toasty metadata server (``--meta``) and chunk server (``--chunks``), CONTRACT §5.
 
-Both frame the same way: a bytearray with a read offset, the 8-byte header checked (version 1,
-8 <= length <= 16 MiB, a request type of *this* listener) before the body is buffered, the body
-decoded to exactly its length. Anything else closes the connection with no reply, logged once at
+Both frame the same way (``protocols/framing.Framer`` with ``codec.Layout``): the 8-byte header
+checked (version 1, 8 <= length <= 16 MiB, a request type of *this* listener) before the body is
+buffered, the body decoded to exactly its length. Anything else closes the connection with no reply, logged once at
 warn. Replies leave in request order (the protocol has no request id): each request owns a slot in
 an ordered queue, and the head is written as soon as it is ready.
 
@@ -22,6 +22,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from protocols.direct_send import idle_socket, send_parts_now
+from protocols.framing import Framer
 from protocols.toasty import codec, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
 from storage import files
@@ -62,10 +63,7 @@ class _ToastyServerProtocol(Protocol):
 
     def __init__(self, node):
         self.node = node
-        self._buf = b""  # the received bytes being framed (immutable), from self._pos on
-        self._pos = 0
-        self._more = []  # later reads, not framed yet
-        self._more_len = 0
+        self._frames_in = Framer(codec.Layout(self.allowed))
         self._closed = False
         self._slots = deque()
         self._in_flight = 0
@@ -161,82 +159,34 @@ class _ToastyServerProtocol(Protocol):
     def dataReceived(self, data):
         if self._closed:
             return
-        self._more.append(data)
-        self._more_len += len(data)
+        self._frames_in.feed(data)
         if not self._framing:
             self._frames()
 
     def _frames(self):
         self._framing = True
         try:
-            while True:
-                self._frame_loop()
-                if self._closed or self._in_paused or not self._advance():
-                    break
+            self._frame_loop()
         finally:
             self._framing = False
-            if self._pos == len(self._buf):
-                self._buf, self._pos = b"", 0
             self.frames_done()
 
-    def _advance(self):
-        """Move on to the next received bytes: the rest of the message cut at the end of the
-        current buffer is completed from the reads that followed (one copy of that one message;
-        nothing is copied before a message is complete, so a big one is not copied over and over),
-        and the rest of those reads is framed in place. False when no more can be framed yet."""
-        more = self._more
-        if not more:
-            return False
-        head = memoryview(self._buf)[self._pos :]
-        if not len(head):
-            self._buf, self._pos = more.pop(0), 0
-            self._more_len -= len(self._buf)
-            return True
-        have = len(head) + self._more_len
-        if len(head) < HEADER_LEN:  # the header itself is cut (rare): join what there is
-            self._buf, self._pos = b"".join([head] + more), 0
-            more.clear()
-            self._more_len = 0
-            return True
-        need = HEADER.unpack_from(head, 0)[2] - len(head)  # the header was checked when it came
-        if have - len(head) < need:
-            return False
-        parts = [head]
-        while need:
-            piece = more[0]
-            if len(piece) <= need:
-                parts.append(more.pop(0))
-                taken = len(piece)
-            else:
-                view = memoryview(piece)
-                parts.append(view[:need])
-                more[0] = view[need:]
-                taken = need
-            self._more_len -= taken
-            need -= taken
-        self._buf, self._pos = b"".join(parts), 0
-        return True
-
     def _frame_loop(self):
-        # ``self._buf`` is immutable (bytes or a view of them), so message data can be handed
-        # on as views of it without a copy.
-        buf = self._buf
-        view = memoryview(buf)
-        pinned = len(buf)  # charged (once) to the first message that keeps a view of buf alive
+        # The framer hands out spans of immutable received bytes, so message data can be handed
+        # on as views of them without a copy.
+        framer = self._frames_in
+        charged = None  # the read already charged for a message holding a view of it
         while not self._closed and not self._in_paused:
-            avail = len(buf) - self._pos
-            if avail < HEADER_LEN:
-                break
-            version, mtype, length = HEADER.unpack_from(buf, self._pos)
             try:
-                codec.check_header(version, mtype, length, self.allowed)
+                span = framer.next()
             except codec.CodecError as e:
                 self._drop(str(e))
                 return
-            if avail < length:
+            if span is None:
                 break
-            pos = self._pos
-            self._pos += length
+            buf, pos, end = span
+            length = end - pos
+            mtype = HEADER.unpack_from(buf, pos)[1]
             msg = None
             extra = 0
             if mtype == codec.CREATE_CHUNK and length >= HEADER_LEN + 12:
@@ -245,10 +195,11 @@ class _ToastyServerProtocol(Protocol):
                 # counts the read's size too (on the first such message of the read).
                 chunk_size, off, n = _CREATE_CHUNK_HEAD.unpack_from(buf, pos + HEADER_LEN)
                 if n == length - HEADER_LEN - 12:
-                    msg = codec.CreateChunk(chunk_size, off, view[pos + HEADER_LEN + 12 : pos + length])
-                    extra, pinned = pinned, 0
+                    msg = codec.CreateChunk(chunk_size, off, memoryview(buf)[pos + HEADER_LEN + 12 : end])
+                    if buf is not charged:
+                        extra, charged = len(buf), buf
             if msg is None:
-                body = view[pos + HEADER_LEN : pos + length].tobytes()
+                body = buf[pos + HEADER_LEN : end]
                 try:
                     msg = codec.decode_request(mtype, body)
                 except codec.CodecError as e:
