@@ -19,15 +19,14 @@ import struct
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from protocols.direct_send import send_now
 from protocols.framing import Framer
 from protocols.partition import codec
+from protocols.read_gate import BUDGET, CLOSING, ReadGate
 from protocols.partition.codec import (
     CREATE_CURSOR,
     DATA_NOT_FOUND,
@@ -153,7 +152,6 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
         limit = max(2, min(remaining + 2, (SCAN_REPLY_BUDGET - nbytes) // avg + 2))
 
 
-@implementer(IPushProducer)
 class KvServerProtocol(Protocol):
     log = Logger()
     # Backpressure: stop reading once this many requests wait for execution or for their reply,
@@ -172,14 +170,11 @@ class KvServerProtocol(Protocol):
         self._waiting = 0  # requests those slots answer (a run of writes is one slot)
         self._unacked = 0  # writes issued to the store and not yet durable
         self._inflight_bytes = 0  # value bytes of those writes
-        self._store_paused = False
         self._out = []  # replies ready to write at the end of this turn
         self._busy = False  # inside _process/_drain: writes are batched until it ends
         self._closing = False  # stop reading; close once every queued reply is written
         self._lost = False
-        self._budget_paused = False
-        self._write_paused = False
-        self._reading_paused = False
+        self.gate = None  # the ReadGate, once connected
         self._idle_waiters = []
         self._peer_errors = 0
         self.peer = "?"
@@ -193,11 +188,14 @@ class KvServerProtocol(Protocol):
             pass
         peer = self.transport.getPeer()
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
-        self.transport.registerProducer(self, True)
+        self.gate = ReadGate(self.transport, self._process)
+        self.transport.registerProducer(self.gate, True)
         self.metrics["connections"] = self.metrics.get("connections", 0) + 1
 
     def connectionLost(self, reason=None):
         self._lost = True
+        if self.gate is not None:
+            self.gate.stop()
         # CONTRACT §4: cursors belong to the connection and vanish with it.
         self._cursors.clear()
         self._blocked.clear()
@@ -221,29 +219,6 @@ class KvServerProtocol(Protocol):
         factory = getattr(self, "factory", None)
         if self._lost and factory is not None:
             factory.forget(self)
-
-    # IPushProducer: the transport's send buffer is full (or drained again).
-    def pauseProducing(self):
-        self._write_paused = True
-        self._update_reading()
-
-    def resumeProducing(self):
-        self._write_paused = False
-        self._update_reading()
-        if not self._lost and not self._reading_paused:
-            self._process()
-
-    def stopProducing(self):
-        pass
-
-    def _update_reading(self):
-        want_pause = self._write_paused or self._budget_paused or self._store_paused or self._closing
-        if want_pause != self._reading_paused and not self._lost:
-            self._reading_paused = want_pause
-            if want_pause:
-                self.transport.pauseProducing()
-            elif not self._closing:
-                self.transport.resumeProducing()
 
     # -- framing -----------------------------------------------------------------------------
 
@@ -269,37 +244,20 @@ class KvServerProtocol(Protocol):
         finally:
             self._busy = False
         self._flush()
-        self._check_store()
-
-    def _check_store(self):
-        store = self.store
-        if store is not None and not self._store_paused and self._unacked and store.congested:
+        if self._unacked and not self._lost:
             # The store's write queue is long: stop reading until it drains.
-            self._store_paused = True
-            self._update_reading()
-            store.when_drained().addCallback(self._store_drained)
-
-    def _store_drained(self, _):
-        self._store_paused = False
-        if not self._lost:
-            self._update_reading()
-            if not self._reading_paused:
-                self._process()
+            self.gate.watch_store(self.store)
 
     def _process_frames(self):
         frames = self._frames
         self._handled = handled = 0
         slots = self._slots
+        gate = self.gate
         while not self._closing:
-            if (
-                self._write_paused
-                or self._store_paused
-                or self._waiting + len(self._blocked) >= self.max_pending
-                or self._inflight_bytes >= self.max_inflight_bytes
-            ):
-                if not (self._write_paused or self._store_paused):
-                    self._budget_paused = True
-                    self._update_reading()
+            if not gate.reading:
+                break
+            if self._waiting + len(self._blocked) >= self.max_pending or self._inflight_bytes >= self.max_inflight_bytes:
+                gate.hold(BUDGET)
                 break
             try:
                 span = frames.next()
@@ -644,14 +602,11 @@ class KvServerProtocol(Protocol):
         if not was_busy:
             self._flush()
             if (
-                self._budget_paused
+                BUDGET in self.gate.reasons
                 and self._waiting + len(self._blocked) < self.max_pending // 2
                 and self._inflight_bytes < self.max_inflight_bytes // 2
             ):
-                self._budget_paused = False
-                self._update_reading()
-                if not self._reading_paused:
-                    self._process()
+                self.gate.release(BUDGET)
 
     def _flush(self):
         out = self._out
@@ -664,7 +619,7 @@ class KvServerProtocol(Protocol):
 
     def _close_when_flushed(self):
         self._closing = True
-        self._update_reading()
+        self.gate.hold(CLOSING)
 
     def whenIdle(self):
         """A Deferred that fires once no write of this connection is waiting to be durable."""

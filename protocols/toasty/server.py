@@ -16,13 +16,12 @@ import struct
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
-from zope.interface import implementer
 
 from protocols.direct_send import idle_socket, send_parts_now
 from protocols.framing import Framer
+from protocols.read_gate import BUDGET, ReadGate
 from protocols.toasty import codec, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
 from storage import files
@@ -54,7 +53,6 @@ class _Slot:
         self.ready = False
 
 
-@implementer(IPushProducer)
 class _ToastyServerProtocol(Protocol):
     """Framing, ordered replies and backpressure shared by both listeners."""
 
@@ -68,10 +66,8 @@ class _ToastyServerProtocol(Protocol):
         self._slots = deque()
         self._in_flight = 0
         self._in_flight_bytes = 0
-        self._out_paused = False
-        self._in_paused = False
+        self.gate = None  # the ReadGate, once connected
         self._framing = False
-        self._drain_wait = False
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -83,10 +79,13 @@ class _ToastyServerProtocol(Protocol):
         if hasattr(self.transport, "bufferSize"):
             # Read (and buffer replies) in 256 KiB steps: a 64 KiB chunk message is one read, not two.
             self.transport.bufferSize = READ_SIZE
-        self.transport.registerProducer(self, True)
+        self.gate = ReadGate(self.transport, self._frames_again)
+        self.transport.registerProducer(self.gate, True)
 
     def connectionLost(self, reason):
         self._closed = True
+        if self.gate is not None:
+            self.gate.stop()
         self._slots.clear()
         try:
             self.transport.unregisterProducer()
@@ -107,52 +106,20 @@ class _ToastyServerProtocol(Protocol):
             self._slots.clear()
             self.transport.loseConnection()
 
-    # -- IPushProducer: the transport tells us its send buffer is full ---------------------------
-
-    def pauseProducing(self):
-        self._out_paused = True
-        self._update_reading()
-
-    def resumeProducing(self):
-        self._out_paused = False
-        self._update_reading()
-
-    def stopProducing(self):
-        self._closed = True
+    # -- backpressure ----------------------------------------------------------------------------
 
     def _update_reading(self):
         # Hysteresis: pause at the budget, resume at half of it (not one epoll change per request).
-        div = 2 if self._in_paused else 1
-        want_pause = (
-            self._out_paused
-            or self._in_flight >= MAX_IN_FLIGHT // div
-            or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES // div
-            or self._store_congested()
-        )
-        if want_pause and not self._in_paused:
-            self._in_paused = True
-            self.transport.pauseProducing()
-        elif not want_pause and self._in_paused and not self._closed:
-            self._in_paused = False
-            self.transport.resumeProducing()
-            if not self._framing:  # else the running _frames loop carries on
-                self._frames()
+        gate = self.gate
+        div = 2 if BUDGET in gate.reasons else 1
+        gate.set(BUDGET, self._in_flight >= MAX_IN_FLIGHT // div or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES // div)
+        # The store's write queue is over its high-water mark: stop reading until it drains.
+        gate.watch_store(self.node.store)
 
-    def _store_congested(self):
-        """The store's write queue is over its high-water mark: stop reading until it drains."""
-        store = self.node.store
-        if not getattr(store, "congested", False):
-            return False
-        if not self._drain_wait:
-            self._drain_wait = True
-
-            def drained(_):
-                self._drain_wait = False
-                if not self._closed:
-                    self._update_reading()
-
-            store.when_drained().addBoth(drained)
-        return True
+    def _frames_again(self):
+        """The gate opened: frame what was received meanwhile."""
+        if not self._closed and not self._framing:  # else the running _frames loop carries on
+            self._frames()
 
     # -- framing ------------------------------------------------------------------------------
 
@@ -176,7 +143,8 @@ class _ToastyServerProtocol(Protocol):
         # on as views of them without a copy.
         framer = self._frames_in
         charged = None  # the read already charged for a message holding a view of it
-        while not self._closed and not self._in_paused:
+        gate = self.gate
+        while not self._closed and gate.reading:
             try:
                 span = framer.next()
             except codec.CodecError as e:
