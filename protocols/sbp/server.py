@@ -25,6 +25,7 @@ from twisted.internet import defer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 
+from protocols import tcp_internals
 from protocols.read_gate import BUDGET, CLOSING, SEND_QUEUE, ReadGate
 from protocols.sbp import codec
 from protocols.sbp.admin import RangeAdmin
@@ -138,8 +139,7 @@ class SbpServerProtocol(Protocol):
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
         self.gate = ReadGate(self.transport, self._process)
         self.transport.registerProducer(self.gate, True)
-        if hasattr(self.transport, "bufferSize"):
-            self.transport.bufferSize = codec.READ_SIZE
+        tcp_internals.set_read_size(self.transport, codec.READ_SIZE)
         if self.factory.zero_copy:
             self.sender = FileSender.for_transport(self.transport, self._backlog)
         if self.sender is not None:
@@ -150,8 +150,7 @@ class SbpServerProtocol(Protocol):
             self.read_batches = self.store.log.read if self.store is not None else None
         # FETCH replies run to 16 MiB: hand the kernel up to 4 MiB per send() instead of Twisted's
         # 128 KiB (one reactor iteration each): fewer iterations per big reply.
-        if getattr(self.transport, "SEND_LIMIT", None) is not None:
-            self.transport.SEND_LIMIT = 4 << 20
+        tcp_internals.set_send_limit(self.transport, 4 << 20)
         self.factory.connections.add(self)
         self.factory.metrics["connections"] += 1
         if self.factory.shutting_down:

@@ -19,6 +19,7 @@ from twisted.internet import defer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 
+from protocols import tcp_internals
 from protocols.direct_send import idle_socket, send_parts_now
 from protocols.framing import Framer
 from protocols.read_gate import BUDGET, ReadGate
@@ -76,9 +77,8 @@ class _ToastyServerProtocol(Protocol):
             self.transport.setTcpNoDelay(True)
         except Exception:
             pass
-        if hasattr(self.transport, "bufferSize"):
-            # Read (and buffer replies) in 256 KiB steps: a 64 KiB chunk message is one read, not two.
-            self.transport.bufferSize = READ_SIZE
+        # Read in 1 MiB steps: a 64 KiB chunk message is one read, not two.
+        tcp_internals.set_read_size(self.transport, READ_SIZE)
         self.gate = ReadGate(self.transport, self._frames_again)
         self.transport.registerProducer(self.gate, True)
 
