@@ -25,7 +25,7 @@ from twisted.python.failure import Failure
 from protocols.s2 import codec
 from protocols.s2.codec import S2Error
 from protocols.s2.sessions import READ_CHUNK_BYTES, AppendSession, ReadSession, now_ms
-from storage import record_batch
+from storage import errors, record_batch
 
 DEFAULT_BASIN = "sbpnode-default"
 BASINS_TABLE = "s2_basins"
@@ -38,12 +38,6 @@ def _media(value) -> str:
     if not value:
         return ""
     return value.split(",")[0].split(";")[0].strip().lower()
-
-
-def _store_errors():
-    from storage import errors
-
-    return errors
 
 
 class _StreamState:
@@ -78,7 +72,6 @@ class S2Api:
         self.creating = set()
         self.sessions = set()
         self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
-        self.errors = _store_errors()
 
     # -----------------------------------------------------------------------------------------
     # Start-up
@@ -134,7 +127,6 @@ class S2Api:
         e = failure.value
         if isinstance(e, S2Error):
             return e
-        errors = self.errors
         if isinstance(e, errors.StreamNotFound):
             return S2Error(404, "stream_not_found", "stream not found")
         if isinstance(e, errors.ReadOnlyStream):
@@ -143,9 +135,9 @@ class S2Api:
             return codec.invalid("batch too large")
         if isinstance(e, errors.InvalidRequest):
             return codec.invalid(str(e))
-        if isinstance(e, getattr(errors, "StoreBusy", ())):
+        if isinstance(e, errors.StoreBusy):
             return S2Error(503, "unavailable", "the store is busy; retry")
-        if isinstance(e, getattr(errors, "StoreClosed", ())):
+        if isinstance(e, errors.StoreClosed):
             return S2Error(503, "server_draining", "the node is shutting down")
         if isinstance(e, errors.OffsetOutOfRange):
             return S2Error(416, "read_unwritten", "read position out of range")
@@ -344,7 +336,7 @@ class S2Api:
                     meta = self.store.log.stream(sid)
                     if self._name_of(meta) == (basin, name):
                         return meta
-                except self.errors.StreamNotFound:
+                except errors.StreamNotFound:
                     pass
             if attempt == 0:
                 self._rebuild_index()
@@ -537,7 +529,7 @@ class S2Api:
             if nxt > meta.trim_offset:
                 try:
                     batches = await self.store.log.read(st.sid, nxt - 1, 1)
-                except self.errors.OffsetOutOfRange:
+                except errors.OffsetOutOfRange:
                     batches = []
                 for b in batches[-1:]:
                     header = record_batch.read_header(b)
@@ -618,7 +610,7 @@ class S2Api:
             self._apply_fences(st, commands)
         try:
             base = await d
-        except self.errors.ExpectationFailed:
+        except errors.ExpectationFailed:
             st.ready = False  # another writer (SBP) got there first: reload before the next append
             raise codec.seq_num_mismatch(max(st.assigned, self.store.log.stream(sid).next_offset))
         if base + n > st.assigned:
@@ -651,7 +643,7 @@ class S2Api:
                 point = min(codec.command_payload(op, body), base + i + 1)
                 try:
                     current = self.store.log.stream(sid).trim_offset
-                except self.errors.StreamNotFound:
+                except errors.StreamNotFound:
                     return
                 if point > current:
                     self.store.log.trim(sid, point).addErrback(
@@ -718,7 +710,7 @@ class S2Api:
             mid = (lo + hi) // 2
             try:
                 got = await self.store.log.read(sid, entries[mid][0], 1)
-            except self.errors.OffsetOutOfRange:
+            except errors.OffsetOutOfRange:
                 got = []
             if got and record_batch.read_header(got[0]).base_timestamp_ms < ts:
                 lo = mid + 1
@@ -731,7 +723,7 @@ class S2Api:
         """Records at seq >= pos from one store read: [(seq, ts, headers, body)], next pos."""
         try:
             batches = await self.store.log.read(sid, pos, max_bytes)
-        except self.errors.OffsetOutOfRange:
+        except errors.OffsetOutOfRange:
             meta = self.store.log.stream(sid)
             if pos < meta.trim_offset:
                 pos = meta.trim_offset

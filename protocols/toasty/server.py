@@ -25,7 +25,7 @@ from protocols.framing import Framer
 from protocols.read_gate import BUDGET, ReadGate
 from protocols.toasty import codec, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
-from storage import files
+from storage import errors, files
 
 MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
@@ -197,8 +197,6 @@ class _ToastyServerProtocol(Protocol):
         d.addCallback(self._finish, slot, size)
 
     def _internal_error(self, failure, msg):
-        from storage import errors
-
         if failure.check(errors.StoreError):  # busy, closing, or failed after an I/O error
             self.log.warn("toasty request {type} refused by the store: {error}", type=type(msg).__name__, error=failure.value)
             return self.error_reply(msg, "I/O error: %s" % (failure.value,))
@@ -545,8 +543,6 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         return codec.DownloadChunkSuccess(data[msg.offset : msg.offset + msg.length])
 
     def _chunk_error(self, failure, msg):
-        from storage import errors
-
         failure.trap(errors.ChunkNotFound)
         return self.error_reply(msg, "Chunk not found")
 
