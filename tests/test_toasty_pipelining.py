@@ -22,7 +22,6 @@ READ_LEN = 3 * CS
 # Chunks with data in their first byte only: no WRITE below needs its tail zeroed by the server,
 # so a chunk index holds exactly the hash the WRITE named.
 CONTENTS = [b"A", b"B", b"C"]
-PATHS = ["a", "b", "a/c", "a/d", "b/e"]  # under the example's own directory
 BOGUS_GEN = 2**63  # never handed out here
 
 
@@ -136,21 +135,25 @@ class Model:
 
 # An op names its expect_gen by a choice made when the round is sent: 0, "must not exist", the
 # generation the model knew before the round (stale if the round changed it) or a bogus one.
-GEN_CHOICES = st.sampled_from(["zero", "missing", "known", "bogus"])
+# Each example starts from directory "a" and file "b"; the paths are few, so requests meet.
+GEN_CHOICES = st.sampled_from(["zero", "zero", "known", "missing", "bogus"])
+WRITE_GEN_CHOICES = st.sampled_from(["known", "known", "missing", "zero", "bogus"])
 RANGES = [(0, 1), (0, CS), (100, 10), (CS, 1), (CS + 5, CS), (0, 2 * CS + 1), (7, 0)]
+FILES = ["b", "a/c", "a/d", "c"]
 
 OP = st.one_of(
-    st.tuples(st.just("create"), st.sampled_from(PATHS), st.booleans()),
-    st.tuples(st.just("delete"), st.sampled_from(PATHS), GEN_CHOICES),
-    st.tuples(st.just("list"), st.sampled_from([""] + PATHS), GEN_CHOICES),
-    st.tuples(st.just("read"), st.sampled_from(PATHS), GEN_CHOICES),
+    st.tuples(st.just("create"), st.sampled_from(["a/c", "a/d", "c", "a/c/e", "a"]), st.booleans()),
+    st.tuples(st.just("delete"), st.sampled_from(["a", "b", "a/c", "a/d", "c"]), GEN_CHOICES),
+    st.tuples(st.just("list"), st.sampled_from(["", "", "a", "a", "a/c", "b"]), GEN_CHOICES),
+    st.tuples(st.just("read"), st.sampled_from(FILES + ["b", "a/c"]), GEN_CHOICES),
+    st.tuples(st.just("read"), st.sampled_from(FILES), st.just("zero")),
     st.tuples(
-        st.just("write"), st.sampled_from(PATHS), GEN_CHOICES,
-        st.sampled_from([0, CREATE_IF_MISSING, TRUNCATE_AFTER, CREATE_IF_MISSING | TRUNCATE_AFTER]),
+        st.just("write"), st.sampled_from(FILES), WRITE_GEN_CHOICES,
+        st.sampled_from([0, CREATE_IF_MISSING, CREATE_IF_MISSING, TRUNCATE_AFTER, CREATE_IF_MISSING | TRUNCATE_AFTER]),
         st.sampled_from(RANGES), st.integers(0, len(CONTENTS) - 1),
     ),
 )
-ROUNDS = st.lists(st.lists(OP, min_size=1, max_size=12), min_size=1, max_size=3)
+ROUNDS = st.lists(st.lists(OP, min_size=4, max_size=16), min_size=1, max_size=4)
 
 
 def _expect_gen(choice, model, path):
@@ -183,6 +186,8 @@ def test_random_pipelined_rounds_match_a_sequential_model(node_factory, fsync):
         r = conn.call(codec.Create(base.encode(), True))
         assert r.TYPE == codec.CREATE_SUCCESS, r
         model = Model(r.gen)
+        start = [("create", "a", True), ("write", "b", "missing", CREATE_IF_MISSING, (0, 1), 0)]
+        rounds = [start] + rounds
         for ops in rounds:
             sent, msgs = [], []
             for op in ops:
