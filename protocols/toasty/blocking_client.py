@@ -11,9 +11,9 @@ from collections import deque
 
 from protocols.toasty import codec
 from protocols.toasty.codec import HEADER, HEADER_LEN
+from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
-    E_NOENT,
     FileState,
     HashBatcher,
     MAX_ATTEMPTS,
@@ -209,7 +209,7 @@ class BlockingToastyClient:
         path = path_bytes(path)
         reply = self.meta.call(codec.Read(0, path, 0, 0))
         if isinstance(reply, codec.ReadError):
-            if reply.message.startswith("Entity is a directory"):
+            if ErrorCode.of(reply.message) is ErrorCode.IS_A_DIRECTORY:
                 gen, items = self.list(path)
                 return {"is_dir": True, "gen": gen, "entries": len(items)}
             raise error_of(reply)
@@ -238,7 +238,7 @@ class BlockingToastyClient:
         probe = self.meta.call(codec.Read(0, path, offset, 0))
         if isinstance(probe, codec.ReadSuccess):
             cs, probe = probe.chunk_size, None
-        elif probe.message.startswith(E_NOENT):
+        elif ErrorCode.of(probe.message) is ErrorCode.NOT_FOUND:
             cs = chunk_size or DEFAULT_CHUNK_SIZE  # the probe doubles as the first piece's READ
         else:
             raise error_of(probe)
@@ -273,7 +273,7 @@ class BlockingToastyClient:
                 if not isinstance(reply, codec.ReadSuccess):
                     return None  # changed meanwhile: start again
             return FileState.from_read(lo, reply)
-        if not (create and reply.message.startswith(E_NOENT)):
+        if not (create and ErrorCode.of(reply.message) is ErrorCode.NOT_FOUND):
             raise error_of(reply)
         locations = [a for a in (server_address(w) for w in reply.write_locations) if a]
         if chunk_size is None or chunk_size == DEFAULT_CHUNK_SIZE:

@@ -16,7 +16,9 @@ read: READ (at most 1024 chunks at a time, the later pieces pinned to the first 
 The planning (which chunk gets which message) is shared (``planning``); only the I/O differs
 (``twisted_client``, ``blocking_client``). This module gathers their public names.
 """
+
 from protocols.toasty.blocking_client import BlockingConnection, BlockingToastyClient
+from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
     E_NOENT,
@@ -36,7 +38,7 @@ from protocols.toasty.twisted_client import ToastyClient, ToastyClientProtocol, 
 
 __all__ = [
     "BlockingConnection", "BlockingToastyClient", "ToastyClient", "ToastyClientProtocol", "open_connection",
-    "ToastyError", "NotFoundError", "FileState", "Upload", "HashBatcher", "plan_uploads", "aligned",
+    "ToastyError", "NotFoundError", "ErrorCode", "FileState", "Upload", "HashBatcher", "plan_uploads", "aligned",
     "DEFAULT_CHUNK_SIZE", "E_NOENT", "MAX_ATTEMPTS", "MAX_PIECE_CHUNKS", "MISSING", "UPLOADS_IN_FLIGHT",
 ]
 

@@ -7,6 +7,7 @@ import hashlib
 import random
 
 from protocols.toasty import codec, paths
+from protocols.toasty.errors import RETRYABLE, ErrorCode
 
 MISSING = codec.MISSING_GENERATION
 DEFAULT_CHUNK_SIZE = 4096
@@ -14,23 +15,18 @@ UPLOADS_IN_FLIGHT = 16
 MAX_ATTEMPTS = 30
 MAX_PIECE_CHUNKS = 1024
 
-# The server's error texts (storage/files.py) a client reacts to.
-E_NOENT = "No such file or directory"
-_RETRY_PREFIXES = (
-    "Generation counter mismatch",
-    "File or directory already exists",
-    E_NOENT,
-    "Chunk not found",
-)
+E_NOENT = ErrorCode.NOT_FOUND.value  # the name clients had for it
 
 
 class ToastyError(Exception):
-    """The server refused a request (``message`` is its text) or a check failed."""
+    """The server refused a request (``message`` is its text, ``code`` the ErrorCode it names,
+    if any) or a check failed."""
 
     def __init__(self, message, reply=None):
         super().__init__(message)
         self.message = message
         self.reply = reply
+        self.code = ErrorCode.of(message)
 
 
 class NotFoundError(ToastyError):
@@ -39,7 +35,7 @@ class NotFoundError(ToastyError):
 
 def error_of(reply):
     if isinstance(reply, (codec.ErrorReply, codec.ReadError)):
-        cls = NotFoundError if reply.message.startswith(E_NOENT) else ToastyError
+        cls = NotFoundError if ErrorCode.of(reply.message) is ErrorCode.NOT_FOUND else ToastyError
         return cls(reply.message, reply)
     return None
 
@@ -176,7 +172,7 @@ def write_message(state, path, offset, length, flags, uploads):
 
 
 def should_retry(reply) -> bool:
-    return isinstance(reply, (codec.ErrorReply, codec.ReadError)) and reply.message.startswith(_RETRY_PREFIXES)
+    return isinstance(reply, (codec.ErrorReply, codec.ReadError)) and ErrorCode.of(reply.message) in RETRYABLE
 
 
 def pieces(offset, length, chunk_size):

@@ -6,7 +6,7 @@ buffered, the body decoded to exactly its length. Anything else closes the conne
 warn. Replies leave in request order (the protocol has no request id): each request owns a slot in
 an ordered queue, and the head is written as soon as it is ready.
 
-Metadata requests run against ``storage.files.FileTree``; pipelined requests take effect in arrival
+Metadata requests run against ``storage.file_tree.FileTree``; pipelined requests take effect in arrival
 order (CONTRACT §5). A read (LIST, READ) with no unacknowledged mutation (CREATE, DELETE, WRITE) of
 its connection ahead of it is answered at once from the committed state. One behind such a mutation
 joins the tree's mutation batch as an entry of its own, so it sees the mutations sent before it and
@@ -25,9 +25,10 @@ from protocols import tcp_internals
 from protocols.direct_send import idle_socket, send_parts_now
 from protocols.framing import Framer
 from protocols.read_gate import BUDGET, ReadGate
-from protocols.toasty import codec, paths
+from protocols.toasty import codec, file_tree, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
-from storage import errors, files
+from protocols.toasty.errors import ErrorCode
+from storage import errors
 
 MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
@@ -201,9 +202,9 @@ class _ToastyServerProtocol(Protocol):
     def _internal_error(self, failure, msg):
         if failure.check(errors.StoreError):  # busy, closing, or failed after an I/O error
             self.log.warn("toasty request {type} refused by the store: {error}", type=type(msg).__name__, error=failure.value)
-            return self.error_reply(msg, "I/O error: %s" % (failure.value,))
+            return self.error_reply(msg, ErrorCode.IO_ERROR.message(failure.value))
         self.log.failure("toasty request {type} failed", failure, type=type(msg).__name__)
-        return self.error_reply(msg, "I/O error")
+        return self.error_reply(msg, ErrorCode.IO_ERROR.message())
 
     def _finish(self, reply, slot, size):
         if self._ready(reply, slot, size):
@@ -323,7 +324,7 @@ class MetaServerProtocol(_ToastyServerProtocol):
                     return defer.succeed(self._read_reply(tree.read(*args)))
                 d = tree.read_queued(*args)
                 d.addCallback(self._read_reply)
-        except (paths.InvalidPath, files.FsError) as e:
+        except (paths.InvalidPath, file_tree.FsError) as e:
             return defer.succeed(self.error_reply(msg, str(e)))
         d.addErrback(self._fs_error, msg)
         return d
@@ -360,7 +361,7 @@ class MetaServerProtocol(_ToastyServerProtocol):
         return d
 
     def _fs_error(self, failure, msg):
-        failure.trap(files.FsError)
+        failure.trap(file_tree.FsError)
         return self.error_reply(msg, str(failure.value))
 
 
@@ -369,7 +370,7 @@ class MetaServerFactory(Factory):
 
     def __init__(self, node):
         self.node = node
-        self.tree = files.FileTree(node.store)
+        self.tree = file_tree.FileTree(node.store)
         self.replication_factor = max(1, int(getattr(node.config, "replication_factor", 1) or 1))
         self._locations = None
 
@@ -455,7 +456,7 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         # the batch is stored (no Deferred per chunk).
         if t == codec.CREATE_CHUNK:
             chunk_size, off, n = msg.chunk_size, msg.offset, len(msg.data)
-            if 0 < chunk_size <= files.MAX_CHUNK_SIZE and off + n <= chunk_size:
+            if 0 < chunk_size <= file_tree.MAX_CHUNK_SIZE and off + n <= chunk_size:
                 self._count(t)
                 slot = _Slot()
                 self._slots.append(slot)
@@ -524,8 +525,8 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         t = msg.TYPE
         if t == codec.CREATE_CHUNK:
             size, off, n = msg.chunk_size, msg.offset, len(msg.data)
-            if not 0 < size <= files.MAX_CHUNK_SIZE or off + n > size:
-                return defer.succeed(self.error_reply(msg, "Invalid range"))
+            if not 0 < size <= file_tree.MAX_CHUNK_SIZE or off + n > size:
+                return defer.succeed(self.error_reply(msg, ErrorCode.INVALID_RANGE.message()))
             if off == 0 and n == size:
                 data = msg.data
             else:
@@ -544,7 +545,7 @@ class ChunkServerProtocol(_ToastyServerProtocol):
     def _patch(self, data, msg):
         off, n = msg.offset, len(msg.data)
         if off + n > len(data):
-            return self.error_reply(msg, "Invalid range")
+            return self.error_reply(msg, ErrorCode.INVALID_RANGE.message())
         patched = b"".join((data[:off], msg.data, data[off + n :]))
         d = self._put(patched)
         d.addCallback(codec.UploadChunkSuccess)
@@ -554,12 +555,12 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         if msg.full:
             return codec.DownloadChunkSuccess(data)
         if msg.offset + msg.length > len(data):
-            return self.error_reply(msg, "Invalid range")
+            return self.error_reply(msg, ErrorCode.INVALID_RANGE.message())
         return codec.DownloadChunkSuccess(data[msg.offset : msg.offset + msg.length])
 
     def _chunk_error(self, failure, msg):
         failure.trap(errors.ChunkNotFound)
-        return self.error_reply(msg, "Chunk not found")
+        return self.error_reply(msg, ErrorCode.CHUNK_NOT_FOUND.message())
 
 
 class ChunkServerFactory(Factory):

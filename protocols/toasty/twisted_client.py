@@ -10,9 +10,9 @@ from twisted.logger import Logger
 from protocols.framing import Framer
 from protocols.toasty import codec
 from protocols.toasty.codec import HEADER, HEADER_LEN
+from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
-    E_NOENT,
     FileState,
     MAX_ATTEMPTS,
     MAX_PIECE_CHUNKS,
@@ -226,7 +226,7 @@ class ToastyClient:
                 if not isinstance(reply, codec.ReadSuccess):
                     return None  # changed meanwhile: start again
             return FileState.from_read(lo, reply)
-        if not (create and reply.message.startswith(E_NOENT)):
+        if not (create and ErrorCode.of(reply.message) is ErrorCode.NOT_FOUND):
             raise error_of(reply)
         locations = [a for a in (server_address(w) for w in reply.write_locations) if a]
         if chunk_size is None or chunk_size == DEFAULT_CHUNK_SIZE:
