@@ -18,7 +18,7 @@ decoding in place after a span with ``rest()`` and say how far they got with ``s
 
 import struct
 from collections import deque
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 
 class FrameRefused(ValueError):
@@ -118,6 +118,14 @@ class Framer:
         if not self._more_len:
             return None
         return self._joined(avail)
+
+    def spans(self) -> Iterator[Tuple[bytes, int, int]]:
+        """Every whole frame buffered now, as ``next`` gives them (stop early: the rest stays)."""
+        while True:
+            span = self.next()
+            if span is None:
+                return
+            yield span
 
     def rest(self) -> Tuple[bytes, int]:
         """``(buf, pos)``: the current read from the framing position on. A reader may decode

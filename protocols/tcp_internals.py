@@ -85,6 +85,15 @@ def take_over_writes(transport, do_write):
     return original
 
 
+def set_no_delay(transport) -> None:
+    """TCP_NODELAY where the transport has it (small replies leave at once; UNIX sockets and test
+    transports have no such option)."""
+    try:
+        transport.setTcpNoDelay(True)
+    except Exception:
+        pass
+
+
 def set_read_size(transport, nbytes: int) -> None:
     """Read up to ``nbytes`` per ``recv`` (Twisted's default is 64 KiB)."""
     if hasattr(transport, "bufferSize"):

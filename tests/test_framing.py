@@ -25,13 +25,7 @@ def frame(body: bytes) -> bytes:
 
 
 def drain(framer):
-    out = []
-    while True:
-        span = framer.next()
-        if span is None:
-            return out
-        buf, start, end = span
-        out.append(bytes(buf[start:end]))
+    return [bytes(buf[start:end]) for buf, start, end in framer.spans()]
 
 
 bodies = st.lists(st.binary(max_size=300), min_size=1, max_size=20)
@@ -67,9 +61,7 @@ def test_many_frames_per_read_are_spans_of_that_read():
     read = b"".join(frame(bytes([i]) * i) for i in range(50))
     framer = Framer(SIMPLE)
     framer.feed(read)
-    spans = []
-    while (span := framer.next()) is not None:
-        spans.append(span)
+    spans = list(framer.spans())
     assert len(spans) == 50
     assert all(buf is read for buf, _, _ in spans)  # decoded where they lie: no copy
     assert [bytes(b[s:e]) for b, s, e in spans] == [frame(bytes([i]) * i) for i in range(50)]
@@ -148,8 +140,7 @@ def test_garbage_is_framed_or_refused_cleanly(which, garbage, data):
         for cut in cuts + [len(garbage)]:
             framer.feed(garbage[prev:cut])
             prev = cut
-            while (span := framer.next()) is not None:
-                buf, s, e = span
+            for buf, s, e in framer.spans():
                 assert 0 <= s < e <= len(buf)
                 taken += e - s
     except refusal:

@@ -16,7 +16,7 @@ from twisted.internet import defer
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 
-from protocols import framing
+from protocols import framing, tcp_internals
 from protocols.framing import Framer, read_frame
 from protocols.partition import codec
 from protocols.partition.codec import (
@@ -104,10 +104,7 @@ class KvClientProtocol(Protocol):
         self.connected_d = defer.Deferred()
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         d, self.connected_d = self.connected_d, None
         if d is not None:
             d.callback(self)
@@ -131,13 +128,9 @@ class KvClientProtocol(Protocol):
         frames = self._frames
         frames.feed(data)
         try:
-            while True:
-                span = frames.next()
-                if span is None:
-                    return
+            for buf, pos, _end in frames.spans():
                 if not self._pending:
                     raise KvProtocolError("reply without a request")
-                buf, pos, _end = span
                 cid, cmd, d = self._pending.popleft()
                 reply = codec.decode_reply(buf, cmd, pos)
                 if reply.client_id != cid:

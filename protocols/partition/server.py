@@ -23,6 +23,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from protocols import tcp_internals
 from protocols.direct_send import send_now
 from protocols.framing import Framer
 from protocols.partition import codec
@@ -182,10 +183,7 @@ class KvServerProtocol(Protocol):
     # -- connection --------------------------------------------------------------------------
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         peer = self.transport.getPeer()
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
         self.gate = ReadGate(self.transport, self._process)

@@ -459,19 +459,15 @@ class S2SReader:
         self._frames = framing.Framer(_S2SLayout(max_frame))
 
     def feed(self, data: bytes) -> List[Tuple[bool, bytes]]:
-        frames = self._frames
-        frames.feed(data)
+        self._frames.feed(data)
         out = []
-        while True:
-            span = frames.next()
-            if span is None:
-                return out
-            buf, pos, end = span
+        for buf, pos, end in self._frames.spans():
             flags = buf[pos + 3]
             if flags & 0x0F:
                 raise bad("bad_frame", "reserved S2S flag bits set")
             payload = buf[pos + 4:end]
             out.append((bool(flags & S2S_TERMINAL), _decompress((flags & S2S_COMPRESSION_MASK) >> S2S_COMPRESSION_SHIFT, payload)))
+        return out
 
     @property
     def buffered(self) -> int:

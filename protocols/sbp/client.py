@@ -587,10 +587,7 @@ class SbpClientProtocol(Protocol):
         self.on_lost = None
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         tcp_internals.set_read_size(self.transport, codec.READ_SIZE)  # FETCH replies run to 16 MiB
 
     def request(self, call):

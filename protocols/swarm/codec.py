@@ -427,15 +427,8 @@ class FrameReader:
     def feed(self, data: bytes) -> List[bytes]:
         """Add bytes; return the complete bodies now available. FrameTooLarge if a declared length
         is above the limit (the caller closes the connection)."""
-        frames = self._frames
-        frames.feed(data)
-        out = []
-        while True:
-            span = frames.next()
-            if span is None:
-                return out
-            buf, pos, end = span
-            out.append(buf[pos + 4 : end])
+        self._frames.feed(data)
+        return [buf[pos + 4 : end] for buf, pos, end in self._frames.spans()]
 
     def buffered(self) -> int:
         return self._frames.buffered()

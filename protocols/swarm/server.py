@@ -11,7 +11,6 @@ Providers (CONTRACT §6):
 """
 
 import hashlib
-import socket
 from collections import OrderedDict
 
 from twisted.internet import defer, task
@@ -20,6 +19,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from protocols import tcp_internals
 from protocols.swarm import codec
 from protocols.swarm.codec import (
     ID,
@@ -275,10 +275,7 @@ class SwarmServerProtocol(Protocol):
     # -- connection -----------------------------------------------------------------------------
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except (AttributeError, OSError, socket.error):
-            pass
+        tcp_internals.set_no_delay(self.transport)
         self.transport.registerProducer(self, True)
         self.factory.connections.add(self)
 

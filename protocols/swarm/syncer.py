@@ -486,10 +486,7 @@ class SyncProtocol(Protocol):
         self.paused = False
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         # fewer, bigger reads: one dataReceived per MiB of a delivery rather than per 64 KiB
         tcp_internals.set_read_size(self.transport, RECV_BYTES)
         self.last_rx = self.svc.clock.seconds()

@@ -51,14 +51,12 @@ _CHK = struct.Struct(">QI")
 _INODE, _GEN, _IS_DIR, _CHUNK_SIZE, _SIZE = range(5)
 
 class FsError(Exception):
-    """A refused file-tree operation: its ``code`` (``errors.ErrorCode``) and a detail; ``str(e)``
-    is the text for the *_ERROR reply."""
+    """A refused file-tree operation: its ``code`` (``errors.ErrorCode``, one per subclass) and a
+    detail; ``str(e)`` is the text for the *_ERROR reply."""
 
-    code = None
+    code = ErrorCode.INVALID_OPERATION
 
-    def __init__(self, code: ErrorCode = None, detail=None):
-        if code is not None:
-            self.code = code
+    def __init__(self, detail=None):
         self.detail = detail
         super().__init__(self.code.message(detail))
 
@@ -70,43 +68,33 @@ class FsError(Exception):
 class NotFound(FsError):
     code = ErrorCode.NOT_FOUND
 
-    def __init__(self, detail=None):
-        super().__init__(None, detail)
-
 
 class NotADirectory(FsError):
     code = ErrorCode.NOT_A_DIRECTORY
-
-    def __init__(self, detail=None):
-        super().__init__(None, detail)
 
 
 class IsADirectory(FsError):
     code = ErrorCode.IS_A_DIRECTORY
 
-    def __init__(self, detail=None):
-        super().__init__(None, detail)
-
 
 class AlreadyExists(FsError):
     code = ErrorCode.ALREADY_EXISTS
-
-    def __init__(self, detail=None):
-        super().__init__(None, detail)
 
 
 class BadGeneration(FsError):
     code = ErrorCode.BAD_GENERATION
 
-    def __init__(self, detail=None):
-        super().__init__(None, detail)
-
 
 class InvalidOperation(FsError):
     code = ErrorCode.INVALID_OPERATION
 
-    def __init__(self, detail=None):
-        super().__init__(None, detail)
+
+class ChunkNotFound(FsError):
+    code = ErrorCode.CHUNK_NOT_FOUND
+
+
+class ChunkUnreadable(FsError):
+    code = ErrorCode.IO_ERROR
 
 
 class Entity:
@@ -452,7 +440,7 @@ class FileTree:
             )
         missing = [h.hex() for h in set(hashes) if not txn.chunk_has(h)]
         if missing:
-            raise FsError(ErrorCode.CHUNK_NOT_FOUND, "the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
+            raise ChunkNotFound("the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
         end = offset + length
         size = end if flags & TRUNCATE_AFTER else max(entity.size, end)
         # CONTRACT §5: bytes past the end of file read as zeros if the file grows again, so the
@@ -518,9 +506,9 @@ class FileTree:
         try:
             data = txn.chunk_get(addr)
         except errors.StoreError as e:  # DataCorrupted, or its pack is gone
-            raise FsError(ErrorCode.IO_ERROR, str(e))
+            raise ChunkUnreadable(str(e))
         if data is None:
-            raise FsError(ErrorCode.CHUNK_NOT_FOUND, "the chunk store does not hold %s" % bytes(addr).hex())
+            raise ChunkNotFound("the chunk store does not hold %s" % bytes(addr).hex())
         tail = data[keep:]
         if not tail or tail == bytes(len(tail)):
             return None

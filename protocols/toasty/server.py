@@ -76,10 +76,7 @@ class _ToastyServerProtocol(Protocol):
     # -- connection ---------------------------------------------------------------------------
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         # Read in 1 MiB steps: a 64 KiB chunk message is one read, not two.
         tcp_internals.set_read_size(self.transport, READ_SIZE)
         self.gate = ReadGate(self.transport, self._frames_again)

@@ -7,6 +7,7 @@ from collections import deque
 from twisted.internet import defer, endpoints, protocol, task
 from twisted.logger import Logger
 
+from protocols import tcp_internals
 from protocols.framing import Framer
 from protocols.toasty import codec
 from protocols.toasty.codec import HEADER, HEADER_LEN
@@ -60,10 +61,7 @@ class ToastyClientProtocol(protocol.Protocol):
         self._lost = None
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
 
     def request(self, msg):
         if self._lost is not None:
@@ -74,19 +72,14 @@ class ToastyClientProtocol(protocol.Protocol):
         return d
 
     def dataReceived(self, data):
-        frames = self._frames
-        frames.feed(data)
-        while True:
-            try:
-                span = frames.next()
-                if span is None:
-                    return
-                buf, pos, end = span
+        self._frames.feed(data)
+        try:
+            for buf, pos, end in self._frames.spans():
                 reply = codec.decode_reply(HEADER.unpack_from(buf, pos)[1], buf[pos + HEADER_LEN : end])
-            except codec.CodecError as e:
-                return self._fail(str(e))
-            _, d = self._pending.popleft()
-            d.callback(reply)
+                _, d = self._pending.popleft()
+                d.callback(reply)
+        except codec.CodecError as e:
+            return self._fail(str(e))
 
     def _fail(self, why):
         self.log.warn("bad toasty reply: {why}", why=why)
