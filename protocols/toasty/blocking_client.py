@@ -14,20 +14,19 @@ from protocols.toasty.codec import HEADER, HEADER_LEN
 from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
-    FileState,
-    HashBatcher,
     MAX_ATTEMPTS,
     MAX_PIECE_CHUNKS,
-    MISSING,
-    ToastyError,
     UPLOADS_IN_FLIGHT,
-    aligned,
+    HashBatcher,
+    ToastyError,
     backoff,
     error_of,
+    file_state_steps,
     path_bytes,
     plan_uploads,
     raise_for,
     record_upload,
+    run_steps,
     server_address,
     sha256,
     should_retry,
@@ -264,26 +263,7 @@ class BlockingToastyClient:
         return gen
 
     def _state(self, path, offset, length, create, chunk_size, cs_hint=None, probe=None):
-        lo, n = aligned(offset, length, cs_hint)
-        reply = probe if probe is not None else self.meta.call(codec.Read(0, path, lo, n))
-        if isinstance(reply, codec.ReadSuccess):
-            if aligned(offset, length, reply.chunk_size) != (lo, n):
-                lo, n = aligned(offset, length, reply.chunk_size)
-                reply = self.meta.call(codec.Read(reply.gen, path, lo, n))
-                if not isinstance(reply, codec.ReadSuccess):
-                    return None  # changed meanwhile: start again
-            return FileState.from_read(lo, reply)
-        if not (create and ErrorCode.of(reply.message) is ErrorCode.NOT_FOUND):
-            raise error_of(reply)
-        locations = [a for a in (server_address(w) for w in reply.write_locations) if a]
-        if chunk_size is None or chunk_size == DEFAULT_CHUNK_SIZE:
-            return FileState(MISSING, DEFAULT_CHUNK_SIZE, write_locations=locations, exists=False)
-        created = self.meta.call(codec.Create(path, False, chunk_size))
-        if isinstance(created, codec.ErrorReply):
-            if should_retry(created):
-                return None
-            raise error_of(created)
-        return FileState(created.gen, chunk_size, write_locations=locations)
+        return run_steps(file_state_steps(path, offset, length, create, chunk_size, cs_hint, probe), self.meta.call)
 
     def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size, cs_hint=None, probe=None, report=None):
         for attempt in range(MAX_ATTEMPTS):

@@ -253,3 +253,45 @@ class HashBatcher:
 def verify_chunk(h, data):
     if hashlib.sha256(data).digest() != h:
         raise ToastyError("chunk %s failed its hash check" % h.hex())
+
+
+# -- the file state a write starts from (the same steps for both clients) --------------------------
+
+
+def file_state_steps(path, offset, length, create, chunk_size, cs_hint=None, probe=None):
+    """READ -> FileState, as a generator: it yields each metadata request to send and is sent its
+    reply (``run_steps`` drives it on a blocking connection, the Twisted client with
+    ``inlineCallbacks``); it returns the FileState, or None to start again. A missing file (with
+    ``create``) is created by CREATE when a chunk size other than the default is asked for, else
+    left to WRITE's CREATE_IF_MISSING. ``probe``: the reply of a first READ already sent."""
+    lo, n = aligned(offset, length, cs_hint)
+    reply = probe if probe is not None else (yield codec.Read(0, path, lo, n))
+    if isinstance(reply, codec.ReadSuccess):
+        if aligned(offset, length, reply.chunk_size) != (lo, n):
+            lo, n = aligned(offset, length, reply.chunk_size)
+            reply = yield codec.Read(reply.gen, path, lo, n)
+            if not isinstance(reply, codec.ReadSuccess):
+                return None  # changed meanwhile: start again
+        return FileState.from_read(lo, reply)
+    if not (create and ErrorCode.of(reply.message) is ErrorCode.NOT_FOUND):
+        raise error_of(reply)
+    locations = [a for a in (server_address(w) for w in reply.write_locations) if a]
+    if chunk_size is None or chunk_size == DEFAULT_CHUNK_SIZE:
+        return FileState(MISSING, DEFAULT_CHUNK_SIZE, write_locations=locations, exists=False)
+    created = yield codec.Create(path, False, chunk_size)
+    if isinstance(created, codec.ErrorReply):
+        if should_retry(created):
+            return None  # created by someone else meanwhile: READ again
+        raise error_of(created)
+    return FileState(created.gen, chunk_size, write_locations=locations)
+
+
+def run_steps(steps, call):
+    """Drive a steps generator with a blocking ``call(request) -> reply``; its result."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(call(request))
+    except StopIteration as done:
+        return done.value
+

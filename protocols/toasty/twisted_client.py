@@ -11,20 +11,17 @@ from protocols import tcp_internals
 from protocols.framing import Framer
 from protocols.toasty import codec
 from protocols.toasty.codec import HEADER, HEADER_LEN
-from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
-    FileState,
     MAX_ATTEMPTS,
     MAX_PIECE_CHUNKS,
-    MISSING,
+    UPLOADS_IN_FLIGHT,
     NotFoundError,
     ToastyError,
-    UPLOADS_IN_FLIGHT,
-    aligned,
     backoff,
     bytes_reader,
     error_of,
+    file_state_steps,
     path_bytes,
     plan_uploads,
     raise_for,
@@ -208,28 +205,14 @@ class ToastyClient:
 
     @defer.inlineCallbacks
     def _state(self, path, offset, length, create, chunk_size, cs_hint=None):
-        """READ -> FileState; a missing file (with ``create``) is created by CREATE when a chunk
-        size other than the default is asked for, else left to WRITE's CREATE_IF_MISSING."""
-        lo, n = aligned(offset, length, cs_hint)
-        reply = yield self.meta.request(codec.Read(0, path, lo, n))
-        if isinstance(reply, codec.ReadSuccess):
-            if aligned(offset, length, reply.chunk_size) != (lo, n):
-                lo, n = aligned(offset, length, reply.chunk_size)
-                reply = yield self.meta.request(codec.Read(reply.gen, path, lo, n))
-                if not isinstance(reply, codec.ReadSuccess):
-                    return None  # changed meanwhile: start again
-            return FileState.from_read(lo, reply)
-        if not (create and ErrorCode.of(reply.message) is ErrorCode.NOT_FOUND):
-            raise error_of(reply)
-        locations = [a for a in (server_address(w) for w in reply.write_locations) if a]
-        if chunk_size is None or chunk_size == DEFAULT_CHUNK_SIZE:
-            return FileState(MISSING, DEFAULT_CHUNK_SIZE, write_locations=locations, exists=False)
-        created = yield self.meta.request(codec.Create(path, False, chunk_size))
-        if isinstance(created, codec.ErrorReply):
-            if should_retry(created):
-                return None  # created by someone else meanwhile: READ again
-            raise error_of(created)
-        return FileState(created.gen, chunk_size, write_locations=locations)
+        """``planning.file_state_steps`` over this client's metadata connection."""
+        steps = file_state_steps(path, offset, length, create, chunk_size, cs_hint)
+        try:
+            request = next(steps)
+            while True:
+                request = steps.send((yield self.meta.request(request)))
+        except StopIteration as done:
+            return done.value
 
     @defer.inlineCallbacks
     def _write_piece(self, path, data, offset, truncate, create, chunk_size, cs_hint=None):
