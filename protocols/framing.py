@@ -6,9 +6,10 @@ reads as they came and hands out whole frames as spans ``(buf, start, end)`` of 
 
 - a frame wholly inside one read is handed out where it lies: no copy (the decoder's copy of the
   payload, if it makes one, is the only one);
-- a frame cut by the end of a read is joined once, when all of it is in (one copy of that frame),
-  so a big frame arriving in many reads is not copied over and over (a bytearray that is appended
-  to and compacted copies it once per read: quadratic; see the SBP commit d249009);
+- a frame cut by the end of a read is joined once, when all of it is in (one copy of that frame,
+  and of the rest of the last read when that is small, so the small frames after it stay in one
+  buffer), so a big frame arriving in many reads is not copied over and over (a bytearray that is
+  appended to and compacted copies it once per read: quadratic; see the SBP commit d249009);
 - the declared length is checked against the layout's limits as soon as its bytes are in, before
   the body is buffered.
 
@@ -19,6 +20,12 @@ decoding in place after a span with ``rest()`` and say how far they got with ``s
 import struct
 from collections import deque
 from typing import Iterator, Optional, Tuple
+
+
+# A frame cut by the end of a read is joined with the rest of the next read when that rest is at
+# most this long (small reads: many small frames stay in one buffer); a longer rest is framed where
+# it lies, so a big read is never copied for the sake of one cut frame.
+JOIN_REST_MAX = 64 * 1024
 
 
 class FrameRefused(ValueError):
@@ -64,12 +71,16 @@ class Framer:
     """Whole frames out of received reads, by ``layout``. ``feed`` keeps the bytes; ``next``
     returns the next frame's span ``(buf, start, end)`` or None until one is complete."""
 
-    __slots__ = ("layout", "_buf", "_pos", "_more", "_more_len", "_head_size", "_frame_size")
+    __slots__ = ("layout", "_buf", "_pos", "_more", "_more_len", "_head_size", "_frame_size", "_plain")
 
     def __init__(self, layout: Layout):
         self.layout = layout
         self._head_size = layout.head_size
         self._frame_size = layout.frame_size
+        # a layout that only sets the length field and limits is checked inline in ``next`` (a
+        # call less per frame: small frames come by the hundred thousand)
+        plain = type(layout).frame_size is Layout.frame_size
+        self._plain = (layout._unpack, layout.offset, layout.adds, layout.min_length, layout.max_length) if plain else None
         self._buf = b""  # the read being framed, from _pos on (immutable: bytes)
         self._pos = 0
         self._more = deque()  # the reads after it
@@ -109,7 +120,12 @@ class Framer:
             pos = self._pos = 0
             avail = len(buf)
         if avail >= self._head_size:
-            size = self._frame_size(buf, pos, self._peek)
+            plain = self._plain
+            if plain is not None:
+                (n,) = plain[0](buf, pos + plain[1])
+                size = n + plain[2] if plain[3] <= n <= plain[4] else self.layout.refuse(self._peek, n)
+            else:
+                size = self._frame_size(buf, pos, self._peek)
             if size is not None:
                 end = pos + size
                 if end <= len(buf):
@@ -158,6 +174,14 @@ class Framer:
                 break
             parts.append(piece)
             need -= len(piece)
+        if len(piece) - need <= JOIN_REST_MAX:
+            # a small rest of the read is joined too: the frames after the cut one then lie in
+            # the same buffer (a reader of runs goes on in place), at the cost of copying it once
+            parts.append(piece)
+            joined = b"".join(parts)
+            end = len(joined) - len(piece) + need
+            self._buf, self._pos = joined, end
+            return joined, 0, end
         parts.append(memoryview(piece)[:need])
         self._buf, self._pos = piece, need
         frame = b"".join(parts)

@@ -67,7 +67,7 @@ def test_many_frames_per_read_are_spans_of_that_read():
     assert [bytes(b[s:e]) for b, s, e in spans] == [frame(bytes([i]) * i) for i in range(50)]
 
 
-def test_a_cut_frame_is_joined_once_and_the_next_read_is_framed_in_place():
+def test_a_cut_frame_is_joined_once_with_a_small_rest_of_its_last_read():
     first, second = frame(b"x" * 500), frame(b"y" * 10)
     wire = first + second
     framer = Framer(SIMPLE)
@@ -75,12 +75,25 @@ def test_a_cut_frame_is_joined_once_and_the_next_read_is_framed_in_place():
     assert framer.next() is None
     framer.feed(wire[100:300])
     assert framer.next() is None
-    last = wire[300:]
+    framer.feed(wire[300:])
+    buf, s, e = framer.next()
+    assert buf[s:e] == first and (s, e) == (0, len(first))
+    assert framer.rest() == (buf, e)  # the frames after it lie in the same buffer
+    buf2, s, e = framer.next()
+    assert buf2 is buf and buf[s:e] == second
+
+
+def test_a_big_rest_of_a_read_is_not_copied_for_one_cut_frame():
+    layout = Layout(U32, 0, 4, 0, 1 << 20)
+    first, rest = U32.pack(500) + b"x" * 500, b"".join(U32.pack(60000) + b"y" * 60000 for _ in range(2))
+    framer = Framer(layout)
+    framer.feed(first[:100])
+    last = first[100:] + rest
     framer.feed(last)
     buf, s, e = framer.next()
     assert buf[s:e] == first and (s, e) == (0, len(first))
     buf, s, e = framer.next()
-    assert buf is last and buf[s:e] == second
+    assert buf is last and buf[s:e] == rest[:60004]
 
 
 def test_length_is_refused_before_the_body_is_buffered():

@@ -360,6 +360,7 @@ class _SbpLayout(framing.Layout):
 
 
 LAYOUT = _SbpLayout()
+_framer_next = framing.Framer.next
 
 
 class FrameBuffer(framing.Framer):
@@ -378,7 +379,7 @@ class FrameBuffer(framing.Framer):
     def next(self) -> Optional[Frame]:
         """The next whole frame, None if incomplete. A FrameError means the frame was consumed
         (except FrameLengthError, after which the stream cannot be resynchronised)."""
-        span = framing.Framer.next(self)
+        span = _framer_next(self)
         if span is None:
             return None
         return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc)
