@@ -74,7 +74,7 @@ class S2Api:
         self.token = node.config.http_token
         self.max_batch_bytes = node.config.max_batch_bytes
         self.states = {}
-        self.index = {}  # (basin, name) -> stream id
+        self.index = None  # (basin, name) -> stream id of S2-named streams; see _names()
         self.creating = set()
         self.sessions = set()
         self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
@@ -318,7 +318,7 @@ class S2Api:
         for meta in self.store.log.streams():
             if self._name_of(meta)[0] == name and meta.origin is None:
                 await self.store.log.delete_stream(meta.stream_id)
-                self.states.pop(meta.stream_id, None)
+                self._forget(meta)
         await self.store.meta.transact(lambda txn: txn.delete(BASINS_TABLE, name.encode()))
         responder.respond(202, [JSON], b"{}")
 
@@ -333,23 +333,41 @@ class S2Api:
             return DEFAULT_BASIN, str(meta.stream_id)
         return attrs.get("s2_basin", DEFAULT_BASIN), name
 
-    def _rebuild_index(self):
-        self.index = {self._name_of(m): m.stream_id for m in self.store.log.streams()}
+    def _names(self):
+        """The (basin, name) -> stream id index of S2-named streams, built once from the store.
+
+        Only S2 creates S2-named streams (swarm replicas and SBP streams carry no ``s2_name``;
+        they are found by their decimal id), so the index is kept exact by ``_create`` and
+        ``h_delete_stream``: a lookup or a create costs O(1) whatever the number of streams."""
+        if self.index is None:
+            self.index = {}
+            for m in self.store.log.streams():
+                if (m.attrs or {}).get("s2_name") is not None:
+                    self.index[self._name_of(m)] = m.stream_id
+        return self.index
+
+    def _forget(self, meta):
+        # After the store deleted it; a create of the same name meanwhile keeps its new entry.
+        key = self._name_of(meta)
+        if self._names().get(key) == meta.stream_id:
+            del self.index[key]
+        self.states.pop(meta.stream_id, None)
 
     def _find(self, basin, name):
-        sid = self.index.get((basin, name))
-        for attempt in (0, 1):
-            if sid is not None:
-                try:
-                    meta = self.store.log.stream(sid)
-                    if self._name_of(meta) == (basin, name):
-                        return meta
-                except self.errors.StreamNotFound:
-                    pass
-            if attempt == 0:
-                self._rebuild_index()
-                sid = self.index.get((basin, name))
-        return None
+        key = (basin, name)
+        sid = self._names().get(key)
+        if sid is None and basin == DEFAULT_BASIN and name.isdigit() and name == str(int(name)):
+            sid = int(name)  # an SBP-created (or replicated) stream under its decimal id
+        if sid is None:
+            return None
+        try:
+            meta = self.store.log.stream(sid)
+        except self.errors.StreamNotFound:
+            self.index.pop(key, None)  # deleted through another interface (SBP)
+            return None
+        if self._name_of(meta) != key:
+            return None
+        return meta
 
     def _req_basin(self, req):
         # s2-basin first (s2-sdk with a plain endpoint, s2-lite style); else S2's cloud form
@@ -406,9 +424,9 @@ class S2Api:
                 retention_period_ms=codec.retention_ms(config),
                 attrs={"s2_basin": basin, "s2_name": name, "s2_config": config, "s2_fence": ""},
             )
+            self._names()[key] = meta.stream_id
         finally:
             self.creating.discard(key)
-        self.index[key] = meta.stream_id
         return meta
 
     async def h_create_stream(self, req, responder, body):
@@ -482,8 +500,7 @@ class S2Api:
     async def h_delete_stream(self, req, responder, body):
         meta = await self._stream(req)
         await self.store.log.delete_stream(meta.stream_id)
-        self.states.pop(meta.stream_id, None)
-        self.index.pop(self._name_of(meta), None)
+        self._forget(meta)
         responder.respond(202, [JSON], b"{}")
 
     # -----------------------------------------------------------------------------------------
