@@ -303,6 +303,26 @@ def test_append_session_producer_and_read_session(endpoint):
     run(main())
 
 
+def test_read_session_is_caught_up_from_the_batch_reaching_the_tail(endpoint):
+    # The SDK counts a session as caught up from a data batch whose tail is its last seq_num + 1
+    # (issue 23: the catch-up batch came without tail, and a loop on is_caught_up() never ended).
+    async def main():
+        async with client(endpoint) as s2:
+            st = await new_stream(s2)
+            await st.append(AppendInput(records=[Record(body=b"%d" % i) for i in range(30)]))
+            got = []
+            session = st.read_session(start=SeqNum(0))
+            async for batch in session:
+                got.extend(r.seq_num for r in batch.records)
+                assert batch.tail is not None and batch.tail.seq_num == 30
+                if session.is_caught_up():
+                    break
+            await session.close()
+            assert got == list(range(30))
+
+    run(main())
+
+
 def test_append_session_errors(endpoint):
     async def main():
         async with client(endpoint) as s2:
