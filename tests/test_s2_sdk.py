@@ -104,7 +104,13 @@ def test_basins_and_streams_control_plane(endpoint):
             assert cfg.retention_policy == 3600
             cfg = await basin.reconfigure_stream("logs/0", config=StreamConfig(retention_policy="infinite"))
             assert cfg.retention_policy == "infinite"
-            assert (await basin.get_stream_config("other")).retention_policy == "infinite"
+            other = await basin.get_stream_config("other")  # CONTRACT §2: S2's defaults
+            assert other.retention_policy == 7 * 24 * 3600 and other.storage_class == "express"
+            await s2.reconfigure_basin(name, config=BasinConfig(
+                default_stream_config=StreamConfig(retention_policy="infinite", storage_class="standard")))
+            await basin.create_stream("third")
+            third = await basin.get_stream_config("third")
+            assert third.retention_policy == "infinite" and third.storage_class == "standard"
             with pytest.raises(S2ServerError) as e:
                 await basin.create_stream("other")
             assert e.value.status_code == 409

@@ -593,11 +593,14 @@ def validate_stream_name(name) -> str:
     return name
 
 
+DEFAULT_RETENTION_SECS = 7 * 24 * 3600
+
+
 def default_stream_config() -> dict:
-    # CONTRACT §2: streams created through S2 default to infinite retention.
+    # CONTRACT §2: streams created through S2 get S2's defaults, express and 7-day age retention.
     return {
-        "storage_class": "standard",
-        "retention_policy": {"infinite": {}},
+        "storage_class": "express",
+        "retention_policy": {"age": DEFAULT_RETENTION_SECS},
         "timestamping": {"mode": "client-prefer", "uncapped": False},
         "delete_on_empty": {"min_age_secs": 0},
     }
