@@ -46,6 +46,8 @@ class ReadSession:
         self.stopped = False
         self.draining = False
         self.waiting = None
+        self.basin = None
+        self.cipher = None  # protocols.s2.crypto.RecordCipher of an encrypted stream
         responder.on_close.append(self.stop)
 
     def stop(self, draining=False):
@@ -78,7 +80,8 @@ class ReadSession:
                 if self.count is not None and self.count <= 0 or self.nbytes is not None and self.nbytes <= 0:
                     break
                 if self.pos < meta.next_offset:
-                    got, self.pos, self.min_ts = await api.read_records(self.sid, self.pos, READ_CHUNK_BYTES, self.min_ts)
+                    got, self.pos, self.min_ts = await api.read_records(self.sid, self.pos, READ_CHUNK_BYTES, self.min_ts,
+                                                                         self.cipher)
                     got, used, hit = api._limit_records(got, self.count, self.nbytes, self.p.until)
                     if got:
                         # A batch that reaches the tail carries it: the SDKs count a session
@@ -124,12 +127,12 @@ class ReadSession:
 
     def _emit(self, records, used, tail=None):
         n = len(records)
-        self.api.metrics["read_records"] += n
         if self.count is not None:
             self.count -= n
+        if used is None:
+            used = sum(codec.metered_size(h, b) for _, _, h, b in records)
+        self.api.counters.read(self.basin, n, used)
         if self.kind == "s2s":
-            if used is None and self.nbytes is not None:
-                used = sum(codec.metered_size(h, b) for _, _, h, b in records)
             if self.nbytes is not None:
                 self.nbytes -= used
             write = self.responder.write
@@ -174,10 +177,12 @@ class AppendSession:
 
     log = Logger()
 
-    def __init__(self, api, responder, sid):
+    def __init__(self, api, responder, sid, auth=None, cipher=None):
         self.api = api
         self.responder = responder
         self.sid = sid
+        self.auth = auth
+        self.cipher = cipher
         self.reader = codec.S2SReader()
         self.pending = deque()  # [Deferred result slot]
         self.failed = False
@@ -208,7 +213,7 @@ class AppendSession:
                 slot = [False, None, len(payload)]
                 self.inflight += len(payload)
                 self.pending.append(slot)
-                d = defer.ensureDeferred(self.api.append(self.sid, inp))
+                d = defer.ensureDeferred(self.api.append(self.sid, inp, self.auth, self.cipher))
                 d.addBoth(self._done, slot)
                 if self.failed:
                     return
