@@ -244,7 +244,7 @@ class S2Api:
                                  "POST": (self.tokens.h_issue, "issue-access-token")}) + (None, None)
             if len(seg) == 3 and m == "DELETE":
                 req.auth.require("revoke-access-token", token_id=seg[2])
-                return self.tokens.h_revoke, None, None, None
+                return self.tokens.h_revoke, "revoke-access-token", None, None
             if len(seg) == 3:
                 _no_method()
         elif kind == "metrics":
