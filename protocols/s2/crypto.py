@@ -56,38 +56,45 @@ def _decryption_failed():
 class RecordCipher:
     """Seals and opens the records of one stream with one key."""
 
-    __slots__ = ("name", "ad", "_seal", "_open", "nonce_bytes")
+    __slots__ = ("name", "ad", "nonce_bytes", "_enc", "_dec", "_key", "_aegis")
 
     def __init__(self, name, key: bytes, stream_id: int):
         self.name = name
         self.ad = struct.pack(">Q", stream_id)
+        self._aegis = name == "aegis-256"
         if name == "aes-256-gcm":
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
             aead = AESGCM(key)
             self.nonce_bytes = 12
-            self._seal = lambda nonce, data: aead.encrypt(nonce, data, self.ad)
-            self._open = lambda nonce, data: aead.decrypt(nonce, data, self.ad)
-        elif name == "aegis-256":
+            self._enc, self._dec = aead.encrypt, aead.decrypt
+        elif self._aegis:
             aegis = _aegis256()
             if aegis is None:
                 raise S2Error(501, "not_implemented", "aegis-256 needs the aeg package, which is not installed")
             self.nonce_bytes = aegis.NONCEBYTES
-            self._seal = lambda nonce, data: aegis.encrypt(key, nonce, data, self.ad, maclen=TAG_BYTES)
-            self._open = lambda nonce, data: aegis.decrypt(key, nonce, data, self.ad, maclen=TAG_BYTES)
+            self._key = key
+            self._enc, self._dec = aegis.encrypt, aegis.decrypt
         else:
             raise S2Error(422, "invalid", "unknown stream cipher %r" % name)
 
     def seal(self, headers, body) -> bytes:
         nonce = os.urandom(self.nonce_bytes)
-        return nonce + bytes(self._seal(nonce, msgpack.packb([headers, body], use_bin_type=True)))
+        plain = msgpack.packb([headers, body], use_bin_type=True)
+        if self._aegis:
+            return nonce + self._enc(self._key, nonce, plain, self.ad, maclen=TAG_BYTES)
+        return nonce + self._enc(nonce, plain, self.ad)
 
     def open(self, blob):
         n = self.nonce_bytes
         if len(blob) < n + TAG_BYTES:
             raise _decryption_failed()
+        view = memoryview(blob)
         try:
-            plain = self._open(bytes(blob[:n]), bytes(blob[n:]))
+            if self._aegis:
+                plain = self._dec(self._key, view[:n], view[n:], self.ad, maclen=TAG_BYTES)
+            else:
+                plain = self._dec(bytes(view[:n]), bytes(view[n:]), self.ad)
         except Exception:  # InvalidTag (cryptography) / ValueError (aeg): wrong key or tampering
             raise _decryption_failed()
         headers, body = msgpack.unpackb(plain, use_list=False)
