@@ -29,6 +29,7 @@ from s2_sdk import (
     SeqNum,
     StreamMetricSet,
     Timeout,
+    TimeseriesInterval,
 )
 
 from tests.nodeproc import NodeProcess
@@ -214,27 +215,40 @@ def test_metrics_and_locations(node):
                 await st.append(AppendInput(records=[Record(body=b"x" * 100)]))
             await st.read(start=SeqNum(0))
 
-            stored = await root.stream_metrics(basin, "m", set=StreamMetricSet.STORAGE)
+            now = int(time.time())
+            rng = {"start": now - 3600, "end": now + 1}
+            stored = await root.stream_metrics(basin, "m", set=StreamMetricSet.STORAGE, **rng)
             assert stored[0].name == "storage" and stored[0].values[0][1] >= 300
-            basin_storage = await root.basin_metrics(basin, set=BasinMetricSet.STORAGE)
+            basin_storage = await root.basin_metrics(basin, set=BasinMetricSet.STORAGE, **rng)
             assert basin_storage[0].values[0][1] == stored[0].values[0][1]
-            appends = await root.basin_metrics(basin, set=BasinMetricSet.APPEND_OPS)
+            appends = await root.basin_metrics(basin, set=BasinMetricSet.APPEND_OPS, **rng)
             assert sum(v for _, v in appends[0].values) == 3
-            throughput = await root.basin_metrics(basin, set=BasinMetricSet.APPEND_THROUGHPUT, interval=None)
+            throughput = await root.basin_metrics(basin, set=BasinMetricSet.APPEND_THROUGHPUT, **rng,
+                                                interval=TimeseriesInterval.MINUTE)
             assert sum(v for _, v in throughput[0].values) == 3 * (8 + 100)
-            reads = await root.basin_metrics(basin, set=BasinMetricSet.READ_THROUGHPUT)
+            reads = await root.basin_metrics(basin, set=BasinMetricSet.READ_THROUGHPUT, **rng)
             assert sum(v for _, v in reads[0].values) == 3 * (8 + 100)
             basin_ops = {m.name: sum(v for _, v in m.values)
-                         for m in await root.basin_metrics(basin, set=BasinMetricSet.BASIN_OPS)}
+                         for m in await root.basin_metrics(basin, set=BasinMetricSet.BASIN_OPS, **rng)}
             assert basin_ops["append"] == 3 and basin_ops["create-stream"] == 1
-            active = await root.account_metrics(set=AccountMetricSet.ACTIVE_BASINS)
+            active = await root.account_metrics(set=AccountMetricSet.ACTIVE_BASINS, **rng)
             assert basin in active[0].values
             ops = {m.name: sum(v for _, v in m.values)
-                   for m in await root.account_metrics(set=AccountMetricSet.ACCOUNT_OPS)}
+                   for m in await root.account_metrics(set=AccountMetricSet.ACCOUNT_OPS, **rng,
+                                                           interval=TimeseriesInterval.DAY)}
             assert ops["create-basin"] >= 1 and ops["list-locations"] >= 1
-            now = int(time.time())
-            await denied(root.basin_metrics(basin, set=BasinMetricSet.STORAGE, start=now, end=now - 10), 422, "invalid")
-            await denied(root.stream_metrics(basin, "nope", set=StreamMetricSet.STORAGE), 404, "stream_not_found")
+            # S2's rules (its SDK suites check them): start and end required, start <= end, end not in
+            # the future, at most 30 days; storage per hour for a basin, per minute for a stream.
+            for bad in ({"start": now, "end": now - 10}, {"start": now - 3600, "end": now + 600},
+                        {"start": now - 40 * 86400, "end": now}, {"end": now}, {"start": now - 60}):
+                await denied(root.basin_metrics(basin, set=BasinMetricSet.APPEND_OPS, **bad), 422, "invalid")
+            await denied(root.basin_metrics(basin, set=BasinMetricSet.STORAGE, interval=TimeseriesInterval.MINUTE,
+                                            **rng), 422, "invalid")
+            await denied(root.stream_metrics(basin, "m", set=StreamMetricSet.STORAGE, interval=TimeseriesInterval.HOUR,
+                                             **rng), 422, "invalid")
+            old = await root.stream_metrics(basin, "m", set=StreamMetricSet.STORAGE, start=0, end=3600)
+            assert old[0].values == []
+            await denied(root.stream_metrics(basin, "nope", set=StreamMetricSet.STORAGE, **rng), 404, "stream_not_found")
 
     run(main())
 
@@ -256,7 +270,8 @@ def test_raw_http_bodies(node):
     resp = conn.getresponse()
     body = json.loads(resp.read())
     assert resp.status == 403 and body["code"] == "permission_denied" and "list-streams" in body["message"]
-    conn.request("GET", "/v1/metrics?set=nope", headers={"authorization": "Bearer " + ROOT})
+    now = int(time.time())
+    conn.request("GET", "/v1/metrics?set=nope&start=%d&end=%d" % (now - 60, now), headers={"authorization": "Bearer " + ROOT})
     resp = conn.getresponse()
     assert resp.status == 422 and json.loads(resp.read())["code"] == "invalid"
     conn.close()

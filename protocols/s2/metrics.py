@@ -18,6 +18,8 @@ from protocols.s2.access import OP_GROUPS
 from protocols.s2.codec import S2Error
 
 KEEP_SECONDS = 7 * 24 * 3600
+MAX_RANGE_SECONDS = 30 * 24 * 3600  # S2 refuses longer ranges (its SDK suites check 40 days -> 422)
+FUTURE_SKEW_SECONDS = 60  # an ``end`` later than now by more than this is refused, as S2 does
 INTERVALS = {"minute": 60, "hour": 3600, "day": 86400}
 ACCOUNT_SETS = ("active-basins", "account-ops", "estimated-billable-usage")
 BASIN_SETS = ("storage", "append-ops", "read-ops", "read-throughput", "append-throughput", "basin-ops")
@@ -80,21 +82,33 @@ class S2Counters:
 
 
 def _params(query):
+    """S2's rules: ``set``, ``start`` and ``end`` (epoch seconds) are required; start <= end, end not
+    in the future, at most 30 days; ``interval`` minute, hour or day."""
     metric_set = query.get("set")
     if not metric_set:
-        raise codec.bad("bad_query", "set is required")
-    now = int(time.time())
+        raise codec.invalid("set is required")
+    if not query.get("start") or not query.get("end"):
+        raise codec.invalid("start and end are required (epoch seconds)")
     try:
-        end = int(query["end"]) if query.get("end") else now
-        start = int(query["start"]) if query.get("start") else end - 24 * 3600
+        start, end = int(query["start"]), int(query["end"])
     except ValueError:
         raise codec.bad("bad_query", "start and end are epoch seconds")
     if start > end:
         raise codec.invalid("start is after end")
-    interval = query.get("interval") or "hour"
-    if interval not in INTERVALS:
+    if end > int(time.time()) + FUTURE_SKEW_SECONDS:
+        raise codec.invalid("end is in the future")
+    if end - start > MAX_RANGE_SECONDS:
+        raise codec.invalid("the range is longer than 30 days")
+    interval = query.get("interval")
+    if interval is not None and interval not in INTERVALS:
         raise codec.invalid("interval must be minute, hour or day")
     return metric_set, start, end, interval
+
+
+def _storage_interval(interval, allowed):
+    # S2: a basin's storage gauge is hourly, a stream's by the minute; another interval is 422.
+    if interval is not None and interval != allowed:
+        raise codec.invalid("storage is measured per %s here" % allowed)
 
 
 def _accumulation(name, unit, interval, values):
@@ -120,10 +134,13 @@ class MetricsApi:
     async def h_metrics(self, req, responder, body):
         seg = req.segments
         metric_set, start, end, interval = _params(req.query)
-        step = INTERVALS[interval]
         c = self.counters
         now = int(time.time())
+        sampled = start <= now <= end + FUTURE_SKEW_SECONDS  # storage is known for "now" only
         values = []
+        if metric_set != "storage":
+            interval = interval or "hour"
+            step = INTERVALS[interval]
         if len(seg) == 2:
             if metric_set not in ACCOUNT_SETS:
                 raise codec.invalid("unknown account metric set %r (%s)" % (metric_set, ", ".join(ACCOUNT_SETS)))
@@ -150,12 +167,14 @@ class MetricsApi:
                 meta = self.api._find(basin, seg[3])
                 if meta is None:
                     raise S2Error(404, "stream_not_found", "stream %s not found in basin %s" % (seg[3], basin))
-                values.append(_gauge("storage", "bytes", [(now, self._stored_bytes(meta))]))
+                _storage_interval(interval, "minute")
+                values.append(_gauge("storage", "bytes", [(now, self._stored_bytes(meta))] if sampled else []))
             elif metric_set not in BASIN_SETS:
                 raise codec.invalid("unknown basin metric set %r (%s)" % (metric_set, ", ".join(BASIN_SETS)))
             elif metric_set == "storage":
-                total = sum(self._stored_bytes(m) for m in self.api.streams_of(basin))
-                values.append(_gauge("storage", "bytes", [(now, total)]))
+                _storage_interval(interval, "hour")
+                points = [(now, sum(self._stored_bytes(m) for m in self.api.streams_of(basin)))] if sampled else []
+                values.append(_gauge("storage", "bytes", points))
             elif metric_set == "basin-ops":
                 for op, group in OP_GROUPS.items():
                     if group[0] == "account":
