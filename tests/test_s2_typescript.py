@@ -1,7 +1,7 @@
 """The official S2 TypeScript SDK (@s2-dev/streamstore from npm, installed under tests/js by
 .ci/run) against a real node: a token the SDK issues with the root token, scoped to one basin
 and a stream prefix, drives an append session and a read session; an append outside the scope
-gets 403 permission_denied (issue 23)."""
+gets 403 permission_denied; locations and basin metrics as the SDK parses them (issue 23)."""
 
 import json
 import os
@@ -44,5 +44,7 @@ def test_typescript_sdk_scoped_token_append_and_read_sessions(tmp_path):
         assert out["ackEnds"] == list(range(1, 21))
         assert out["bodies"] == ["r%d" % i for i in range(20)]
         assert out["denied"] == {"status": 403, "code": "permission_denied"}
+        assert out["locations"] == [["local", True]]
+        assert out["appendOps"] >= 20
     finally:
         node.terminate()

@@ -52,8 +52,22 @@ try {
 	denied = { status: e.status ?? null, code: e.code ?? null };
 }
 
+const locations = await root.locations.list();
+const now = Date.now();
+const metrics = await root.metrics.basin({
+	basin: basinName,
+	set: "append-ops",
+	start: now - 3600_000,
+	end: now,
+});
+const appendOps = metrics.values
+	.flatMap((m) => (m.accumulation ? m.accumulation.values : []))
+	.reduce((sum, [, v]) => sum + v, 0);
+
 console.log(
 	JSON.stringify({
+		locations: locations.map((l) => [l.name, l.isPrivate]),
+		appendOps,
 		token: issued.accessToken.slice(0, 5),
 		ackEnds: acks.map((a) => a.end.seqNum),
 		bodies,
