@@ -152,12 +152,16 @@ def test_validation_expiry_and_auto_prefix(node):
             token = await root.issue_access_token(tid, auto_prefix_streams=True, scope=AccessTokenScope(
                 basins=ExactMatch(basin), streams=PrefixMatch("tenant-1/"),
                 op_groups=OperationGroupPermissions(basin=Permission.READ_WRITE, stream=Permission.READ_WRITE)))
-            async with client(node, token) as tenant:
+            async with client(node, token) as tenant:  # stream read-write also grants stream-metrics
                 b = tenant.basin(basin)
                 info = await b.create_stream("events")
                 assert info.name == "events"
                 await b.stream("events").append(AppendInput(records=[Record(body=b"t1")]))
                 assert [s.name for s in (await b.list_streams()).items] == ["events"]
+                now = int(time.time())
+                storage = await tenant.stream_metrics(basin, "events", set=StreamMetricSet.STORAGE,
+                                                      start=now - 60, end=now)
+                assert storage[0].values[0][1] > 0
             names = [s.name for s in (await root.basin(basin).list_streams()).items]
             assert names == ["elsewhere", "tenant-1/events"]
             batch = await root.basin(basin).stream("tenant-1/events").read(start=SeqNum(0))

@@ -252,6 +252,8 @@ class S2Api:
                 if m != "GET":
                     _no_method()
                 op = ("account-metrics", "basin-metrics", "stream-metrics")[len(seg) - 2]
+                if len(seg) == 4:
+                    seg[3] = req.auth.prefix + seg[3]  # auto_prefix_streams, as on stream paths
                 return self.metrics_api.h_metrics, op, (seg[2] if len(seg) > 2 else None), \
                     (seg[3] if len(seg) > 3 else None)
         elif kind == "locations":
