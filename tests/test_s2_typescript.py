@@ -48,3 +48,20 @@ def test_typescript_sdk_scoped_token_append_and_read_sessions(tmp_path):
         assert out["appendOps"] >= 20
     finally:
         node.terminate()
+
+
+def test_typescript_sdk_token_metrics_and_location_rules(tmp_path):
+    """tests/js/parity.mjs: the rules the TypeScript SDK's cloud suites hold S2 to (token listing,
+    pagination, issue variants, 409/404/422s, scope denials and escalation, auto-prefix; metrics
+    range and interval rules; locations), checked through the SDK."""
+    node = NodeProcess(tmp_path, fsync="never", http_token="root-token")
+    node.start()
+    try:
+        ep = "http://127.0.0.1:%d" % node.ports["http"]
+        env = dict(os.environ, S2_ACCOUNT_ENDPOINT=ep, S2_BASIN_ENDPOINT=ep, S2_ACCESS_TOKEN="root-token")
+        proc = subprocess.run(["node", os.path.join(JS_DIR, "parity.mjs")], env=env, cwd=JS_DIR,
+                              capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"failures": []}
+    finally:
+        node.terminate()
