@@ -53,7 +53,7 @@ def test_typescript_sdk_scoped_token_append_and_read_sessions(tmp_path):
 def test_typescript_sdk_token_metrics_and_location_rules(tmp_path):
     """tests/js/parity.mjs: the rules the TypeScript SDK's cloud suites hold S2 to (token listing,
     pagination, issue variants, 409/404/422s, scope denials and escalation, auto-prefix; metrics
-    range and interval rules; locations), checked through the SDK."""
+    range and interval rules; locations; encryption round trip and wrong key), checked through the SDK."""
     node = NodeProcess(tmp_path, fsync="never", http_token="root-token")
     node.start()
     try:

@@ -1,5 +1,5 @@
 // Checks the node against what the official TypeScript SDK's cloud suites expect of access tokens,
-// metrics and locations (the suites are not on npm; these are our own checks of the same rules),
+// metrics, locations and encryption (the suites are not on npm; these are our own checks of the same rules),
 // through the SDK from npm. Root token, endpoints and a basin prefix come from the environment
 // (S2_ACCESS_TOKEN, S2_ACCOUNT_ENDPOINT, S2_BASIN_ENDPOINT). Prints one JSON line: {failures: [...]}.
 import { AppendInput, AppendRecord, S2, S2Environment } from "@s2-dev/streamstore";
@@ -174,6 +174,34 @@ await check("locations", async () => {
 	const updated = await s2.locations.setDefault({ location: before.name });
 	if (list.length < 1 || typeof before.isPrivate !== "boolean" || updated.name !== before.name) throw new Error("locations");
 });
+
+// Encryption: a basin's stream_cipher, the key sent by the SDK, wrong key refused.
+await check("encryption", async () => {
+	const basin = `ts-enc-${rnd()}`;
+	await s2.basins.create({ basin, config: { streamCipher: "aegis-256" } });
+	const b = s2.basin(basin);
+	await b.streams.create({ stream: "e" });
+	const key = new Uint8Array(32).map((_, i) => i + 1);
+	const st = b.stream("e", { encryptionKey: key });
+	await st.append(AppendInput.create([AppendRecord.string({ body: "secret", headers: [["h", "v"]] })]));
+	const batch = await st.read({ start: { from: { seqNum: 0 } }, stop: { limits: { count: 10 } } });
+	if (batch.records.length !== 1 || batch.records[0].body !== "secret") throw new Error(JSON.stringify(batch.records));
+	const info = (await b.streams.list({ prefix: "e" })).streams[0];
+	if (info.cipher !== "aegis-256") throw new Error(`cipher ${info.cipher}`);
+});
+{
+	const basin = `ts-enc2-${rnd()}`;
+	await s2.basins.create({ basin, config: { streamCipher: "aes-256-gcm" } });
+	await s2.basin(basin).streams.create({ stream: "e" });
+	const st = s2.basin(basin).stream("e", { encryptionKey: new Uint8Array(32).fill(7) });
+	await st.append(AppendInput.create([AppendRecord.string({ body: "x" })]));
+	try {
+		await s2.basin(basin).stream("e", { encryptionKey: new Uint8Array(32).fill(8) }).read({ start: { from: { seqNum: 0 } } });
+		failures.push("wrong key: did not fail");
+	} catch (e) {
+		if (e.status !== 400 || e.code !== "decryption_failed") failures.push(`wrong key: ${e.status} ${e.code}`);
+	}
+}
 
 console.log(JSON.stringify({ failures }));
 process.exit(0);
