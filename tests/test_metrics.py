@@ -1,0 +1,230 @@
+"""Prometheus metrics, the status page and its JSON, scraped from real nodes after real traffic
+(docs/observability.md)."""
+
+import http.client
+import json
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from node.status_history import quantile
+from protocols.partition.client import BlockingKvClient
+from protocols.sbp.client import BlockingSbpClient
+from protocols.toasty.client import BlockingToastyClient
+from storage import record_batch
+
+
+def get(node, path, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", node.ports["http"], timeout=30)
+    conn.request("GET", path, headers=headers or {})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+
+
+def post_json(node, path, obj):
+    conn = http.client.HTTPConnection("127.0.0.1", node.ports["http"], timeout=30)
+    conn.request("POST", path, body=json.dumps(obj).encode(), headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    assert resp.status in (200, 201), body
+    return json.loads(body) if body else None
+
+
+def scrape(node, headers=None):
+    """{(sample name, frozenset of labels): value} from GET /metrics, parsed by prometheus_client."""
+    status, hdrs, body = get(node, "/metrics", headers)
+    assert status == 200, body
+    assert hdrs["content-type"].startswith("text/plain; version=")
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def value(samples, name, **labels):
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        time.sleep(0.1)
+
+
+def batch(n):
+    return record_batch.encode([(1000 + i, [], b"value-%d" % i) for i in range(n)])
+
+
+def traffic(node):
+    """A little of every protocol: SBP append + fetch, KV set + get, Toasty write + read, S2
+    append + read."""
+    with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=10) as c:
+        sid = c.create_stream()["stream_id"]
+        for _ in range(5):
+            c.append(sid, batch(10))
+        assert c.fetch(sid, 0, 1 << 20)
+    with BlockingKvClient(*node.address("kv")) as kv:
+        for i in range(20):
+            kv.set(b"k%d" % i, b"v%d" % i)
+        assert kv.get(b"k3") == b"v3"
+    with BlockingToastyClient(*node.address("meta")) as t:
+        t.write("/f", b"hello" * 1000, truncate=True)
+        assert t.read("/f") == b"hello" * 1000
+    post_json(node, "/v1/streams", {"stream": "metrics-s2"})
+    post_json(node, "/v1/streams/metrics-s2/records", {"records": [{"body": "a"}, {"body": "b"}]})
+    status, _, body = get(node, "/v1/streams/metrics-s2/records?seq_num=0&count=10")
+    assert status == 200 and len(json.loads(body)["records"]) == 2
+    return sid
+
+
+def test_quantile_interpolates_like_histogram_quantile():
+    bounds = [0.001, 0.01, 0.1, float("inf")]
+    assert quantile(0.5, bounds, [0, 0, 0, 0]) is None
+    assert quantile(0.5, bounds, [10, 10, 10, 10]) == pytest.approx(0.0005)
+    assert quantile(0.5, bounds, [0, 10, 10, 10]) == pytest.approx(0.0055)
+    assert quantile(0.99, bounds, [0, 0, 0, 5]) == 0.1  # above the last finite bound: that bound
+
+
+def test_metrics_after_traffic_on_each_protocol(node):
+    before = scrape(node)
+    sid = traffic(node)
+    after = scrape(node)
+
+    def moved(name, **labels):
+        assert value(after, name, **labels) > value(before, name, **labels), (name, labels)
+
+    moved("sbpnode_requests_total", protocol="sbp", operation="append")
+    moved("sbpnode_requests_total", protocol="sbp", operation="fetch")
+    moved("sbpnode_requests_total", protocol="kv", operation="any")
+    moved("sbpnode_requests_total", protocol="toasty", operation="write")
+    moved("sbpnode_requests_total", protocol="toasty", operation="read")
+    moved("sbpnode_requests_total", protocol="s2", operation="any")
+    moved("sbpnode_records_total", protocol="sbp", direction="in")
+    moved("sbpnode_records_total", protocol="s2", direction="in")
+    moved("sbpnode_records_total", protocol="s2", direction="out")
+    moved("sbpnode_payload_bytes_total", protocol="sbp", direction="in")
+    moved("sbpnode_payload_bytes_total", protocol="sbp", direction="out")
+    for protocol, op in (("sbp", "append"), ("sbp", "fetch"), ("kv", "get"), ("kv", "set"),
+                         ("toasty", "read"), ("toasty", "write")):
+        moved("sbpnode_request_duration_seconds_count", protocol=protocol, operation=op)
+        assert value(after, "sbpnode_request_duration_seconds_sum", protocol=protocol, operation=op) > 0
+    assert value(after, "sbpnode_request_duration_seconds_count", protocol="sbp", operation="append") == 5
+    assert value(after, "sbpnode_request_duration_seconds_bucket", protocol="sbp", operation="append", le="+Inf") == 5
+    # the store (the node runs with --fsync always: every group commit syncs the WAL)
+    moved("sbpnode_store_group_commits_total")
+    moved("sbpnode_store_fsync_duration_seconds_count")
+    moved("sbpnode_store_wal_written_bytes_total")
+    assert value(after, "sbpnode_store_wal_bytes") > 0
+    assert value(after, "sbpnode_store_index_bytes") > 0
+    assert value(after, "sbpnode_store_chunks") >= 1 and value(after, "sbpnode_store_chunk_bytes") > 0
+    assert value(after, "sbpnode_store_kv_keys") >= 20
+    assert value(after, "sbpnode_store_failed") == 0
+    # per stream, the cluster of one, the node and the library's process collectors
+    assert value(after, "sbpnode_stream_records", stream=str(sid)) == 50
+    assert value(after, "sbpnode_stream_next_offset", stream=str(sid)) == 50
+    assert value(after, "sbpnode_cluster_members") == 1
+    assert value(after, "sbpnode_cluster_leader") == node.node_id
+    assert value(after, "sbpnode_cluster_is_leader") == 1
+    assert value(after, "sbpnode_node_info", node_id=str(node.node_id), version="0.1.0", fsync="always") == 1
+    assert value(after, "process_resident_memory_bytes") > 0
+    assert value(after, "process_open_fds") > 0
+    assert any(name == "python_info" for name, _ in after)  # the library's platform collector
+
+
+def test_stream_labels_are_bounded(node_factory):
+    n = node_factory(metrics_streams=2, fsync="never", kv="none", meta="none", chunks="none", swarm="none")
+    with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
+        sids = [c.create_stream()["stream_id"] for _ in range(4)]
+        for k, sid in enumerate(sids):
+            c.append(sid, batch(k + 1))
+    samples = scrape(n)
+    labelled = {dict(labels)["stream"]: v for (name, labels), v in samples.items() if name == "sbpnode_stream_records"}
+    # the two biggest streams by records get a label; the other two are summed in _other
+    assert labelled == {str(sids[3]): 4, str(sids[2]): 3, "_other": 3}
+    assert value(samples, "sbpnode_stream_label_limit") == 2
+
+
+def test_status_page_and_json(node):
+    status, headers, body = get(node, "/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    html = body.decode()
+    for needle in ('id="members"', 'id="chart-throughput"', 'id="chart-latency"', 'id="busiest"',
+                   "/ui/vendor/uPlot.iife.min.js", "/ui/app.js"):
+        assert needle in html
+    assert get(node, "/ui/")[2] == body
+    for path, ctype in (("/ui/app.js", "text/javascript"), ("/ui/style.css", "text/css"),
+                        ("/ui/vendor/uPlot.iife.min.js", "text/javascript"), ("/ui/vendor/uPlot.min.css", "text/css")):
+        status, headers, data = get(node, path)
+        assert status == 200 and headers["content-type"].startswith(ctype) and data, path
+    assert get(node, "/ui/nope.js")[0] == 404  # not ours: the S2 API's 404
+
+    sid = traffic(node)
+
+    def sampled():
+        doc = json.loads(get(node, "/ui/status.json")[2])
+        series = doc["series"]
+        # a point covering the traffic: an interval with appends and an append latency
+        if any(series["append_records_s"]) and any(v is not None for v in series["latency_ms"].get("sbp.append", {}).get("p99", [])):
+            return doc
+        return None
+
+    doc = wait_for(sampled, what="a status sample covering the traffic")
+    n = doc["node"]
+    assert n["node_id"] == node.node_id and n["version"] == "0.1.0" and n["fsync"] == "always"
+    assert n["uptime_s"] >= 0 and n["listeners"]["sbp"] == "127.0.0.1:%d" % node.ports["sbp"]
+    assert doc["cluster"]["mode"] == "single node" and doc["cluster"]["leader"] == node.node_id
+    assert [m["node_id"] for m in doc["cluster"]["members"]] == [node.node_id]
+    assert doc["cluster"]["per_node"][str(node.node_id)]["leads"] >= 2  # the SBP and the S2 stream
+    assert doc["store"]["streams"] >= 2 and doc["streams"]["count"] >= 2
+    series = doc["series"]
+    assert len(series["t"]) == len(series["appends_s"]) == len(series["latency_ms"]["sbp.append"]["p50"])
+    assert set(series["latency_ms"]) >= {"sbp.append", "sbp.fetch", "kv.get", "kv.set", "toasty.read", "toasty.write"}
+    assert doc["totals"]["sbp_appends"] == 5 and doc["totals"]["sbp_append_records"] == 50
+    assert doc["peers"] == []
+
+    def busiest():
+        d = json.loads(get(node, "/ui/status.json")[2])
+        return d if d["streams"]["busiest"] else None
+
+    d = wait_for(busiest, what="the busiest streams")
+    assert d["streams"]["busiest"][0]["stream_id"] == sid and d["streams"]["busiest"][0]["next_offset"] == 50
+
+
+def test_metrics_token(node_factory):
+    n = node_factory(metrics_token="s3cret", fsync="never", kv="none", meta="none", chunks="none", swarm="none")
+    for path in ("/metrics", "/", "/ui/status.json", "/ui/app.js"):
+        status, headers, body = get(n, path)
+        assert status == 401 and json.loads(body)["code"] == "authn", path
+        assert headers["www-authenticate"].startswith("Bearer")
+        assert get(n, path, {"authorization": "Bearer wrong"})[0] == 401
+        assert get(n, path, {"authorization": "Bearer s3cret"})[0] == 200, path
+        assert get(n, path + "?token=s3cret")[0] == 200, path
+    assert scrape(n, {"authorization": "Bearer s3cret"})
+    # the S2 API does not need the metrics token (no --http-token here)
+    assert get(n, "/health")[0] == 200
+
+
+def test_metrics_off(node_factory):
+    n = node_factory(metrics="off", fsync="never", kv="none", meta="none", chunks="none", swarm="none")
+    status, _, body = get(n, "/metrics")
+    assert status == 404 and json.loads(body)["code"] == "bad_path"  # the S2 API's answer
+    with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
+        sid = c.create_stream()["stream_id"]
+        assert c.append(sid, batch(3)) == 0
+
+
+def test_bad_option_values(node_factory):
+    with pytest.raises(RuntimeError, match="--metrics"):
+        node_factory(metrics="maybe")
+    with pytest.raises(RuntimeError, match="--metrics-streams"):
+        node_factory(metrics_streams=-1)
