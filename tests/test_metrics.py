@@ -3,6 +3,8 @@
 
 import http.client
 import json
+import shutil
+import subprocess
 import time
 
 import pytest
@@ -228,3 +230,93 @@ def test_bad_option_values(node_factory):
         node_factory(metrics="maybe")
     with pytest.raises(RuntimeError, match="--metrics-streams"):
         node_factory(metrics_streams=-1)
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prometheus_query(port, promql):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    from urllib.parse import urlencode
+
+    conn.request("GET", "/api/v1/query?" + urlencode({"query": promql}))
+    resp = conn.getresponse()
+    doc = json.loads(resp.read())
+    conn.close()
+    assert doc["status"] == "success", doc
+    return doc["data"]["result"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("prometheus"), reason="Debian's prometheus is not installed (.ci/run installs it)")
+def test_a_real_prometheus_scrapes_the_node(node_factory, tmp_path):
+    n = node_factory(fsync="never", kv="none", meta="none", chunks="none", swarm="none")
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: sbpnode\n    metrics_path: /metrics\n"
+        "    static_configs:\n      - targets: ['127.0.0.1:%d']\n" % n.ports["http"]
+    )
+    log = open(tmp_path / "prometheus.log", "wb")
+    proc = subprocess.Popen(
+        ["prometheus", "--config.file=%s" % config, "--storage.tsdb.path=%s" % (tmp_path / "tsdb"),
+         "--web.listen-address=127.0.0.1:%d" % port, "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path))
+    try:
+        def ready():
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            try:
+                return get_port(port, "/-/ready")[0] == 200
+            except OSError:
+                return False
+
+        wait_for(ready, timeout=60, what="prometheus ready")
+        # the load starts once Prometheus has scraped the node: increase() needs a sample before it
+        wait_for(lambda: prometheus_query(port, 'up{job="sbpnode"} == 1'), timeout=30, what="a first scrape")
+        stop = time.monotonic() + 4
+        with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
+            sid = c.create_stream()["stream_id"]
+            appended = 0
+            while time.monotonic() < stop or appended < 20:  # a small load over a few scrapes
+                c.append(sid, batch(10))
+                appended += 1
+                time.sleep(0.02)
+
+        def appends_seen():
+            r = prometheus_query(port, 'sbpnode_requests_total{protocol="sbp",operation="append"}')
+            return r if r and float(r[0]["value"][1]) == appended else None
+
+        r = wait_for(appends_seen, timeout=30, what="prometheus to scrape the appends")
+        assert r[0]["metric"]["job"] == "sbpnode"
+        count = prometheus_query(port, 'sbpnode_request_duration_seconds_count{operation="append"}')
+        assert float(count[0]["value"][1]) == appended
+        def p99_seen():
+            r = prometheus_query(port, 'histogram_quantile(0.99, sum by (le) '
+                                 '(increase(sbpnode_request_duration_seconds_bucket{operation="append"}[1m])))')
+            return r if r and r[0]["value"][1] not in ("NaN", "0") else None
+
+        p99 = wait_for(p99_seen, timeout=30, what="an append p99 from prometheus")
+        assert 0 < float(p99[0]["value"][1]) < 10  # seconds: a sane latency
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def get_port(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, body
