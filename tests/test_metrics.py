@@ -320,3 +320,37 @@ def get_port(port, path):
     body = resp.read()
     conn.close()
     return resp.status, body
+
+
+def sbpctl(*args):
+    import sys
+
+    from tests.nodeproc import REPO
+
+    return subprocess.run([sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+def test_sbpctl_top_once_for_a_node_and_its_cluster(node_factory):
+    n = node_factory(metrics_token="t0k", fsync="never", kv="none", meta="none", chunks="none", swarm="none")
+    with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
+        sid = c.create_stream()["stream_id"]
+        c.append(sid, batch(7))
+    endpoint = "127.0.0.1:%d" % n.ports["http"]
+    r = sbpctl("top", "--endpoint", endpoint, "--once")
+    assert r.returncode == 1 and "--token" in r.stderr  # the node wants its metrics token
+
+    def screen_with_the_stream():
+        r = sbpctl("top", "--endpoint", endpoint, "--token", "t0k", "--once")
+        assert r.returncode == 0, r.stderr
+        return r.stdout if str(sid) in r.stdout else None
+
+    out = wait_for(screen_with_the_stream, what="sbpctl top to show the busy stream")
+    assert out.startswith("sbpnode %d " % n.node_id)
+    assert "cluster: single node, 1 member(s), leader %d" % n.node_id in out
+    assert "sbp.append" in out and "throughput" in out
+    r = sbpctl("top", "--endpoint", endpoint, "--token", "t0k", "--once", "--cluster")
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.splitlines()
+    assert rows[0].startswith("cluster: single node") and rows[2].split()[0] == str(n.node_id)
+    r = sbpctl("top", "--endpoint", "127.0.0.1:1", "--once")
+    assert r.returncode == 1 and "not reachable" in r.stderr
