@@ -18,6 +18,8 @@ import json
 import os
 import time
 
+from twisted.logger import Logger
+
 from node import cluster_view
 from node.metrics import version
 from node.status_history import RATES
@@ -47,6 +49,8 @@ def load_static():
 
 
 class StatusPages:
+    log = Logger()
+
     def __init__(self, node, node_metrics, history, token=None):
         self.node = node
         self.node_metrics = node_metrics
@@ -77,8 +81,15 @@ class StatusPages:
                 401, [JSON_TYPE, ("www-authenticate", 'Bearer realm="sbpnode metrics"')],
                 b'{"code":"authn","message":"missing or wrong metrics token"}')
         else:
-            responder.on_body = lambda body: route(responder)
+            responder.on_body = lambda body: self._answer(route, responder)
         return True
+
+    def _answer(self, route, responder):
+        try:
+            route(responder)
+        except Exception:  # a bug here must cost one 500, not the connection
+            self.log.failure("{path} failed", path=responder.request.raw_path)
+            responder.respond(500, [JSON_TYPE], b'{"code":"other","message":"status page failed; see the node log"}')
 
     def _authorized(self, req) -> bool:
         if self.token is None:

@@ -354,3 +354,72 @@ def test_sbpctl_top_once_for_a_node_and_its_cluster(node_factory):
     assert rows[0].startswith("cluster: single node") and rows[2].split()[0] == str(n.node_id)
     r = sbpctl("top", "--endpoint", "127.0.0.1:1", "--once")
     assert r.returncode == 1 and "not reachable" in r.stderr
+
+
+def test_reactor_histogram_exposes_what_the_library_histogram_would():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from node.metrics import LATENCY_BUCKETS, RequestLatency
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    latency = RequestLatency()
+    ours.register(latency)
+    reference = Histogram("sbpnode_request_duration_seconds", "x", ["protocol", "operation"],
+                          buckets=LATENCY_BUCKETS, registry=theirs).labels("sbp", "append")
+    for v in (0.00005, 0.0001, 0.0003, 0.001, 0.0099, 0.01, 3.0, 11.0, 0.0):  # bounds included
+        latency.histograms["sbp.append"].observe(v)
+        reference.observe(v)
+
+    def samples(registry):
+        out = {}
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            for s in family.samples:
+                if s.labels.get("operation") == "append" and not s.name.endswith("_created"):
+                    out[(s.name, frozenset(s.labels.items()))] = s.value
+        return out
+
+    assert samples(ours) == samples(theirs)
+
+
+class StubCluster:
+    """The interface node/cluster_view.py documents for cluster mode (not built yet)."""
+
+    def status(self):
+        return {
+            "leader": 2,
+            "members": [{"node_id": 1, "sbp": "a:1", "http": "a:2", "alive": True},
+                        {"node_id": 2, "sbp": "b:1", "http": "b:2", "alive": True},
+                        {"node_id": 3, "sbp": "c:1", "http": None, "alive": False}],
+            "ranges": [{"stream_id": 7, "index": 0, "start": 0, "end": -1, "leader": 2, "replicas": [1, 2, 3],
+                        "confirm_offset": 90, "replica_ends": {1: 100, 2: 100, 3: 60}}],
+            "failovers": 4,
+        }
+
+
+def test_cluster_metrics_from_a_cluster_view():
+    from types import SimpleNamespace
+
+    from node import cluster_view
+    from node.metrics import NodeMetrics
+
+    node = SimpleNamespace(node_id=1, store=None, metrics={}, config=SimpleNamespace(fsync="always"),
+                           ports={}, cluster=StubCluster())
+    m = NodeMetrics(node)
+    m.observe_latency("etcd", 0.002)
+    body, ctype = m.exposition()
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    assert value(samples, "sbpnode_cluster_members") == 3
+    assert value(samples, "sbpnode_cluster_leader") == 2
+    assert value(samples, "sbpnode_cluster_is_leader") == 0
+    assert value(samples, "sbpnode_cluster_failovers_total") == 4
+    assert value(samples, "sbpnode_range_confirm_offset", stream="7", range="0") == 90
+    assert value(samples, "sbpnode_replication_lag_records", stream="7", range="0", replica="3") == 40
+    assert value(samples, "sbpnode_replication_lag_records", stream="7", range="0", replica="1") == 0
+    assert value(samples, "sbpnode_etcd_request_duration_seconds_count") == 1
+    view = cluster_view.snapshot(node)
+    assert view["mode"] == "cluster"
+    assert cluster_view.ranges_per_node(view) == {1: {"leads": 0, "replicas": 1}, 2: {"leads": 1, "replicas": 1},
+                                                  3: {"leads": 0, "replicas": 1}}
