@@ -423,3 +423,29 @@ def test_cluster_metrics_from_a_cluster_view():
     assert view["mode"] == "cluster"
     assert cluster_view.ranges_per_node(view) == {1: {"leads": 0, "replicas": 1}, 2: {"leads": 1, "replicas": 1},
                                                   3: {"leads": 0, "replicas": 1}}
+
+
+def test_peer_sync_metrics_and_status(node_factory):
+    a = node_factory(name="a", fsync="never", kv="none", meta="none", chunks="none")
+    with BlockingSbpClient("127.0.0.1", a.ports["sbp"], timeout=10) as c:
+        sid = c.create_stream()["stream_id"]
+        for _ in range(3):
+            c.append(sid, batch(4))
+    b = node_factory(name="b", fsync="never", kv="none", meta="none", chunks="none", peer=a.peer_endpoint())
+    peer = a.endpoint("swarm")
+
+    def synced():
+        s = scrape(b)
+        if value(s, "sbpnode_peer_connected", peer=peer) == 1 and value(s, "sbpnode_peer_sync_items_total", peer=peer) >= 3:
+            return s
+        return None
+
+    s = wait_for(synced, what="B's metrics to show A's batches synced")
+    assert value(s, "sbpnode_peer_sync_bytes_total", peer=peer) > 0
+    assert value(s, "sbpnode_payload_bytes_total", protocol="swarm", direction="in") > 0
+    assert ("sbpnode_peer_sync_lag_items", frozenset({("peer", peer)})) in s
+    sa = scrape(a)
+    assert value(sa, "sbpnode_requests_total", protocol="swarm", operation="batch") >= 1
+    assert value(sa, "sbpnode_connections", protocol="swarm") == 1
+    peers = json.loads(get(b, "/ui/status.json")[2])["peers"]
+    assert [p["peer"] for p in peers] == [peer] and peers[0]["connected"] and peers[0]["items"] >= 3
