@@ -107,8 +107,8 @@ class StatusHistory(TimerService):
         return out
 
     def busiest(self, limit=10):
-        """The streams that took the most records over the last ~30 s: [{stream_id, records_s,
-        next_offset}], busiest first (streams that took none are left out)."""
+        """The streams that took the most records over the last ~30 s: [{stream_id (a string),
+        records_s, next_offset}], busiest first (streams that took none are left out)."""
         if len(self.offsets) < 2:
             return []
         (t0, first), (t1, last) = self.offsets[0], self.offsets[-1]
@@ -116,4 +116,5 @@ class StatusHistory(TimerService):
         rates = [(n - first.get(sid, 0), sid, n) for sid, n in last.items()]
         rates = [r for r in rates if r[0] > 0]
         rates.sort(reverse=True)
-        return [{"stream_id": sid, "records_s": round(d / dt, 1), "next_offset": n} for d, sid, n in rates[:limit]]
+        # stream ids as strings: they run to 2^63, past what a JavaScript number holds exactly
+        return [{"stream_id": str(sid), "records_s": round(d / dt, 1), "next_offset": n} for d, sid, n in rates[:limit]]

@@ -199,7 +199,7 @@ def test_status_page_and_json(node):
         return d if d["streams"]["busiest"] else None
 
     d = wait_for(busiest, what="the busiest streams")
-    assert d["streams"]["busiest"][0]["stream_id"] == sid and d["streams"]["busiest"][0]["next_offset"] == 50
+    assert d["streams"]["busiest"][0]["stream_id"] == str(sid) and d["streams"]["busiest"][0]["next_offset"] == 50
 
 
 def test_metrics_token(node_factory):
@@ -449,3 +449,38 @@ def test_peer_sync_metrics_and_status(node_factory):
     assert value(sa, "sbpnode_connections", protocol="swarm") == 1
     peers = json.loads(get(b, "/ui/status.json")[2])["peers"]
     assert [p["peer"] for p in peers] == [peer] and peers[0]["connected"] and peers[0]["items"] >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("chromium"), reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_a_real_browser_draws_the_status_page(node_factory, tmp_path):
+    n = node_factory(fsync="never", kv="none", meta="none", chunks="none", swarm="none")
+    with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
+        sid = c.create_stream()["stream_id"]
+
+        def charted():  # appends until the node's history has an interval with them in it
+            c.append(sid, batch(10))
+            doc = json.loads(get(n, "/ui/status.json")[2])
+            return doc if any(doc["series"]["append_records_s"]) and doc["streams"]["busiest"] else None
+
+        wait_for(charted, what="a status sample with appends")
+    url = "http://127.0.0.1:%d/" % n.ports["http"]
+    # headless, no sandbox (CI runs as root); --virtual-time-budget lets the page's polls and
+    # timers run before the DOM is dumped
+    chromium = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--user-data-dir=%s" % (tmp_path / "chromium"), "--virtual-time-budget=5000"]
+    r = subprocess.run(chromium + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    dom = r.stdout
+    assert 'id="state" class="state ok">live<' in dom
+    assert "%d (leader)" % n.node_id in dom  # the members table
+    assert ">%d<" % sid in dom  # the busiest streams, the full 64-bit id
+    throughput = dom.split('id="chart-throughput"', 1)[1].split("</section>", 1)[0]
+    assert int(throughput.split('data-points="', 1)[1].split('"', 1)[0]) >= 1
+    assert "<canvas" in throughput and "append records/s" in throughput  # uPlot drew it
+    latency = dom.split('id="chart-latency"', 1)[1].split("</section>", 1)[0]
+    assert "<canvas" in latency and "sbp.append p99" in latency
+    shot = tmp_path / "status-page.png"
+    r = subprocess.run(chromium + ["--window-size=1280,1600", "--screenshot=%s" % shot, url],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
