@@ -462,6 +462,13 @@ def metrics_ab(base, runs, records, window):
     batches = records // BATCH_RECORDS
     results = {"on": [], "off": []}
     print("metrics A/B: %d pairs of %d-record append runs, --fsync interval:1000, window %d" % (runs, batches * BATCH_RECORDS, window))
+    # one discarded run first: the first node of a bench ran slow in every A/B (cold caches)
+    with Node(base, "interval:1000", metrics="off") as node:
+        c = BlockingSbpClient("127.0.0.1", node.port)
+        sid = c.create_stream()["stream_id"]
+        c.close()
+        measured(node.proc.proc.pid, sbp_append_load, node.port, sid, batches, window)
+    shutil.rmtree(node.proc.data_dir, ignore_errors=True)
     for i in range(runs):
         for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
             load = os.getloadavg()[0]
