@@ -484,3 +484,17 @@ def test_a_real_browser_draws_the_status_page(node_factory, tmp_path):
     r = subprocess.run(chromium + ["--window-size=1280,1600", "--screenshot=%s" % shot, url],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
+
+
+def test_metrics_and_status_json_over_h2c(node):
+    from tests.test_s2_http import H2
+
+    cl = H2(node.ports["http"])
+    sids = {path: cl.request("GET", path) for path in ("/metrics", "/ui/status.json", "/")}
+    cl.pump(lambda: all(cl.responses[s]["ended"] for s in sids.values()))
+    r = {path: cl.responses[s] for path, s in sids.items()}
+    assert all(x["status"] == "200" for x in r.values()), r
+    families = {f.name for f in text_string_to_metric_families(r["/metrics"]["data"].decode())}
+    assert "sbpnode_requests" in families and "sbpnode_request_duration_seconds" in families
+    assert json.loads(r["/ui/status.json"]["data"])["node"]["node_id"] == node.node_id
+    assert b'id="chart-throughput"' in r["/"]["data"]
