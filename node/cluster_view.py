@@ -46,7 +46,7 @@ def snapshot(node) -> dict:
     store = getattr(node, "store", None)
     if store is not None and not store.closed:
         # single node: it leads, and is the only replica of, every open range of its streams
-        me["streams"] = len(store.log.streams())
+        me["streams"] = len(store.log.offsets())
     return {"mode": SINGLE_NODE, "leader": node.node_id, "members": [me], "ranges": [], "failovers": 0}
 
 

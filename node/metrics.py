@@ -14,6 +14,7 @@ One ``CollectorRegistry`` per node holds:
 So a request costs at most one histogram observation; everything else is read when scraped.
 """
 
+import heapq
 import os
 import time
 from bisect import bisect_left
@@ -70,7 +71,7 @@ class NodeMetrics:
 
     def __init__(self, node, stream_labels=DEFAULT_STREAM_LABELS):
         self.node = node
-        self.started = time.time()
+        self.started = getattr(node, "started", None) or time.time()
         self.registry = registry = CollectorRegistry()
         ProcessCollector(namespace="", registry=registry)
         PlatformCollector(registry=registry)
@@ -343,24 +344,25 @@ class NodeCollector:
 
     def _streams(self, store):
         try:
-            streams = store.log.streams()
+            offsets = store.log.offsets()
         except Exception:
             return
         # the biggest streams by record count get their own label; the rest are summed in _other
-        streams.sort(key=lambda s: s.next_offset - s.trim_offset, reverse=True)
-        named, rest = streams[: self.stream_labels], streams[self.stream_labels:]
+        named = heapq.nlargest(self.stream_labels, offsets.items(), key=lambda kv: kv[1][1] - kv[1][0])
         records = _gauge("sbpnode_stream_records", "Records a stream holds (next offset - trim offset); "
                          "streams past --metrics-streams are summed under stream=\"_other\".", ["stream"])
         end = _gauge("sbpnode_stream_next_offset", "The offset the stream's next record gets "
                      "(single node: also its confirm offset).", ["stream"])
         start = _gauge("sbpnode_stream_trim_offset", "The stream's first readable offset.", ["stream"])
-        for s in named:
-            label = [str(s.stream_id)]
-            records.add_metric(label, s.next_offset - s.trim_offset)
-            end.add_metric(label, s.next_offset)
-            start.add_metric(label, s.trim_offset)
-        if rest:
-            records.add_metric([OTHER_STREAMS], sum(s.next_offset - s.trim_offset for s in rest))
+        named_total = 0
+        for sid, (trim, nxt) in named:
+            label = [str(sid)]
+            records.add_metric(label, nxt - trim)
+            end.add_metric(label, nxt)
+            start.add_metric(label, trim)
+            named_total += nxt - trim
+        if len(named) < len(offsets):
+            records.add_metric([OTHER_STREAMS], sum(n - t for t, n in offsets.values()) - named_total)
         yield records
         yield end
         yield start

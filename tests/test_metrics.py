@@ -198,7 +198,7 @@ def test_status_page_and_json(node):
         d = json.loads(get(node, "/ui/status.json")[2])
         return d if d["streams"]["busiest"] else None
 
-    d = wait_for(busiest, what="the busiest streams")
+    d = wait_for(busiest, timeout=60, what="the busiest streams")
     assert d["streams"]["busiest"][0]["stream_id"] == str(sid) and d["streams"]["busiest"][0]["next_offset"] == 50
 
 
@@ -344,7 +344,7 @@ def test_sbpctl_top_once_for_a_node_and_its_cluster(node_factory):
         assert r.returncode == 0, r.stderr
         return r.stdout if str(sid) in r.stdout else None
 
-    out = wait_for(screen_with_the_stream, what="sbpctl top to show the busy stream")
+    out = wait_for(screen_with_the_stream, timeout=60, what="sbpctl top to show the busy stream")
     assert out.startswith("sbpnode %d " % n.node_id)
     assert "cluster: single node, 1 member(s), leader %d" % n.node_id in out
     assert "sbp.append" in out and "throughput" in out
@@ -463,7 +463,7 @@ def test_a_real_browser_draws_the_status_page(node_factory, tmp_path):
             doc = json.loads(get(n, "/ui/status.json")[2])
             return doc if any(doc["series"]["append_records_s"]) and doc["streams"]["busiest"] else None
 
-        wait_for(charted, what="a status sample with appends")
+        wait_for(charted, timeout=60, what="a status sample with appends")
     url = "http://127.0.0.1:%d/" % n.ports["http"]
     # headless, no sandbox (CI runs as root); --virtual-time-budget lets the page's polls and
     # timers run before the DOM is dumped
