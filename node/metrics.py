@@ -262,6 +262,10 @@ class NodeCollector:
             payload.add_metric(["sbp", "in"], sbp["append_bytes"])
         if "fetch_bytes" in sbp:
             payload.add_metric(["sbp", "out"], sbp["fetch_bytes"])
+        if "appended_bytes" in s2:
+            payload.add_metric(["s2", "in"], s2["appended_bytes"])
+        if "read_bytes" in s2:
+            payload.add_metric(["s2", "out"], s2["read_bytes"])
         if "bytes" in swarm:
             payload.add_metric(["swarm", "out"], swarm["bytes"])
         peers_in = sum(p.get("bytes", 0) for p in (m.get("peers") or {}).values())

@@ -116,6 +116,8 @@ def test_metrics_after_traffic_on_each_protocol(node):
     moved("sbpnode_records_total", protocol="s2", direction="out")
     moved("sbpnode_payload_bytes_total", protocol="sbp", direction="in")
     moved("sbpnode_payload_bytes_total", protocol="sbp", direction="out")
+    moved("sbpnode_payload_bytes_total", protocol="s2", direction="in")
+    moved("sbpnode_payload_bytes_total", protocol="s2", direction="out")
     for protocol, op in (("sbp", "append"), ("sbp", "fetch"), ("kv", "get"), ("kv", "set"),
                          ("toasty", "read"), ("toasty", "write")):
         moved("sbpnode_request_duration_seconds_count", protocol=protocol, operation=op)
