@@ -46,6 +46,9 @@ class NodeConfig:
     log_level: str = "info"
     replication_factor: int = 1
     shutdown_timeout: float = 10.0
+    metrics: bool = True  # --metrics on|off: the Prometheus registry, latency hooks and status page
+    metrics_token: Optional[str] = None  # --metrics-token: bearer token for /metrics and the status page
+    metrics_streams: int = 100  # --metrics-streams: streams that get their own label
 
     def endpoint(self, name: str) -> Optional[str]:
         return with_backlog(getattr(self, name))
@@ -96,6 +99,23 @@ def parse_positive_int(option: str, value, upper: int = None) -> int:
     return n
 
 
+def parse_on_off(option: str, value) -> bool:
+    v = str(value).strip().lower()
+    if v not in ("on", "off"):
+        raise usage.UsageError("--%s: %r is not on or off" % (option, value))
+    return v == "on"
+
+
+def parse_non_negative_int(option: str, value) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise usage.UsageError("--%s: %r is not an integer" % (option, value))
+    if n < 0:
+        raise usage.UsageError("--%s: %d is out of range (>= 0)" % (option, n))
+    return n
+
+
 def from_options(opts) -> NodeConfig:
     """Build a NodeConfig from validated twistd Options (node/tap.py)."""
     node_id = opts["node-id"]
@@ -120,5 +140,8 @@ def from_options(opts) -> NodeConfig:
         log_level=level,
         replication_factor=parse_positive_int("replication-factor", opts["replication-factor"], 16),
         shutdown_timeout=float(opts["shutdown-timeout"]),
+        metrics=parse_on_off("metrics", opts["metrics"]),
+        metrics_token=opts["metrics-token"],
+        metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),
         **{name: parse_endpoint(name, opts[name]) for name in LISTENERS},
     )
