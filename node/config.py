@@ -17,6 +17,11 @@ DEFAULT_ENDPOINTS = {
     "http": "tcp:7780:interface=127.0.0.1",
 }
 
+# Listen backlog for bursts of connects (Twisted's default is 50); a `backlog=` in the user's
+# endpoint string wins. The kernel caps it at net.core.somaxconn.
+DEFAULT_BACKLOG = 1024
+_BACKLOG_TYPES = ("tcp", "tcp6", "ssl", "unix")
+
 DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 
@@ -41,9 +46,21 @@ class NodeConfig:
     log_level: str = "info"
     replication_factor: int = 1
     shutdown_timeout: float = 10.0
+    metrics: bool = True  # --metrics on|off: the Prometheus registry, latency hooks and status page
+    metrics_token: Optional[str] = None  # --metrics-token: bearer token for /metrics and the status page
+    metrics_streams: int = 100  # --metrics-streams: streams that get their own label
 
     def endpoint(self, name: str) -> Optional[str]:
-        return getattr(self, name)
+        return with_backlog(getattr(self, name))
+
+
+def with_backlog(description: Optional[str]) -> Optional[str]:
+    """The endpoint string with ``backlog=DEFAULT_BACKLOG`` unless it names a backlog already."""
+    if description is None or description.split(":", 1)[0].lower() not in _BACKLOG_TYPES:
+        return description
+    if any(part.strip().lower().startswith("backlog=") for part in description.split(":")[1:]):
+        return description
+    return description + ":backlog=%d" % DEFAULT_BACKLOG
 
 
 def parse_endpoint(name: str, value: str) -> Optional[str]:
@@ -82,6 +99,23 @@ def parse_positive_int(option: str, value, upper: int = None) -> int:
     return n
 
 
+def parse_on_off(option: str, value) -> bool:
+    v = str(value).strip().lower()
+    if v not in ("on", "off"):
+        raise usage.UsageError("--%s: %r is not on or off" % (option, value))
+    return v == "on"
+
+
+def parse_non_negative_int(option: str, value) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise usage.UsageError("--%s: %r is not an integer" % (option, value))
+    if n < 0:
+        raise usage.UsageError("--%s: %d is out of range (>= 0)" % (option, n))
+    return n
+
+
 def from_options(opts) -> NodeConfig:
     """Build a NodeConfig from validated twistd Options (node/tap.py)."""
     node_id = opts["node-id"]
@@ -106,5 +140,8 @@ def from_options(opts) -> NodeConfig:
         log_level=level,
         replication_factor=parse_positive_int("replication-factor", opts["replication-factor"], 16),
         shutdown_timeout=float(opts["shutdown-timeout"]),
+        metrics=parse_on_off("metrics", opts["metrics"]),
+        metrics_token=opts["metrics-token"],
+        metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),
         **{name: parse_endpoint(name, opts[name]) for name in LISTENERS},
     )

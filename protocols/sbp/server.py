@@ -46,6 +46,10 @@ __all__ = ["SbpServerFactory", "SbpServerProtocol", "build_factory", "validate_b
 _DEFER_CRC = frozenset([codec.APPEND])
 
 
+def _ignore_latency(operation, seconds):
+    """A node without the latency hook (--metrics off, test doubles)."""
+
+
 class SbpServerFactory(Factory):
     log = Logger()
 
@@ -67,6 +71,7 @@ class SbpServerFactory(Factory):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
+        self.observe_latency = getattr(node, "observe_latency", _ignore_latency)  # node/metrics.py
         block_check.start_loading()
         if hasattr(node, "on_shutdown"):
             node.on_shutdown(self.shutdown)
