@@ -10,9 +10,14 @@ The hot commands skip the codec's request objects: a run of consecutive GETs in 
 group commit, one Deferred, one slot for the whole run). Everything written in one pass over the
 buffer leaves in one ``send``.
 
-Per-connection sequential consistency: a read (GET, a scan, a cursor command) that arrives behind
-an un-acked write of the same connection waits until that write is durable, and a write behind such
-a waiting read waits too, so a pipelined ``SET k; GET k`` always sees its own write.
+Per-connection sequential consistency without waiting for the disk (issue 19): the writes of one
+processing pass (every SET/REMOVE of the bytes read, whatever GETs lie between them) are one
+``write_many`` (one group commit), and each is entered in the connection's *pending* table until
+durable. A GET reads that table first, so a pipelined ``SET k; GET k`` sees its own write at once;
+its reply waits in the ordered queue behind the SET's. Another connection never reads the table:
+it sees a write only once acknowledged. A scan reads the store alone, so it waits until this
+connection's writes are durable, and every request behind a waiting scan waits too. Cursor
+commands touch no store and run at once (unless a scan waits ahead of them).
 """
 
 import struct
@@ -158,6 +163,19 @@ def _ignore_latency(operation, seconds):
     """A node without the latency hook (--metrics off, test doubles)."""
 
 
+class _Run:
+    """The writes of one processing pass: one ``write_many`` (one group commit), answered in
+    ``segments`` (a reply slot and its client ids each) split by the replies queued between them."""
+
+    __slots__ = ("ops", "keys", "segments", "nbytes")
+
+    def __init__(self):
+        self.ops = []  # [(key, value or None)]
+        self.keys = []  # [(key, seq)]: the pending-table entries these writes made
+        self.segments = []  # [(slot, [client_id])]
+        self.nbytes = 0
+
+
 class KvServerProtocol(Protocol):
     log = Logger()
     observe_latency = staticmethod(_ignore_latency)  # the factory's, i.e. the node's (node/metrics.py)
@@ -170,13 +188,16 @@ class KvServerProtocol(Protocol):
         self.kv = kv
         self.store = store  # for its congestion signal (None: not checked)
         self.metrics = metrics if metrics is not None else {}
-        self._frames = Framer(codec.Layout())
+        self._frames = Framer(self.layout())
         self._cursors = {}
-        self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
+        self._blocked = deque()  # requests not yet executed (a scan waiting for this connection's writes, and all behind it)
         self._slots = deque()  # executed requests whose replies are not yet written: [bytes|None, count]
-        self._waiting = 0  # requests those slots answer (a run of writes is one slot)
-        self._unacked = 0  # writes issued to the store and not yet durable
+        self._waiting = 0  # requests those slots answer (a segment of writes is one slot)
+        self._unacked = 0  # writes taken (in the open run or issued) and not yet durable
         self._inflight_bytes = 0  # value bytes of those writes
+        self._pending = {}  # key -> (value or None for a remove, seq): this connection's writes not yet durable
+        self._seq = 0
+        self._run = None  # the open _Run of this pass, issued at its end
         self._out = []  # replies ready to write at the end of this turn
         self._busy = False  # inside _process/_drain: writes are batched until it ends
         self._closing = False  # stop reading; close once every queued reply is written
@@ -185,6 +206,10 @@ class KvServerProtocol(Protocol):
         self._idle_waiters = []
         self._peer_errors = 0
         self.peer = "?"
+
+    @staticmethod
+    def layout():
+        return codec.Layout()
 
     # -- connection --------------------------------------------------------------------------
 
@@ -246,6 +271,7 @@ class KvServerProtocol(Protocol):
             self.transport.abortConnection()
             return
         finally:
+            self._issue_run()
             self._busy = False
         self._flush()
         if self._unacked and not self._lost:
@@ -255,7 +281,6 @@ class KvServerProtocol(Protocol):
     def _process_frames(self):
         frames = self._frames
         self._handled = handled = 0
-        slots = self._slots
         gate = self.gate
         while not self._closing:
             if not gate.reading:
@@ -271,8 +296,9 @@ class KvServerProtocol(Protocol):
                     self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=e.length)
                     self._submit(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
                 else:
-                    # CONTRACT §4: total_len < 8 closes the connection.
+                    # CONTRACT §4: total_len < 8 gets ERR 3 (client_id 0), then the close.
                     self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=e.length)
+                    self._submit(codec.encode_error(0, E_MSG_TOO_SHORT))
                 self._close_when_flushed()
                 frames.clear()
                 break
@@ -281,16 +307,16 @@ class KvServerProtocol(Protocol):
             buf, pos, end = span
             total = end - pos
             handled += 1
-            if total >= 28:
+            if total >= 28 and not self._blocked:
                 # Fast paths for the hot commands (same rules as the codec, no request object).
                 # A run goes on in place over the whole frames after this one in the same read.
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
-                if cmd == GET and klen and 28 + klen <= total and not self._unacked and not self._blocked and not slots:
+                if cmd == GET and klen and 28 + klen <= total:
                     after = self._get_run(buf, pos, len(buf), total, cid, klen)
                     if after > end:
                         frames.skip_to(after)
                     continue
-                if (cmd == SET or cmd == REMOVE) and not self._blocked:
+                if cmd == SET or cmd == REMOVE:
                     after = self._write_run(buf, pos, len(buf))
                     if after != pos:
                         if after > end:
@@ -313,8 +339,9 @@ class KvServerProtocol(Protocol):
 
     def _get_run(self, buf, pos, n, total, cid, klen):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
-        store read; returns the position after the run. Only called with nothing queued ahead,
-        so the replies go straight to the output. One latency observation per run."""
+        store read (and the pending table); returns the position after the run. Only called with
+        no scan waiting ahead; the replies go straight out, or into one slot behind the writes
+        still waiting. One latency observation per run."""
         t0 = time.perf_counter()
         keys = []
         cids = []
@@ -331,42 +358,45 @@ class KvServerProtocol(Protocol):
             if cmd != GET or not klen or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
                 break
         self._handled += len(keys) - 1
-        out = self._out
+        slots = self._slots
+        out = [] if slots else self._out
         try:
             values = self._get_many(keys)
         except Exception as e:
             self._store_error(cids[0], e)
             out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
-            return pos
-        heads = _GET_REPLY_HEADS
-        append = out.append
-        for cid, key, value in zip(cids, keys, values):
-            if value is None:
-                append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
-                continue
-            klen = len(key)
-            vlen = len(value)
-            head = heads.get(klen)
-            if head is None:
-                head = _get_reply_head(klen)
-            # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
-            append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
-            append(value)
-        self.observe_latency("kv.get", time.perf_counter() - t0)
+        else:
+            heads = _GET_REPLY_HEADS
+            append = out.append
+            for cid, key, value in zip(cids, keys, values):
+                if value is None:
+                    append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+                    continue
+                klen = len(key)
+                vlen = len(value)
+                head = heads.get(klen)
+                if head is None:
+                    head = _get_reply_head(klen)
+                # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
+                append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
+                append(value)
+            self.observe_latency("kv.get", time.perf_counter() - t0)
+        if slots:
+            slots.append([b"".join(out), len(cids)])
+            self._waiting += len(cids)
         return pos
 
     def _write_run(self, buf, pos, n):
-        """Issue the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
-        ``pos`` as one store write (one Deferred, one reply slot); returns the position after the
-        run (``pos`` itself if the first message is not such a write, for the general path).
-        Writes are issued in arrival order whatever is still un-acked, so this is only called
-        with no read waiting ahead (``_blocked`` empty)."""
+        """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
+        ``pos`` into this pass's write run; returns the position after the run (``pos`` itself if
+        the first message is not such a write, for the general path). Only called with no scan
+        waiting ahead (``_blocked`` empty)."""
         room = self.max_pending - self._waiting - len(self._blocked)
         room_bytes = self.max_inflight_bytes - self._inflight_bytes
         unpack = _HEADER_KEYLEN
         u32 = _U32_FROM
-        ops = []
-        cids = []
+        add = self._add_write
+        taken = 0
         nbytes = 0
         while n - pos >= 28:
             total, cid, _n, cmd, klen = unpack(buf, pos)
@@ -380,61 +410,55 @@ class KvServerProtocol(Protocol):
                 (vlen,) = u32(buf, kend)
                 if vlen > MAX_VALUE or kend + 4 + vlen > pos + total:
                     break
-                ops.append((buf[kstart:kend], buf[kend + 4 : kend + 4 + vlen]))
+                add(cid, buf[kstart:kend], buf[kend + 4 : kend + 4 + vlen])
                 nbytes += vlen
             elif cmd == REMOVE and kend <= pos + total:
-                ops.append((buf[kstart:kend], None))
+                add(cid, buf[kstart:kend], None)
             else:
                 break
-            cids.append(cid)
+            taken += 1
             pos += total
-            if len(ops) >= room or nbytes >= room_bytes:
+            if taken >= room or nbytes >= room_bytes:
                 break
-        if not ops:
-            return pos
-        self._handled += len(ops) - 1
-        self._issue_run(ops, cids, nbytes)
+        if taken:
+            self._handled += taken - 1
         return pos
 
-    def _issue_run(self, ops, cids, nbytes):
-        """One store write for ``ops`` ([(key, value or None)], keys non-empty, values within the
-        limit) with one reply slot for all of them."""
-        count = len(ops)
-        slot = [None, count]
-        self._slots.append(slot)
-        self._waiting += count
-        self._unacked += count
-        self._inflight_bytes += nbytes
-        try:
-            d = self._write_many(ops)
-        except Exception:
-            d = defer.fail()
-        d.addBoth(self._run_done, slot, cids, nbytes, time.perf_counter())
+    def _add_write(self, cid, key, value):
+        """Take one write (key non-empty bytes, value bytes within the limit or None to remove)
+        into this pass's run, enter it in the pending table, and give it its place in the replies."""
+        run = self._run
+        if run is None:
+            run = self._run = _Run()
+        run.ops.append((key, value))
+        self._seq = seq = self._seq + 1
+        self._pending[key] = (value, seq)
+        run.keys.append((key, seq))
+        slots = self._slots
+        segments = run.segments
+        if segments and slots and slots[-1] is segments[-1][0]:
+            slot, cids = segments[-1]
+            slot[1] += 1
+            cids.append(cid)
+        else:
+            slot = [None, 1]
+            slots.append(slot)
+            segments.append((slot, [cid]))
+        self._waiting += 1
+        self._unacked += 1
+        if value is not None:
+            run.nbytes += len(value)
+            self._inflight_bytes += len(value)
 
-    def _issue_blocked_writes(self, blocked):
-        """Issue the consecutive valid SETs/REMOVEs at the head of ``blocked`` as one run."""
-        ops = []
-        cids = []
-        nbytes = 0
-        while blocked:
-            req = blocked[0]
-            if req.__class__ is bytes or not req.key:
-                break
-            if req.cmd == SET:
-                if len(req.value) > MAX_VALUE:
-                    break
-                ops.append((req.key, req.value))
-                nbytes += len(req.value)
-            elif req.cmd == REMOVE:
-                ops.append((req.key, None))
-            else:
-                break
-            cids.append(req.client_id)
-            blocked.popleft()
-        if ops:
-            self._issue_run(ops, cids, nbytes)
-        else:  # a SET whose value is over the limit: answered on its own
-            self._execute(blocked.popleft())
+    def _issue_run(self):
+        """Hand this pass's writes to the store as one write (one Deferred, one group commit)."""
+        while self._run is not None:  # a write acked at once may let a waiting scan take more
+            run, self._run = self._run, None
+            try:
+                d = self._write_many(run.ops)
+            except Exception:
+                d = defer.fail()
+            d.addBoth(self._run_done, run, time.perf_counter())
 
     def _write_many(self, ops):
         write_many = getattr(self.kv, "write_many", None)
@@ -451,21 +475,30 @@ class KvServerProtocol(Protocol):
             lambda rs: [(bool(r) if op[1] is None else True) if ok else r for (ok, r), op in zip(rs, ops)]
         )
 
-    def _run_done(self, result, slot, cids, nbytes, t0):
+    def _run_done(self, result, run, t0):
         self.observe_latency("kv.set", time.perf_counter() - t0)  # one observation per run
-        self._inflight_bytes -= nbytes
-        count = len(cids)
+        self._inflight_bytes -= run.nbytes
+        pending = self._pending
+        for key, seq in run.keys:
+            entry = pending.get(key)
+            if entry is not None and entry[1] == seq:  # no later write of this key is pending
+                del pending[key]
+        count = len(run.ops)
         pack = _HEADER.pack
-        if isinstance(result, Failure):
-            self._store_error(cids[0], result.value)
-            slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
-        elif result.count(True) == count:
-            slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) for cid in cids])
-        else:
-            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+        failed = isinstance(result, Failure)
+        if failed:
+            self._store_error(run.segments[0][1][0], result.value)
+        i = 0
+        for slot, cids in run.segments:
+            if failed:
+                slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
+                continue
             parts = []
-            for cid, r in zip(cids, result):
+            for cid in cids:
+                r = result[i]
+                i += 1
                 if r is True or r is False:
+                    # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
                     parts.append(pack(HEADER_LEN, cid, 0, OK if r else DATA_NOT_FOUND))
                 else:
                     parts.append(self._store_error(cid, r.value))
@@ -474,19 +507,26 @@ class KvServerProtocol(Protocol):
         self._drain()
 
     def _get_many(self, keys):
+        pending = self._pending
         get_many = getattr(self.kv, "get_many", None)
         if get_many is not None:
-            return get_many(keys)
-        get = self.kv.get
-        return [get(bytes(k)) for k in keys]
+            values = get_many(keys)
+        else:
+            get = self.kv.get
+            values = [get(bytes(k)) for k in keys]
+        if pending:
+            for i, key in enumerate(keys):
+                entry = pending.get(key)
+                if entry is not None:
+                    values[i] = entry[0]
+        return values
 
     # -- ordering ----------------------------------------------------------------------------
 
     def _submit(self, req):
-        """Execute ``req`` now if nothing it must follow is outstanding, else queue it."""
-        if self._blocked:
-            self._blocked.append(req)
-        elif self._unacked and not (req.__class__ is bytes or req.cmd in (SET, REMOVE)):
+        """Execute ``req`` now unless a scan waits ahead of it, or it is a scan and this connection
+        has writes not yet durable (the store would not show them); else queue it."""
+        if self._blocked or (self._unacked and req.__class__ is not bytes and req.cmd in codec.SCAN_COMMANDS):
             self._blocked.append(req)
         else:
             self._execute(req)
@@ -513,67 +553,28 @@ class KvServerProtocol(Protocol):
             self._push(self._create_cursor(req))
         elif cmd == DELETE_CURSOR:
             if self._cursors.pop(req.name, None) is None:
-                self._push(codec.encode_error(req.client_id, E_CURSOR_NOT_FOUND))
+                self._push(self.cursor_not_found(req.client_id))
             else:
                 self._push(codec.encode_status(req.client_id, OK))
         else:
             self._peer_error("kv peer {peer} sent unknown cmd {cmd}", cmd=cmd)
             self._push(codec.encode_status(req.client_id, INVALID_COMMAND))
 
+    @staticmethod
+    def cursor_not_found(cid):
+        return codec.encode_error(cid, E_CURSOR_NOT_FOUND)
+
     def _write(self, req):
         cid = req.client_id
-        if req.cmd == SET:
-            self._put(cid, req.key, req.value)
-            return
         if not req.key:
-            # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
-            self._push(codec.encode_status(cid, DATA_NOT_FOUND))
+            if req.cmd == SET:
+                # CONTRACT §4: SET with an empty key -> ERR 0.
+                self._push(codec.encode_error(cid, E_UNKNOWN))
+            else:
+                # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
+                self._push(codec.encode_status(cid, DATA_NOT_FOUND))
             return
-        try:
-            d = self.kv.delete(req.key)
-        except Exception as e:
-            self._push(self._store_error(cid, e))
-            return
-        slot = [None, 1]
-        self._slots.append(slot)
-        self._waiting += 1
-        self._unacked += 1
-        d.addBoth(self._remove_done, slot, cid)
-
-    def _put(self, cid, key, value):
-        if not key:
-            # CONTRACT §4: SET with an empty key -> ERR 0.
-            self._push(codec.encode_error(cid, E_UNKNOWN))
-            return
-        try:
-            d = self.kv.put(key, value)
-        except Exception as e:
-            self._push(self._store_error(cid, e))
-            return
-        slot = [None, 1]
-        self._slots.append(slot)
-        self._waiting += 1
-        self._unacked += 1
-        self._inflight_bytes += len(value)
-        d.addBoth(self._set_done, slot, cid, len(value))
-
-    def _set_done(self, result, slot, cid, nbytes):
-        self._inflight_bytes -= nbytes
-        if isinstance(result, Failure):
-            slot[0] = self._store_error(cid, result.value)
-        else:
-            slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK)
-        self._unacked -= 1
-        self._drain()
-
-    def _remove_done(self, result, slot, cid):
-        if isinstance(result, Failure):
-            slot[0] = self._store_error(cid, result.value)
-        else:
-            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
-            slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK if result else DATA_NOT_FOUND)
-        self._unacked -= 1
-        self._drain()
+        self._add_write(cid, req.key, req.value if req.cmd == SET else None)
 
     def _store_error(self, cid, exc):
         self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
@@ -590,13 +591,12 @@ class KvServerProtocol(Protocol):
             blocked = self._blocked
             while blocked:
                 head = blocked[0]
-                if head.__class__ is not bytes and head.cmd in (SET, REMOVE) and head.key:
-                    self._issue_blocked_writes(blocked)
-                    continue
-                if self._unacked and not (head.__class__ is bytes or head.cmd in (SET, REMOVE)):
+                if self._unacked and head.__class__ is not bytes and head.cmd in codec.SCAN_COMMANDS:
                     break
                 blocked.popleft()
                 self._execute(head)
+            if not was_busy:
+                self._issue_run()
             slots = self._slots
             while slots and slots[0][0] is not None:
                 reply, count = slots.popleft()
@@ -618,11 +618,17 @@ class KvServerProtocol(Protocol):
     def _flush(self):
         out = self._out
         if out and not self._lost:
-            send_now(self.transport, out[0] if len(out) == 1 else b"".join(out))
+            data = out[0] if len(out) == 1 else b"".join(out)
+            send_now(self.transport, self.outgoing(data))
         out.clear()
         if self._closing and not self._slots and not self._blocked and not self._lost:
             self.transport.unregisterProducer()
             self.transport.loseConnection()
+
+    @staticmethod
+    def outgoing(data):
+        """The bytes to send for ``data`` (whole replies): the listener's framing of them."""
+        return data
 
     def _close_when_flushed(self):
         self._closing = True
@@ -642,10 +648,14 @@ class KvServerProtocol(Protocol):
         cid = req.client_id
         if not req.key:
             return codec.encode_status(cid, DATA_NOT_FOUND)
-        try:
-            value = self.kv.get(req.key)
-        except Exception as e:
-            return self._store_error(cid, e)
+        entry = self._pending.get(req.key)
+        if entry is not None:
+            value = entry[0]  # this connection's own write, not yet durable
+        else:
+            try:
+                value = self.kv.get(req.key)
+            except Exception as e:
+                return self._store_error(cid, e)
         if value is None:
             return codec.encode_status(cid, DATA_NOT_FOUND)
         return codec.encode_get_reply(cid, req.key, value)
@@ -663,7 +673,7 @@ class KvServerProtocol(Protocol):
         name = req.name
         position = self._cursors.get(name)
         if position is None:
-            return codec.encode_error(cid, E_CURSOR_NOT_FOUND)
+            return self.cursor_not_found(cid)
         if req.next_key:
             position = req.next_key  # CONTRACT §4: a non-empty NextKey says where to start
         cmd = req.cmd
