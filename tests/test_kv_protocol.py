@@ -657,27 +657,83 @@ def test_another_connection_never_reads_an_unacked_write():
     assert replies(tb, [c.GET])[0].items == [(b"k", b"new")]
 
 
-def test_a_scan_waits_for_the_connections_writes_and_cursor_commands_do_not():
+def test_scans_and_cursor_commands_read_the_connections_pending_writes_without_waiting():
     kv = BatchedMemoryKv(manual=True)
+    kv._apply_put(b"gone", b"g")
+    kv._apply_put(b"old", b"o")
     proto, tr = connect(kv)
     proto.dataReceived(
         c.encode_create_cursor(1, b"x")
         + c.encode_set(2, b"a", b"1")
-        + c.encode_create_cursor(3, b"y")
-        + c.encode_scan(c.GET_KEYS, 4, 10, b"x")
+        + c.encode_remove(3, b"gone")
+        + c.encode_scan(c.GET_FF, 4, 10, b"x")
         + c.encode_set(5, b"b", b"2")
-        + c.encode_get(6, b"b")
+        + c.encode_create_cursor(6, b"y")
+        + c.encode_scan(c.GET_KEYS, 7, 10, b"y")
     )
-    # the first CREATE_CURSOR is answered at once; the scan waits, and the writes behind it too
+    # one store write for the pass; the CREATE_CURSOR before it answered at once
+    assert kv.runs == [[(b"a", b"1"), (b"gone", None), (b"b", b"2")]]
     assert replies(tr, [c.CREATE_CURSOR])[0].cmd == c.OK
-    assert kv.runs == [[(b"a", b"1")]]
     kv.complete()
-    r = replies(tr, [c.SET, c.CREATE_CURSOR, c.GET_KEYS])
-    assert [k for k, _ in r[2].items] == [b"a"]
-    assert kv.runs[1:] == [[(b"b", b"2")]]
-    kv.complete()
-    r = replies(tr, [c.SET, c.GET])
-    assert [(x.client_id, x.cmd) for x in r] == [(5, c.OK), (6, c.OK)] and r[1].items == [(b"b", b"2")]
+    r = replies(tr, [c.SET, c.REMOVE, c.GET_FF, c.SET, c.CREATE_CURSOR, c.GET_KEYS])
+    assert r[2].items == [(b"a", b"1"), (b"old", b"o")]
+    assert [k for k, _ in r[5].items] == [b"a", b"b", b"old"]
+
+
+def _run_alone(requests, preload):
+    """The replies of executing each request on its own (its reply read before the next is sent)."""
+    kv = BatchedMemoryKv()
+    for k, v in preload:
+        kv._apply_put(k, v)
+    proto, tr = connect(kv)
+    out = b""
+    for req in requests:
+        proto.dataReceived(req)
+        out += tr.value()
+        tr.clear()
+    return out, kv.data
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c", b"d", b"\xf0"]), st.binary(max_size=2)), max_size=4),
+    st.lists(
+        st.one_of(
+            st.tuples(st.just(c.SET), st.sampled_from([b"a", b"b", b"c", b"d", b"\xf0"])),
+            st.tuples(st.just(c.REMOVE), st.sampled_from([b"a", b"b", b"c", b"d", b"\xf0"])),
+            st.tuples(st.just(c.GET), st.sampled_from([b"a", b"b", b"\xf0"])),
+            st.tuples(st.sampled_from([c.GET_FF, c.GET_FB, c.GET_KEYS]), st.integers(1, 3)),
+            st.tuples(st.just(c.CREATE_CURSOR), st.sampled_from([b"", b"b", b"\xff"])),
+        ),
+        max_size=25,
+    ),
+    st.integers(1, 60),
+)
+def test_pipelined_scans_and_writes_match_one_at_a_time_execution(preload, ops, step):
+    """Whatever the mix of writes, GETs and scans, their framing and the acks' timing, the reply
+    bytes equal those of executing each request alone (scans merge the pending writes)."""
+    requests = [c.encode_create_cursor(0, b"s")]
+    for i, (cmd, arg) in enumerate(ops, 1):
+        if cmd == c.SET:
+            requests.append(c.encode_set(i, arg, b"v%d" % i))
+        elif cmd == c.REMOVE:
+            requests.append(c.encode_remove(i, arg))
+        elif cmd == c.GET:
+            requests.append(c.encode_get(i, arg))
+        elif cmd == c.CREATE_CURSOR:
+            requests.append(c.encode_create_cursor(i, b"s", arg))
+        else:
+            requests.append(c.encode_scan(cmd, i, arg, b"s"))
+    expected, data = _run_alone(requests, preload)
+    kv = BatchedMemoryKv(manual=True)
+    for k, v in preload:
+        kv._apply_put(k, v)
+    proto, tr = connect(kv)
+    feed(proto, b"".join(requests), step)
+    while kv.pending:
+        kv.complete_all_reversed()
+    assert tr.value() == expected
+    assert kv.data == data
 
 
 def test_writes_behind_an_unacked_run_are_issued_at_once_in_order():

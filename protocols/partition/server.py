@@ -15,9 +15,8 @@ processing pass (every SET/REMOVE of the bytes read, whatever GETs lie between t
 ``write_many`` (one group commit), and each is entered in the connection's *pending* table until
 durable. A GET reads that table first, so a pipelined ``SET k; GET k`` sees its own write at once;
 its reply waits in the ordered queue behind the SET's. Another connection never reads the table:
-it sees a write only once acknowledged. A scan reads the store alone, so it waits until this
-connection's writes are durable, and every request behind a waiting scan waits too. Cursor
-commands touch no store and run at once (unless a scan waits ahead of them).
+it sees a write only once acknowledged. A scan reads the store merged with the table
+(``with_pending``). So no request waits for the disk; only the replies of writes do.
 """
 
 import struct
@@ -159,6 +158,44 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
         limit = max(2, min(remaining + 2, (SCAN_REPLY_BUDGET - nbytes) // avg + 2))
 
 
+def with_pending(fetch, pending, descending=False, keys_only=False):
+    """``fetch(start, limit)`` (a store scan: ``start`` inclusive, None = from the open end) as
+    this connection sees it: merged with ``pending`` ({key: value, or None for a remove}: its own
+    writes not yet durable), in the same order and with the same signature.
+
+    Each call asks the store for ``limit`` plus the number of pending removes, so after the removes
+    at least ``limit`` entries remain unless the store ran out; the pending writes inside the range
+    that store answer covers are merged in, and the first ``limit`` are returned (a prefix of the
+    merged order, so ``collect_page`` goes on from its last key as it does over the store)."""
+    removes = sum(1 for v in pending.values() if v is None)
+    keys = sorted(pending, reverse=descending)
+
+    def fetch_merged(start, limit):
+        batch = fetch(start, limit + removes)
+        exhausted = len(batch) < limit + removes
+        merged = {}
+        for e in batch:
+            if keys_only:
+                merged[e] = None
+            else:
+                merged[e[0]] = e[1]
+        bound = None if exhausted or not batch else (batch[-1] if keys_only else batch[-1][0])
+        for k in keys:
+            if start is not None and (k > start if descending else k < start):
+                continue
+            if bound is not None and (k < bound if descending else k > bound):
+                break
+            v = pending[k]
+            if v is None:
+                merged.pop(k, None)
+            else:
+                merged[k] = v
+        out = sorted(merged, reverse=descending)[:limit]
+        return out if keys_only else [(k, merged[k]) for k in out]
+
+    return fetch_merged
+
+
 def _ignore_latency(operation, seconds):
     """A node without the latency hook (--metrics off, test doubles)."""
 
@@ -190,7 +227,6 @@ class KvServerProtocol(Protocol):
         self.metrics = metrics if metrics is not None else {}
         self._frames = Framer(self.layout())
         self._cursors = {}
-        self._blocked = deque()  # requests not yet executed (a scan waiting for this connection's writes, and all behind it)
         self._slots = deque()  # executed requests whose replies are not yet written: [bytes|None, count]
         self._waiting = 0  # requests those slots answer (a segment of writes is one slot)
         self._unacked = 0  # writes taken (in the open run or issued) and not yet durable
@@ -227,7 +263,6 @@ class KvServerProtocol(Protocol):
             self.gate.stop()
         # CONTRACT §4: cursors belong to the connection and vanish with it.
         self._cursors.clear()
-        self._blocked.clear()
         self._frames.clear()
         self.metrics["connections"] = self.metrics.get("connections", 1) - 1
         if self._peer_errors > 1:
@@ -285,7 +320,7 @@ class KvServerProtocol(Protocol):
         while not self._closing:
             if not gate.reading:
                 break
-            if self._waiting + len(self._blocked) >= self.max_pending or self._inflight_bytes >= self.max_inflight_bytes:
+            if self._waiting >= self.max_pending or self._inflight_bytes >= self.max_inflight_bytes:
                 gate.hold(BUDGET)
                 break
             try:
@@ -294,11 +329,11 @@ class KvServerProtocol(Protocol):
                 if e.client_id is not None:
                     # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
                     self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=e.length)
-                    self._submit(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
+                    self._execute(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
                 else:
                     # CONTRACT §4: total_len < 8 gets ERR 3 (client_id 0), then the close.
                     self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=e.length)
-                    self._submit(codec.encode_error(0, E_MSG_TOO_SHORT))
+                    self._execute(codec.encode_error(0, E_MSG_TOO_SHORT))
                 self._close_when_flushed()
                 frames.clear()
                 break
@@ -307,7 +342,7 @@ class KvServerProtocol(Protocol):
             buf, pos, end = span
             total = end - pos
             handled += 1
-            if total >= 28 and not self._blocked:
+            if total >= 28:
                 # Fast paths for the hot commands (same rules as the codec, no request object).
                 # A run goes on in place over the whole frames after this one in the same read.
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
@@ -325,23 +360,23 @@ class KvServerProtocol(Protocol):
             if total < HEADER_LEN:
                 cid = _U64.unpack_from(buf, pos + 8)[0] if total >= 16 else 0
                 self._peer_error("kv peer {peer} sent a {total}-byte message (header is 26)", total=total)
-                self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
+                self._execute(codec.encode_error(cid, E_MSG_TOO_SHORT))
             else:
                 try:
                     req = codec.decode_request(buf, pos)
                 except codec.DecodeError as e:
                     cid = _U64.unpack_from(buf, pos + 8)[0]
                     self._peer_error("kv peer {peer}: {reason}; ERR {code}", reason=e.reason, code=e.code)
-                    self._submit(codec.encode_error(cid, e.code))
+                    self._execute(codec.encode_error(cid, e.code))
                 else:
-                    self._submit(req)
+                    self._execute(req)
         self.metrics["requests"] = self.metrics.get("requests", 0) + handled + self._handled
 
     def _get_run(self, buf, pos, n, total, cid, klen):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
-        store read (and the pending table); returns the position after the run. Only called with
-        no scan waiting ahead; the replies go straight out, or into one slot behind the writes
-        still waiting. One latency observation per run."""
+        store read (and the pending table); returns the position after the run. The replies go
+        straight out, or into one slot behind the writes still waiting. One latency observation
+        per run."""
         t0 = time.perf_counter()
         keys = []
         cids = []
@@ -389,9 +424,8 @@ class KvServerProtocol(Protocol):
     def _write_run(self, buf, pos, n):
         """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
         ``pos`` into this pass's write run; returns the position after the run (``pos`` itself if
-        the first message is not such a write, for the general path). Only called with no scan
-        waiting ahead (``_blocked`` empty)."""
-        room = self.max_pending - self._waiting - len(self._blocked)
+        the first message is not such a write, for the general path)."""
+        room = self.max_pending - self._waiting
         room_bytes = self.max_inflight_bytes - self._inflight_bytes
         unpack = _HEADER_KEYLEN
         u32 = _U32_FROM
@@ -452,13 +486,15 @@ class KvServerProtocol(Protocol):
 
     def _issue_run(self):
         """Hand this pass's writes to the store as one write (one Deferred, one group commit)."""
-        while self._run is not None:  # a write acked at once may let a waiting scan take more
-            run, self._run = self._run, None
-            try:
-                d = self._write_many(run.ops)
-            except Exception:
-                d = defer.fail()
-            d.addBoth(self._run_done, run, time.perf_counter())
+        run = self._run
+        if run is None:
+            return
+        self._run = None
+        try:
+            d = self._write_many(run.ops)
+        except Exception:
+            d = defer.fail()
+        d.addBoth(self._run_done, run, time.perf_counter())
 
     def _write_many(self, ops):
         write_many = getattr(self.kv, "write_many", None)
@@ -523,14 +559,6 @@ class KvServerProtocol(Protocol):
 
     # -- ordering ----------------------------------------------------------------------------
 
-    def _submit(self, req):
-        """Execute ``req`` now unless a scan waits ahead of it, or it is a scan and this connection
-        has writes not yet durable (the store would not show them); else queue it."""
-        if self._blocked or (self._unacked and req.__class__ is not bytes and req.cmd in codec.SCAN_COMMANDS):
-            self._blocked.append(req)
-        else:
-            self._execute(req)
-
     def _push(self, reply: bytes):
         if self._slots:
             self._slots.append([reply, 1])
@@ -588,15 +616,6 @@ class KvServerProtocol(Protocol):
         was_busy = self._busy
         self._busy = True
         try:
-            blocked = self._blocked
-            while blocked:
-                head = blocked[0]
-                if self._unacked and head.__class__ is not bytes and head.cmd in codec.SCAN_COMMANDS:
-                    break
-                blocked.popleft()
-                self._execute(head)
-            if not was_busy:
-                self._issue_run()
             slots = self._slots
             while slots and slots[0][0] is not None:
                 reply, count = slots.popleft()
@@ -610,7 +629,7 @@ class KvServerProtocol(Protocol):
             self._flush()
             if (
                 BUDGET in self.gate.reasons
-                and self._waiting + len(self._blocked) < self.max_pending // 2
+                and self._waiting < self.max_pending // 2
                 and self._inflight_bytes < self.max_inflight_bytes // 2
             ):
                 self.gate.release(BUDGET)
@@ -621,7 +640,7 @@ class KvServerProtocol(Protocol):
             data = out[0] if len(out) == 1 else b"".join(out)
             send_now(self.transport, self.outgoing(data))
         out.clear()
-        if self._closing and not self._slots and not self._blocked and not self._lost:
+        if self._closing and not self._slots and not self._lost:
             self.transport.unregisterProducer()
             self.transport.loseConnection()
 
@@ -677,14 +696,20 @@ class KvServerProtocol(Protocol):
         if req.next_key:
             position = req.next_key  # CONTRACT §4: a non-empty NextKey says where to start
         cmd = req.cmd
-        kv = self.kv
+        scan_forward, scan_backward, scan_keys = self.kv.scan_forward, self.kv.scan_backward, self.kv.scan_keys
+        if self._pending:
+            # this connection's writes not yet durable are part of what it reads (issue 19)
+            pending = {k: v for k, (v, _seq) in self._pending.items()}
+            scan_forward = with_pending(scan_forward, pending)
+            scan_backward = with_pending(scan_backward, pending, descending=True)
+            scan_keys = with_pending(scan_keys, pending, keys_only=True)
         try:
             if cmd == GET_FB:
                 if position is BEGIN:
                     entries, nxt = [], None
                 else:
                     entries, nxt = collect_page(
-                        kv.scan_backward, None if position is END else position, req.count,
+                        scan_backward, None if position is END else position, req.count,
                         _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH, descending=True,
                     )
                     entries.reverse()  # each page is returned in ascending order
@@ -696,7 +721,7 @@ class KvServerProtocol(Protocol):
                 start = None if position is BEGIN else position
                 if cmd == GET_FF:
                     items, nxt = collect_page(
-                        kv.scan_forward, start, req.count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH
+                        scan_forward, start, req.count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH
                     )
                     new_position = END if nxt is None else nxt[0]
                 else:
@@ -706,7 +731,7 @@ class KvServerProtocol(Protocol):
                         # CONTRACT §4: forward from max(position, prefix).
                         if start is None or start < prefix:
                             start = prefix or None
-                    keys, nxt = collect_page(kv.scan_keys, start, req.count, _key_key, _key_size, prefix=prefix or None)
+                    keys, nxt = collect_page(scan_keys, start, req.count, _key_key, _key_size, prefix=prefix or None)
                     new_position = END if nxt is None else nxt
                     items = [(k, None) for k in keys]
         except Exception as e:
