@@ -172,4 +172,7 @@ class Store:
         for loop in self._timers:
             if loop.running:
                 loop.stop()
-        return self.core.close()
+        # a clean close leaves LMDB complete: the kv memtable merged (a running merge, then the rest)
+        d = self.kv.flush().addCallback(lambda _: self.kv.flush())
+        d.addErrback(lambda f: self.logger.failure("kv memtable merge at close failed", f))
+        return d.addCallback(lambda _: self.core.close())

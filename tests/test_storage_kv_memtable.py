@@ -76,6 +76,14 @@ class MemtableMachine(RuleBasedStateMachine):
         self.running = []
         self.store = self._open()
 
+    @rule()
+    def restart_without_merging(self):
+        """The core closed under the store (as a crash leaves it, but with the WAL whole): the
+        unmerged writes come back from the WAL replay alone."""
+        wait(self.store.core.close())
+        self.running = []
+        self.store = self._open()
+
     @rule(k=keys)
     def get(self, k):
         assert self.store.kv.get(k) == self.model.get(k)
@@ -107,7 +115,7 @@ class TestMemtableModel(MemtableMachine.TestCase):
     """Hypothesis' TestCase for the machine (a stdlib TestCase: pytest-twisted runs plain test
     functions in the reactor's greenlet, where ``blockon`` cannot wait)."""
 
-    settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
     def setUp(self):
         # tiny memtables: size-triggered merges happen every few writes
