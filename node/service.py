@@ -1,8 +1,10 @@
 """The node: one MultiService holding the store, one listener per protocol and one syncer per peer.
 
 Start-up order (privilegedStartService, before the reactor runs): lock the data dir, open the store,
-bind every listener (a bind failure exits non-zero with a one-line message). Once running, the
-ready file is written atomically. Shutdown (SIGTERM/SIGINT): stop accepting, run the protocols'
+bind every listener (a bind failure exits non-zero with a one-line message). The ready file is
+written atomically once every warm-up a protocol registered (``NodeContext.before_ready``: the
+compiled APPEND check) has finished, so a client told "ready" gets the node at full speed; the log
+says how long start-up took. Shutdown (SIGTERM/SIGINT): stop accepting, run the protocols'
 shutdown hooks (SBP GOAWAY, parked FETCHes answered) with a bounded wait, stop peer syncers, close
 the store, remove the ready file.
 """
@@ -11,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from twisted.application import service
 from twisted.internet import defer, endpoints
@@ -33,6 +36,11 @@ class NodeContext:
         self.ports = {}  # listener name -> IListeningPort
         self.metrics = {}
         self._shutdown_hooks = []
+        self.warm_ups = []  # (what, Deferred) to finish before the ready file is written
+
+    def before_ready(self, d, what: str) -> None:
+        """Hold the ready file until ``d`` fires (for work that would slow the first requests)."""
+        self.warm_ups.append((what, d))
 
     def advertised(self, name: str):
         port = self.ports.get(name)
@@ -131,8 +139,36 @@ class NodeService(service.MultiService):
                 listener=name,
                 address=self.node.advertised(name) if port else "none (off)",
             )
+        self._ready_call = self.node.reactor.callLater(0, self._when_warm)
+
+    # A warm-up that never finishes (a wedged compile) must not keep the node from ever serving.
+    WARM_UP_LIMIT = 120.0
+
+    @defer.inlineCallbacks
+    def _when_warm(self):
+        node = self.node
+        started = time.monotonic()
+        for what, d in node.warm_ups:
+            left = self.WARM_UP_LIMIT - (time.monotonic() - started)
+            timer = node.reactor.callLater(max(left, 0), d.cancel)
+            try:
+                yield d
+            except defer.CancelledError:
+                self.log.warn("{what} not ready after {limit}s; writing the ready file anyway",
+                              what=what, limit=self.WARM_UP_LIMIT)
+            except Exception:
+                self.log.failure("warm-up {what} failed", what=what)
+            finally:
+                if timer.active():
+                    timer.cancel()
+        if not self.running:
+            return
         self._write_ready_file()
-        self.log.info("node {node_id} ready (data dir {data_dir})", node_id=self.node.node_id, data_dir=self.config.data_dir)
+        self.log.info(
+            "node {node_id} ready in {seconds:.2f}s since process start (warm-up {warm:.2f}s; data dir {data_dir})",
+            node_id=node.node_id, seconds=process_age(), warm=time.monotonic() - started,
+            data_dir=self.config.data_dir,
+        )
 
     def _install_signal_handlers(self):
         # CONTRACT §1: SIGTERM/SIGINT mean a clean shutdown that exits 0. twistd's own handlers
@@ -162,6 +198,9 @@ class NodeService(service.MultiService):
     @defer.inlineCallbacks
     def stopService(self):
         node = self.node
+        call = getattr(self, "_ready_call", None)
+        if call is not None and call.active():
+            call.cancel()
         self.log.info("shutting down: no new connections")
         yield defer.DeferredList([defer.maybeDeferred(p.stopListening) for p in node.ports.values()])
         hooks = node.run_shutdown_hooks()
@@ -183,6 +222,18 @@ class NodeService(service.MultiService):
             except FileNotFoundError:
                 pass
         self._lock.release()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux /proc; interpreter start-up included)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.process_time()
 
 
 def attach_log_level(node_service: NodeService, application, twistd_options) -> None:

@@ -32,6 +32,20 @@ def test_ready_file_lists_every_bound_port(node):
         socket.create_connection(("127.0.0.1", ready[name]), timeout=5).close()
 
 
+def test_ready_means_the_compiled_append_check_has_loaded(node):
+    """Issue 21: the ready file waits for the warm-ups (no client meets the reactor stalled behind
+    numba's import), and the log says how long start-up took."""
+    from protocols.sbp.client import BlockingSbpClient
+
+    c = BlockingSbpClient("127.0.0.1", node.ports["sbp"])
+    try:
+        assert c.status()["append_check"] in ("compiled", "msgpack")  # never "loading"
+    finally:
+        c.close()
+    line = [x for x in node.log_text().splitlines() if " ready in " in x]
+    assert len(line) == 1 and "since process start" in line[0], node.log_text()[-2000:]
+
+
 def test_a_listener_can_be_turned_off_and_logs_one_line_each(node_factory):
     n = node_factory(kv="none", http="none")
     assert n.ready["kv"] is None and n.ready["http"] is None

@@ -63,7 +63,10 @@ class SbpServerFactory(Factory):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
-        block_check.start_loading()
+        if hasattr(node, "before_ready"):  # the node writes its ready file once it has loaded
+            node.before_ready(block_check.start_loading(self.reactor), "compiled APPEND check")
+        else:
+            block_check.start_loading()
         if hasattr(node, "on_shutdown"):
             node.on_shutdown(self.shutdown)
 
