@@ -18,6 +18,10 @@ DEFAULT_ENDPOINTS = {
 }
 
 DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
+# Seconds without data either way before a connection is closed (node/guard.py); 0: never. Swarm
+# peers hold subscriptions that may see no data for long in a quiet cluster (they reconnect).
+DEFAULT_MAX_UNSENT_BYTES = 256 * 1024 * 1024
+DEFAULT_IDLE_TIMEOUTS = {"sbp": 300, "kv": 300, "meta": 300, "chunks": 300, "swarm": 3600, "http": 300}
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 
 
@@ -41,6 +45,9 @@ class NodeConfig:
     log_level: str = "info"
     replication_factor: int = 1
     shutdown_timeout: float = 10.0
+    max_connections: int = 0  # 0: derived from RLIMIT_NOFILE at start (node/guard.py)
+    max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES
+    idle_timeouts: dict = field(default_factory=lambda: dict(DEFAULT_IDLE_TIMEOUTS))
 
     def endpoint(self, name: str) -> Optional[str]:
         return getattr(self, name)
@@ -82,6 +89,25 @@ def parse_positive_int(option: str, value, upper: int = None) -> int:
     return n
 
 
+def parse_idle_timeouts(values) -> dict:
+    """``--idle-timeout S`` (every listener) or ``--idle-timeout LISTENER=S``, repeatable, later
+    ones winning; S in seconds, 0 for never."""
+    out = dict(DEFAULT_IDLE_TIMEOUTS)
+    for value in values:
+        name, _, seconds = value.rpartition("=")
+        if name and name not in LISTENERS:
+            raise usage.UsageError("--idle-timeout: %r: %r is not a listener (%s)" % (value, name, ", ".join(LISTENERS)))
+        try:
+            s = float(seconds)
+        except ValueError:
+            s = -1.0
+        if not s >= 0 or s == float("inf"):
+            raise usage.UsageError("--idle-timeout: %r: expected SECONDS or LISTENER=SECONDS (0: never)" % value)
+        for n in [name] if name else LISTENERS:
+            out[n] = s
+    return out
+
+
 def from_options(opts) -> NodeConfig:
     """Build a NodeConfig from validated twistd Options (node/tap.py)."""
     node_id = opts["node-id"]
@@ -106,5 +132,8 @@ def from_options(opts) -> NodeConfig:
         log_level=level,
         replication_factor=parse_positive_int("replication-factor", opts["replication-factor"], 16),
         shutdown_timeout=float(opts["shutdown-timeout"]),
+        max_connections=0 if opts["max-connections"] in (None, "0") else parse_positive_int("max-connections", opts["max-connections"]),
+        idle_timeouts=parse_idle_timeouts(opts["idle-timeouts"]),
+        max_unsent_bytes=0 if opts["max-unsent-bytes"] == "0" else parse_positive_int("max-unsent-bytes", opts["max-unsent-bytes"]),
         **{name: parse_endpoint(name, opts[name]) for name in LISTENERS},
     )

@@ -19,7 +19,7 @@ from twisted.application import service
 from twisted.internet import defer, endpoints
 from twisted.logger import Logger
 
-from node import listeners
+from node import guard, listeners
 from node.config import LISTENERS, NodeConfig
 from node.identity import NodeIdMismatch, load_or_create_node_id
 from node.lockfile import DataDirLock, DataDirLocked
@@ -34,6 +34,7 @@ class NodeContext:
         self.node_id = None
         self.store = None
         self.ports = {}  # listener name -> IListeningPort
+        self.guard = None  # node.guard.ConnectionGuard: connection cap and idle timeouts
         self.metrics = {}
         self._shutdown_hooks = []
         self.warm_ups = []  # (what, Deferred) to finish before the ready file is written
@@ -105,11 +106,19 @@ class NodeService(service.MultiService):
             self.log.failure("could not open the store")
             self._lock.release()
             raise SystemExit("sbpnode: could not open the store in %s: %s" % (self.config.data_dir, e))
+        nofile = guard.raise_fd_limit()
+        node.guard = guard.ConnectionGuard(
+            node.reactor,
+            self.config.max_connections or guard.default_max_connections(nofile),
+            self.config.idle_timeouts,
+            node.metrics.setdefault("connections", {}),
+            self.config.max_unsent_bytes,
+        )
         for name in LISTENERS:
             description = self.config.endpoint(name)
             if description is None:
                 continue
-            factory = listeners.build_factory(name, node)
+            factory = node.guard.wrap(name, listeners.build_factory(name, node))
             result = endpoints.serverFromString(node.reactor, description).listen(factory)
             failures = []
             result.addCallbacks(lambda port, name=name: node.ports.__setitem__(name, port), failures.append)
@@ -131,6 +140,12 @@ class NodeService(service.MultiService):
 
     def startService(self):
         super().startService()
+        self.node.guard.start()
+        self.log.info(
+            "at most {max} client connections (RLIMIT_NOFILE {nofile}); idle timeouts {idle}",
+            max=self.node.guard.max_connections, nofile=guard.raise_fd_limit(),
+            idle=" ".join("%s=%gs" % kv for kv in sorted(self.config.idle_timeouts.items())),
+        )
         self.node.reactor.callWhenRunning(self._install_signal_handlers)
         for name in LISTENERS:
             port = self.node.ports.get(name)
@@ -201,6 +216,8 @@ class NodeService(service.MultiService):
         call = getattr(self, "_ready_call", None)
         if call is not None and call.active():
             call.cancel()
+        if node.guard is not None:
+            node.guard.stop()
         self.log.info("shutting down: no new connections")
         yield defer.DeferredList([defer.maybeDeferred(p.stopListening) for p in node.ports.values()])
         hooks = node.run_shutdown_hooks()

@@ -31,11 +31,14 @@ class Options(usage.Options):
         ["log-level", None, "info", "Lowest log level written: debug, info, warn, error or critical."],
         ["replication-factor", None, "1", "Copies of each Toasty chunk to ask for across chunk servers."],
         ["shutdown-timeout", None, "10", "Seconds to let in-flight work finish on SIGTERM/SIGINT."],
+        ["max-unsent-bytes", None, str(nodeconfig.DEFAULT_MAX_UNSENT_BYTES), "Reply bytes held for all clients together past which stalled readers are cut off; 0: no cap."],
+        ["max-connections", None, "0", "Open client connections (all listeners) past which new ones are closed at once; 0: the fd limit less 256."],
     ]
 
     def __init__(self):
         super().__init__()
         self["peers"] = []
+        self["idle-timeouts"] = []
 
     def opt_peer(self, endpoint):
         """Another node's swarm listener (client endpoint string, e.g.
@@ -47,6 +50,11 @@ class Options(usage.Options):
         except Exception as e:
             raise usage.UsageError("--peer: %r is not a client endpoint string (%s)" % (endpoint, e))
         self["peers"].append(endpoint)
+
+    def opt_idle_timeout(self, value):
+        """Close a connection after SECONDS without data either way: `--idle-timeout S` for every
+        listener or `--idle-timeout LISTENER=S`, repeatable; 0: never. Default 300, swarm 3600."""
+        self["idle-timeouts"].append(value)
 
     def postOptions(self):
         self.config = nodeconfig.from_options(self)
