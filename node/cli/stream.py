@@ -69,7 +69,7 @@ def _guarded(fn):
         from protocols.sbp.client import BlockingSbpClient, SbpConnectionError, SbpError
 
         host, port = split_endpoint(args.endpoint, 7700)
-        client = BlockingSbpClient(host, port, timeout=args.timeout)
+        client = BlockingSbpClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
         try:
             return fn(client, args)
         except SbpConnectionError as e:

@@ -10,6 +10,7 @@ import select
 import socket
 import time
 
+from protocols import client_socket
 from protocols.sbp import codec
 from protocols.sbp.codec import T
 
@@ -327,20 +328,21 @@ class BlockingSbpClient:
     """A small synchronous SBP client over one socket; one request at a time (except
     ``append_pipelined``). Pickles as its configuration only; connects on first use."""
 
-    def __init__(self, host, port, timeout=30.0):
+    def __init__(self, host, port, timeout=30.0, tls_ca=None):
         self.host = host
         self.port = int(port)
         self.timeout = timeout
+        self.tls_ca = tls_ca  # PEM CA file: the listener is TLS (protocols.client_socket)
         self._sock = None
         self._frames = None
         self._goaway = False
         self._ids = itertools.count(1)
 
     def __getstate__(self):
-        return {"host": self.host, "port": self.port, "timeout": self.timeout}
+        return {"host": self.host, "port": self.port, "timeout": self.timeout, "tls_ca": self.tls_ca}
 
     def __setstate__(self, state):
-        self.__init__(state["host"], state["port"], state["timeout"])
+        self.__init__(state["host"], state["port"], state["timeout"], state.get("tls_ca"))
 
     def __enter__(self):
         return self
@@ -351,10 +353,9 @@ class BlockingSbpClient:
     def connect(self):
         if self._sock is None:
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+                sock = client_socket.connect(self.host, self.port, self.timeout, self.tls_ca)
             except OSError as e:
                 raise SbpConnectionError("cannot connect to %s:%d: %s" % (self.host, self.port, e.strerror or e)) from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
             self._frames = codec.FrameBuffer()
             self._goaway = False
@@ -438,7 +439,10 @@ class BlockingSbpClient:
             readable, _, _ = select.select([self._sock], [], [], 0)
             if not readable:
                 return
-            data = self._sock.recv(65536, socket.MSG_DONTWAIT)
+            if client_socket.is_tls(self._sock):
+                data = self._sock.recv(65536)  # select said readable (a TLS record may be whole)
+            else:
+                data = self._sock.recv(65536, socket.MSG_DONTWAIT)
         except (OSError, ValueError):
             self.close()
             return
