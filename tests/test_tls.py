@@ -74,6 +74,7 @@ def sbpctl(certs, *args, stdin=None):
     return out.stdout.decode()
 
 
+@pytest.mark.slow
 def test_every_listener_over_tls_with_sbpctl(node_factory, certs, tmp_path):
     ep = tls_endpoint(certs)
     node = node_factory(fsync="never", **{name: ep for name in LISTENERS})

@@ -469,7 +469,8 @@ class KvServerProtocol(Protocol):
         nbytes = 0
         while blocked:
             req = blocked[0]
-            if req.__class__ is bytes or not req.key:
+            # only writes join the run (a scan or cursor request behind them has no key)
+            if req.__class__ is bytes or req.cmd not in (SET, REMOVE) or not req.key:
                 break
             if req.cmd == SET:
                 if len(req.value) > MAX_VALUE:
