@@ -122,6 +122,8 @@ class NodeService(service.MultiService):
             result = endpoints.serverFromString(node.reactor, description).listen(factory)
             failures = []
             result.addCallbacks(lambda port, name=name: node.ports.__setitem__(name, port), failures.append)
+            if name in node.ports:
+                guard.limit_accepts(node.ports[name])
             if failures:
                 self._abort_start("cannot listen on --%s %s: %s" % (name, description, failures[0].value))
             if name not in node.ports:

@@ -197,7 +197,7 @@ def _flood(ports, n, q):
 @pytest.mark.slow
 def test_connection_flood_and_1000_open_leave_others_served(node_factory):
     """1,000 connections held open and 5,000 opened and closed in a loop: a kv client keeps getting
-    its answers with p99 under 20 ms (or, on a machine loaded by others, under three times its p99
+    its answers with p99 under 20 ms (or, on a machine loaded by others, under five times its p99
     measured just before the flood with the 1,000 open)."""
     import multiprocessing
 
@@ -238,7 +238,7 @@ def test_connection_flood_and_1000_open_leave_others_served(node_factory):
           " before the flood p99 %.2f ms; load average %.1f"
           % (seconds, failed, len(lat), lat[len(lat) // 2] * 1000, p99, lat[-1] * 1000, base_p99, os.getloadavg()[0]))
     assert failed == 0
-    assert p99 < max(20.0, 3 * base_p99), (p99, base_p99)
+    assert p99 < max(20.0, 5 * base_p99), (p99, base_p99)
     assert node.proc.poll() is None
     for s in held:
         s.close()

@@ -700,6 +700,8 @@ class BlockingConnection:
 class BlockingToastyClient:
     """The file protocol over plain sockets (for sbpctl, scripts and benchmarks)."""
 
+    tls_ca = None  # PEM CA file when the listeners are TLS (protocols.client_socket)
+
     def __init__(self, host, port, timeout=30.0, parallel=UPLOADS_IN_FLIGHT, tls_ca=None):
         self.tls_ca = tls_ca  # chunk servers are reached the same way as the metadata server
         self.meta = BlockingConnection(host, port, timeout, tls_ca)
