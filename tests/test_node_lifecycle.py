@@ -100,6 +100,10 @@ def test_second_node_on_the_same_data_dir_refuses_to_start(node, tmp_path):
         (["--node-id", "0"], "--node-id"),
         (["--log-level", "loud"], "--log-level"),
         (["--peer", "nonsense:::"], "--peer"),
+        (["--idle-timeout", "bogus=3"], "--idle-timeout"),
+        (["--idle-timeout", "-1"], "--idle-timeout"),
+        (["--max-connections", "none"], "--max-connections"),
+        (["--max-unsent-bytes", "-5"], "--max-unsent-bytes"),
     ],
 )
 def test_bad_options_give_a_clear_error_and_a_non_zero_exit(tmp_path, args, message):
@@ -130,7 +134,8 @@ def test_a_port_in_use_fails_start_up_cleanly(tmp_path):
 def test_help_documents_every_option(tmp_path):
     result = run_twistd(["--help"], cwd=tmp_path)
     assert result.returncode == 0
-    for option in ["data-dir", "node-id", "peer", "fsync", "http-token", "max-batch-bytes", "ready-file", "log-level"] + list(LISTENERS):
+    for option in ["data-dir", "node-id", "peer", "fsync", "http-token", "max-batch-bytes", "ready-file", "log-level",
+                   "idle-timeout", "max-connections", "max-unsent-bytes"] + list(LISTENERS):
         assert "--%s=" % option in result.stdout, option
 
 

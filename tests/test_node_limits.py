@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import struct
+import sys
 import time
 
 import pytest
@@ -252,7 +253,10 @@ def test_fd_exhaustion_is_a_log_line_not_a_crash(node_factory, tmp_path):
 
     class LimitedNode(NodeProcess):
         def argv(self):
-            return ["prlimit", "--nofile=200:200", "--"] + super().argv()
+            # the node raises its soft limit to the hard one at start: lower both, then exec it
+            limit = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)); "
+                     "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+            return [sys.executable, "-c", limit] + super().argv()[1:]
 
     node = LimitedNode(tmp_path, name="limited", fsync="never", max_connections=1000)
     node.start()
