@@ -38,10 +38,28 @@ class NodeContext:
         self.metrics = {}
         self._shutdown_hooks = []
         self.warm_ups = []  # (what, Deferred) to finish before the ready file is written
+        self.ready = False
+        self._ready_waiters = []
 
     def before_ready(self, d, what: str) -> None:
         """Hold the ready file until ``d`` fires (for work that would slow the first requests)."""
         self.warm_ups.append((what, d))
+
+    def when_ready(self):
+        """A Deferred fired once the node serves at full speed (the ready file is written then):
+        what announces the node to others (a cluster registration) waits for it."""
+        d = defer.Deferred()
+        if self.ready:
+            d.callback(None)
+        else:
+            self._ready_waiters.append(d)
+        return d
+
+    def _now_ready(self):
+        self.ready = True
+        waiters, self._ready_waiters = self._ready_waiters, []
+        for d in waiters:
+            d.callback(None)
 
     def advertised(self, name: str):
         port = self.ports.get(name)
@@ -95,6 +113,11 @@ class NodeService(service.MultiService):
         from storage import Store
 
         node = self.node
+        ready_dir = os.path.dirname(self.config.ready_file or "") or "."
+        if self.config.ready_file and not os.access(ready_dir, os.W_OK):
+            # checked now: the file is written later (after the warm-ups), when a failure could
+            # only stop the node
+            self._abort_start("--ready-file %s: %s is not a writable directory" % (self.config.ready_file, ready_dir))
         try:
             node.store = Store.open(
                 os.path.join(self.config.data_dir, "store"),
@@ -180,7 +203,14 @@ class NodeService(service.MultiService):
                     timer.cancel()
         if not self.running:
             return
-        self._write_ready_file()
+        try:
+            self._write_ready_file()
+        except OSError as e:  # a supervisor waiting for the file would wait forever: stop instead
+            self.log.critical("cannot write the ready file {path}: {error}; stopping",
+                              path=self.config.ready_file, error=e)
+            node.reactor.stop()
+            return
+        node._now_ready()
         self.log.info(
             "node {node_id} ready in {seconds:.2f}s since process start (warm-up {warm:.2f}s; data dir {data_dir})",
             node_id=node.node_id, seconds=process_age(), warm=time.monotonic() - started,

@@ -47,7 +47,7 @@ def start_loading(reactor=None):
         if reactor is not None:
             d = defer.Deferred()
             if _done:
-                reactor.callFromThread(d.callback, state)
+                reactor.callFromThread(_tell, d, state)
             else:
                 _waiters.append((reactor, d))
         if _started:
@@ -68,7 +68,12 @@ def _load_and_tell():
             waiters = _waiters[:]
             del _waiters[:]
         for reactor, d in waiters:
-            reactor.callFromThread(d.callback, state)
+            reactor.callFromThread(_tell, d, state)
+
+
+def _tell(d, result):
+    if not d.called:  # a caller may have given up waiting (cancelled it)
+        d.callback(result)
 
 
 def load():

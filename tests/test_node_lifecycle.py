@@ -114,6 +114,14 @@ def test_bad_options_give_a_clear_error_and_a_non_zero_exit(tmp_path, args, mess
     assert "Traceback" not in out
 
 
+def test_an_unwritable_ready_file_fails_start_up_cleanly(tmp_path):
+    result = run_twistd(["--data-dir", str(tmp_path / "d"), "--ready-file", str(tmp_path / "no" / "such" / "ready")]
+                        + [a for name in LISTENERS for a in ("--" + name, "none")], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "--ready-file" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr + result.stdout
+
+
 def test_a_port_in_use_fails_start_up_cleanly(tmp_path):
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
