@@ -30,6 +30,7 @@ import resource
 import socket
 import struct
 import time
+from collections import deque
 
 from twisted.internet import task
 from twisted.internet.protocol import Factory, Protocol
@@ -46,7 +47,8 @@ _TCP_INFO_LEN = 104
 ACCEPTS_PER_PASS = 16
 REFUSAL_LOG_EVERY = 10.0
 ABORT_AFTER = 2.0
-SWEEP_EVERY = 0.25
+SWEEP_EVERY = 0.1
+SWEEP_SLICE = 256
 STALLED_MS = 1000
 # File descriptors kept for the store (WAL segments, packs, LMDB), logs and peer connections when
 # --max-connections is derived from RLIMIT_NOFILE.
@@ -126,29 +128,55 @@ class RefusedProtocol(Protocol):
         self.transport.loseConnection()
 
 
+class _Conn:
+    """What the guard keeps per connection."""
+
+    __slots__ = ("protocol", "name", "limit", "tcp", "unsent", "idle_due", "gone")
+
+    def __init__(self, protocol, name, limit, now):
+        self.protocol = protocol
+        self.name = name
+        self.limit = limit  # idle timeout in seconds, or None
+        self.tcp = None  # the TCP transport under the protocol, found at the first look
+        self.unsent = 0  # bytes Twisted held for it at the last look
+        # when it could first be idle: its socket is not read before (one getsockopt per timeout)
+        self.idle_due = now + limit if limit else float("inf")
+        self.gone = False
+
+
 class ConnectionGuard:
-    """The node's live connections across listeners, the cap and the idle sweep."""
+    """The node's live connections across listeners, the cap and the sweep.
+
+    The sweep runs every ``SWEEP_EVERY`` seconds and looks at ``SWEEP_SLICE`` connections per pass,
+    round-robin, plus every connection last seen holding unsent bytes, so a pass costs the reactor
+    a fraction of a millisecond however many connections are open. A connection's socket is asked
+    for its idle time only when it could first be idle (its timeout after the last data)."""
 
     log = Logger()
 
     def __init__(self, reactor, max_connections: int, idle_timeouts: dict, metrics=None, max_unsent_bytes: int = 0):
         self.reactor = reactor
-        # node.metrics["connections"] (sbpctl status): open, max, refused, closed_idle
+        # node.metrics["connections"] (sbpctl status)
         self.metrics = metrics if metrics is not None else {}
         self.metrics.update(open=0, max=max_connections, refused=0, closed_idle=0, closed_stalled=0, unsent_bytes=0)
         self.max_unsent_bytes = max_unsent_bytes
         self.max_connections = max_connections
         self.idle_timeouts = {k: v for k, v in idle_timeouts.items() if v and v > 0}
-        self.live = {}  # protocol -> listener name
+        if _TCP_INFO is None:
+            self.idle_timeouts = {}
+        self.live = {}  # protocol -> _Conn
         self.refused = 0  # since start
         self.closed_idle = 0
         self.closed_stalled = 0
+        self.unsent_total = 0
+        self._ring = deque()  # _Conn, in sweep order
+        self._holders = set()  # _Conn seen holding unsent bytes
         self._refused_unlogged = 0
         self._last_refusal_log = None
         self._sweeper = None
 
     def start(self):
-        if (self.idle_timeouts and _TCP_INFO is not None) or self.max_unsent_bytes:
+        if self.idle_timeouts or self.max_unsent_bytes:
             self._sweeper = task.LoopingCall(self.sweep)
             self._sweeper.clock = self.reactor
             self._sweeper.start(SWEEP_EVERY, now=False)
@@ -161,13 +189,14 @@ class ConnectionGuard:
         return GuardedFactory(self, name, factory)
 
     def admit(self, name, protocol):
-        self.live[protocol] = name
+        conn = _Conn(protocol, name, self.idle_timeouts.get(name), self.reactor.seconds())
+        self.live[protocol] = conn
+        self._ring.append(conn)
         self.metrics["open"] = len(self.live)
         lost = protocol.connectionLost
 
         def connection_lost(reason=None):
-            self.live.pop(protocol, None)
-            self.metrics["open"] = len(self.live)
+            self._forget(conn)
             return lost(reason)
 
         protocol.connectionLost = connection_lost  # the reactor calls the instance attribute
@@ -192,57 +221,91 @@ class ConnectionGuard:
         return RefusedProtocol()
 
     def sweep(self):
-        total = 0
-        holding = []  # (unsent, protocol, name, tcp transport) of connections holding output
-        for protocol, name in list(self.live.items()):
-            transport = getattr(protocol, "transport", None)
-            tcp = tcp_transport(transport)
-            unsent = unsent_bytes(tcp) if tcp is not None else 0
-            total += unsent
-            limit = self.idle_timeouts.get(name)
-            if limit is None and not unsent:
+        now = self.reactor.seconds()
+        for conn in list(self._holders):
+            self._look(conn)
+        ring = self._ring
+        for _ in range(min(SWEEP_SLICE, len(ring))):
+            conn = ring.popleft()
+            if conn.gone:
                 continue
-            last = last_data_ms(tcp.socket) if tcp is not None else None
-            if last is None:
-                continue
-            if limit is not None and min(last) >= limit * 1000:
-                self.closed_idle += 1
-                self.metrics["closed_idle"] = self.closed_idle
-                self.log.info(
-                    "closing idle {listener} connection from {peer} ({s:.0f}s without data either way)",
-                    listener=name, peer=_peer(transport), s=min(last) / 1000.0,
-                )
-                self._forget(protocol)
-                transport.loseConnection()
-                self.reactor.callLater(ABORT_AFTER, _abort_if_open, transport)
-                total -= unsent
-            elif unsent and last[0] >= STALLED_MS:
-                holding.append((unsent, protocol, name, tcp))
-        self.metrics["unsent_bytes"] = total
-        if self.max_unsent_bytes and total > self.max_unsent_bytes:
-            self._shed(total, holding)
+            self._look(conn)
+            if now >= conn.idle_due:
+                self._check_idle(conn, now)
+            if not conn.gone:
+                ring.append(conn)
+        self.metrics["unsent_bytes"] = self.unsent_total
+        if self.max_unsent_bytes and self.unsent_total > self.max_unsent_bytes:
+            self._shed()
 
-    def _shed(self, total, holding):
+    def _look(self, conn):
+        """Update what Twisted holds unsent for ``conn``."""
+        tcp = conn.tcp
+        if tcp is None:
+            tcp = conn.tcp = tcp_transport(getattr(conn.protocol, "transport", None))
+            if tcp is None:
+                return
+        unsent = unsent_bytes(tcp)
+        self.unsent_total += unsent - conn.unsent
+        conn.unsent = unsent
+        if unsent:
+            self._holders.add(conn)
+        else:
+            self._holders.discard(conn)
+
+    def _check_idle(self, conn, now):
+        last = last_data_ms(conn.tcp.socket) if conn.tcp is not None else None
+        if last is None:
+            conn.idle_due = float("inf")
+            return
+        quiet = min(last) / 1000.0
+        if quiet < conn.limit:
+            conn.idle_due = now + conn.limit - quiet
+            return
+        self.closed_idle += 1
+        self.metrics["closed_idle"] = self.closed_idle
+        transport = conn.protocol.transport
+        self.log.info(
+            "closing idle {listener} connection from {peer} ({s:.0f}s without data either way)",
+            listener=conn.name, peer=_peer(transport), s=quiet,
+        )
+        self._forget(conn)
+        transport.loseConnection()
+        self.reactor.callLater(ABORT_AFTER, _abort_if_open, transport)
+
+    def _shed(self):
         """Abort stalled readers, largest first, until the unsent bytes are under 3/4 of the cap."""
+        total = self.unsent_total
         target = self.max_unsent_bytes * 3 // 4
         closed, freed = 0, 0
-        for unsent, protocol, name, tcp in sorted(holding, key=lambda h: h[0], reverse=True):
+        for conn in sorted(self._holders, key=lambda c: c.unsent, reverse=True):
             if total - freed <= target:
                 break
-            self._forget(protocol)
-            tcp.abortConnection()
+            last = last_data_ms(conn.tcp.socket)
+            if last is None or last[0] < STALLED_MS:
+                continue  # still taking data: slow, not stalled
+            unsent = conn.unsent
+            self._forget(conn)
+            conn.tcp.abortConnection()
             closed += 1
             freed += unsent
         self.closed_stalled += closed
         self.metrics["closed_stalled"] = self.closed_stalled
+        self.metrics["unsent_bytes"] = self.unsent_total
         self.log.warn(
             "{unsent} bytes of replies held for clients not reading them (--max-unsent-bytes {cap}): "
             "aborted {n} connections stalled for over {ms} ms, freeing {freed} bytes",
             unsent=total, cap=self.max_unsent_bytes, n=closed, ms=STALLED_MS, freed=freed,
         )
 
-    def _forget(self, protocol):
-        self.live.pop(protocol, None)
+    def _forget(self, conn):
+        if conn.gone:
+            return
+        conn.gone = True
+        self.live.pop(conn.protocol, None)
+        self._holders.discard(conn)
+        self.unsent_total -= conn.unsent
+        conn.unsent = 0
         self.metrics["open"] = len(self.live)
 
 
