@@ -17,6 +17,11 @@ DEFAULT_ENDPOINTS = {
     "http": "tcp:7780:interface=127.0.0.1",
 }
 
+# Listen backlog for bursts of connects (Twisted's default is 50); a `backlog=` in the user's
+# endpoint string wins. The kernel caps it at net.core.somaxconn.
+DEFAULT_BACKLOG = 1024
+_BACKLOG_TYPES = ("tcp", "tcp6", "ssl", "unix")
+
 DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
 # Seconds without data either way before a connection is closed (node/guard.py); 0: never. Swarm
 # peers hold subscriptions that may see no data for long in a quiet cluster (they reconnect).
@@ -48,9 +53,21 @@ class NodeConfig:
     max_connections: int = 0  # 0: derived from RLIMIT_NOFILE at start (node/guard.py)
     max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES
     idle_timeouts: dict = field(default_factory=lambda: dict(DEFAULT_IDLE_TIMEOUTS))
+    metrics: bool = True  # --metrics on|off: the Prometheus registry, latency hooks and status page
+    metrics_token: Optional[str] = None  # --metrics-token: bearer token for /metrics and the status page
+    metrics_streams: int = 100  # --metrics-streams: streams that get their own label
 
     def endpoint(self, name: str) -> Optional[str]:
-        return getattr(self, name)
+        return with_backlog(getattr(self, name))
+
+
+def with_backlog(description: Optional[str]) -> Optional[str]:
+    """The endpoint string with ``backlog=DEFAULT_BACKLOG`` unless it names a backlog already."""
+    if description is None or description.split(":", 1)[0].lower() not in _BACKLOG_TYPES:
+        return description
+    if any(part.strip().lower().startswith("backlog=") for part in description.split(":")[1:]):
+        return description
+    return description + ":backlog=%d" % DEFAULT_BACKLOG
 
 
 def parse_endpoint(name: str, value: str) -> Optional[str]:
@@ -106,6 +123,21 @@ def parse_idle_timeouts(values) -> dict:
         for n in [name] if name else LISTENERS:
             out[n] = s
     return out
+def parse_on_off(option: str, value) -> bool:
+    v = str(value).strip().lower()
+    if v not in ("on", "off"):
+        raise usage.UsageError("--%s: %r is not on or off" % (option, value))
+    return v == "on"
+
+
+def parse_non_negative_int(option: str, value) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise usage.UsageError("--%s: %r is not an integer" % (option, value))
+    if n < 0:
+        raise usage.UsageError("--%s: %d is out of range (>= 0)" % (option, n))
+    return n
 
 
 def from_options(opts) -> NodeConfig:
@@ -135,5 +167,8 @@ def from_options(opts) -> NodeConfig:
         max_connections=0 if opts["max-connections"] in (None, "0") else parse_positive_int("max-connections", opts["max-connections"]),
         idle_timeouts=parse_idle_timeouts(opts["idle-timeouts"]),
         max_unsent_bytes=0 if opts["max-unsent-bytes"] == "0" else parse_positive_int("max-unsent-bytes", opts["max-unsent-bytes"]),
+        metrics=parse_on_off("metrics", opts["metrics"]),
+        metrics_token=opts["metrics-token"],
+        metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),
         **{name: parse_endpoint(name, opts[name]) for name in LISTENERS},
     )

@@ -36,14 +36,15 @@ from twisted.internet import task
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 
+from protocols import tcp_internals
+
 # tcp_info (linux/tcp.h): last_data_sent at byte 44, last_data_recv at byte 52, both in ms.
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _LAST_DATA = struct.Struct("<I4xI")
 _TCP_INFO_LEN = 104
 
-# Connections a listening port accepts per reactor pass. Twisted starts at 100 and adds 20 each
-# time a pass takes them all, so under a flood one pass could build hundreds of protocols
-# (60-130 us each) while established connections wait; a small cap interleaves them.
+# Connections a listening port accepts per reactor pass (Twisted's own grows without bound under a
+# flood; each accept builds a protocol, 60-130 us): a small cap interleaves established connections.
 ACCEPTS_PER_PASS = 16
 REFUSAL_LOG_EVERY = 10.0
 ABORT_AFTER = 2.0
@@ -70,18 +71,8 @@ def raise_fd_limit(target: int = 65536) -> int:
 
 
 def limit_accepts(port, most: int = ACCEPTS_PER_PASS) -> None:
-    """Cap a Twisted listening port's accepts per reactor pass (``tcp.Port.numberAccepts``, which it
-    otherwise grows without bound under a flood). The reactor calls the instance attribute."""
-    if not hasattr(port, "numberAccepts"):
-        return
-    do_read = port.doRead
-
-    def doRead():
-        if port.numberAccepts > most:
-            port.numberAccepts = most
-        return do_read()
-
-    port.doRead = doRead
+    """Cap a listening port's accepts per reactor pass (``tcp_internals.cap_accepts``)."""
+    tcp_internals.cap_accepts(port, most)
 
 
 def default_max_connections(nofile: int) -> int:
@@ -110,15 +101,6 @@ def tcp_transport(transport):
             return transport
         transport = getattr(transport, "transport", None)
     return None
-
-
-def unsent_bytes(transport) -> int:
-    """Bytes Twisted holds for a TCP transport, not yet taken by the kernel
-    (``abstract.FileDescriptor``'s buffer, as ``protocols.direct_send`` reads it)."""
-    try:
-        return transport._tempDataLen + len(transport.dataBuffer) - transport.offset
-    except (AttributeError, TypeError):
-        return 0
 
 
 class RefusedProtocol(Protocol):
@@ -245,7 +227,7 @@ class ConnectionGuard:
             tcp = conn.tcp = tcp_transport(getattr(conn.protocol, "transport", None))
             if tcp is None:
                 return
-        unsent = unsent_bytes(tcp)
+        unsent = tcp_internals.unsent_bytes(tcp)
         self.unsent_total += unsent - conn.unsent
         conn.unsent = unsent
         if unsent:

@@ -23,6 +23,7 @@ from node import guard, listeners
 from node.config import LISTENERS, NodeConfig
 from node.identity import NodeIdMismatch, load_or_create_node_id
 from node.lockfile import DataDirLock, DataDirLocked
+from node.metrics import ignore_latency
 
 
 class NodeContext:
@@ -36,6 +37,14 @@ class NodeContext:
         self.ports = {}  # listener name -> IListeningPort
         self.guard = None  # node.guard.ConnectionGuard: connection cap and idle timeouts
         self.metrics = {}
+        self.metrics = {}  # the counters the protocols keep (read by node/metrics.py at scrape time)
+        # observe_latency(operation, seconds): the protocols' latency hook (node/metrics.py
+        # OPERATIONS); a no-op with --metrics off
+        self.observe_latency = ignore_latency
+        self.node_metrics = None  # node.metrics.NodeMetrics with --metrics on
+        self.http_pages = None  # fn(responder) -> bool: /metrics and the status page (node/status_page.py)
+        self.cluster = None  # cluster mode's view (node/cluster_view.py); None: single node
+        self.started = time.time()
         self._shutdown_hooks = []
         self.warm_ups = []  # (what, Deferred) to finish before the ready file is written
         self.ready = False
@@ -137,6 +146,8 @@ class NodeService(service.MultiService):
             node.metrics.setdefault("connections", {}),
             self.config.max_unsent_bytes,
         )
+        if self.config.metrics:
+            self._start_metrics()
         for name in LISTENERS:
             description = self.config.endpoint(name)
             if description is None:
@@ -156,6 +167,19 @@ class NodeService(service.MultiService):
             if peer_service is not None:
                 peer_service.setServiceParent(self)
         super().privilegedStartService()
+
+    def _start_metrics(self):
+        from node.metrics import NodeMetrics
+        from node.status_history import StatusHistory
+        from node.status_page import StatusPages
+
+        node = self.node
+        node.node_metrics = metrics = NodeMetrics(node, self.config.metrics_streams)
+        node.observe_latency = metrics.observe_latency
+        node.store.wal.on_sync = metrics.observe_fsync
+        history = StatusHistory(node, metrics, clock=node.reactor)
+        history.setServiceParent(self)
+        node.http_pages = StatusPages(node, metrics, history, token=self.config.metrics_token).handle
 
     def _abort_start(self, message: str):
         for port in self.node.ports.values():

@@ -33,6 +33,9 @@ class Options(usage.Options):
         ["shutdown-timeout", None, "10", "Seconds to let in-flight work finish on SIGTERM/SIGINT."],
         ["max-unsent-bytes", None, str(nodeconfig.DEFAULT_MAX_UNSENT_BYTES), "Reply bytes held for all clients together past which stalled readers are cut off; 0: no cap."],
         ["max-connections", None, "0", "Open client connections (all listeners) past which new ones are closed at once; 0: the fd limit less 256."],
+        ["metrics", None, "on", "on: Prometheus metrics at GET /metrics and the status page at GET / on the --http listener; off: neither, and no latency timing."],
+        ["metrics-token", None, None, "Require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on /metrics and the status page (default: open)."],
+        ["metrics-streams", None, "100", "Streams given their own `stream` label in the metrics (the biggest by records); the rest are summed as stream=\"_other\"."],
     ]
 
     def __init__(self):

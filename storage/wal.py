@@ -28,7 +28,7 @@ _CRC_PREFIX = struct.Struct(">QIB")
 MAX_PAYLOAD = 1 << 30
 
 T_BATCH = 1  # payload: u64 stream_id | u64 append_ms | record batch
-T_OPS = 2  # payload: msgpack list of raw index operations (storage.store.apply_ops)
+T_OPS = 2  # payload: msgpack list of raw index operations (storage.index.apply_ops)
 
 # A batch entry's fixed head: entry framing, u64 stream_id | u64 append_ms, the record batch's
 # 29-byte header (u8 magic | i64 base_offset | i32 record_count | i64 base_ts | u32 crc | i32 records_len)
@@ -132,6 +132,10 @@ class Wal:
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
         self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
+        # Observability (writer thread writes, any thread reads): flushes = group commits that
+        # wrote bytes; on_sync(seconds) is told each fdatasync's duration (the node's histogram).
+        self.flushes = 0
+        self.on_sync = None
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -250,6 +254,7 @@ class Wal:
                 off += n
             self._dirty.add(self.active)
             self._buf = bytearray()
+            self.flushes += 1
         self._buf_start = self.end
 
     def discard(self):
@@ -258,10 +263,16 @@ class Wal:
         self._buf = bytearray()
 
     def sync(self):
+        on_sync = self.on_sync
         for base in self._dirty:
             fd = self.fds.get(base)
             if fd is not None:
+                if on_sync is None:
+                    os.fdatasync(fd)
+                    continue
+                t0 = time.perf_counter()
                 os.fdatasync(fd)
+                on_sync(time.perf_counter() - t0)
         self._dirty.clear()
 
     @property
