@@ -45,7 +45,7 @@ _TCP_INFO_LEN = 104
 
 # Connections a listening port accepts per reactor pass (Twisted's own grows without bound under a
 # flood; each accept builds a protocol, 60-130 us): a small cap interleaves established connections.
-ACCEPTS_PER_PASS = 16
+ACCEPTS_PER_PASS = 4
 REFUSAL_LOG_EVERY = 10.0
 ABORT_AFTER = 2.0
 SWEEP_EVERY = 0.1
