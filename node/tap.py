@@ -29,7 +29,13 @@ class Options(usage.Options):
         ["max-batch-bytes", None, str(nodeconfig.DEFAULT_MAX_BATCH_BYTES), "Largest record batch an APPEND entry may carry (1413 above it)."],
         ["ready-file", None, None, "Write a JSON object of the bound ports here (atomically) once every listener is bound."],
         ["log-level", None, "info", "Lowest log level written: debug, info, warn, error or critical."],
-        ["replication-factor", None, "1", "Copies of each Toasty chunk to ask for across chunk servers."],
+        ["replication-factor", None, None, "Replicas for new streams (replica_nums 0) and Toasty chunks. Default: 1 single node, 3 with --cluster."],
+        ["cluster", None, None, "Cluster mode: etcd client URLs, comma-separated (http://127.0.0.1:2379)."],
+        ["cluster-prefix", None, nodeconfig.DEFAULT_CLUSTER_PREFIX, "Key prefix for this cluster in etcd."],
+        ["advertise", None, None, "Host other nodes and clients use to reach this node's listeners. Default: each listener's interface."],
+        ["cluster-tls-cert", None, None, "PEM certificate of this node for mutual TLS between nodes and to etcd."],
+        ["cluster-tls-key", None, None, "PEM private key for --cluster-tls-cert."],
+        ["cluster-tls-ca", None, None, "PEM CA certificate: node-to-node peers must present a certificate it signed."],
         ["shutdown-timeout", None, "10", "Seconds to let in-flight work finish on SIGTERM/SIGINT."],
     ]
 

@@ -22,6 +22,10 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 
 import treq
 from treq.client import HTTPClient
+from twisted.web import client as _web_client
+
+# one "Starting factory" / "Stopping factory" line per etcd connection is noise in the node's log
+_web_client._HTTP11ClientFactory.noisy = False
 
 
 class EtcdError(Exception):

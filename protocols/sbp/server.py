@@ -157,6 +157,12 @@ class SbpServerFactory(Factory):
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
         block_check.start_loading()
+        # CONTRACT §9: with --cluster, placement-driver opcodes and routing go through the cluster
+        self.cluster = None
+        if getattr(node, "cluster", None) is not None:
+            from protocols.sbp.cluster import ClusterSbp
+
+            self.cluster = ClusterSbp(node.cluster, self)
         if hasattr(node, "on_shutdown"):
             node.on_shutdown(self.shutdown)
 
@@ -177,6 +183,17 @@ class SbpServerFactory(Factory):
         except Exception:
             pass
         return T.RangeServer(self.node.node_id or 0, addr or "")
+
+    def describe_node_view(self):
+        """The node's metrics view (sbpctl status): node.metrics, including the values kept from
+        REPORT_METRICS; DESCRIBE_PD_CLUSTER carries it as JSON in status.detail."""
+        me = self.this_server()
+        try:
+            streams = len(self.store.log.streams())
+        except Exception:
+            streams = None
+        return {"node_id": me.server_id, "sbp": me.advertise_addr, "streams": streams, "metrics": self.node.metrics,
+                "append_check": block_check.state}
 
     def shutdown(self):
         """CONTRACT §1: GOAWAY on every connection, parked FETCHes answered with NO_NEW_RECORD,
@@ -405,8 +422,10 @@ class SbpServerProtocol(Protocol):
             return
         self._out.write(codec.encode_frame(frame.opcode, codec.RESPONSE_LAST, frame.stream_id, codec.encode_table(table_name, obj)))
 
-    def _dispatch(self, frame):
+    def _dispatch(self, frame, routed=False):
         op = frame.opcode
+        if self.factory.cluster is not None and not routed and self.factory.cluster.intercept(self, frame):
+            return
         if op == codec.APPEND:
             return self.do_append(frame)
         if op == codec.FETCH:
@@ -862,15 +881,7 @@ class SbpServerProtocol(Protocol):
     def do_describe_pd_cluster(self, req):
         me = self.factory.this_server()
         node = T.PlacementDriverNode(str(me.server_id), me.advertise_addr, True)
-        # The node's metrics view (sbpctl status): node.metrics, including the values kept from
-        # REPORT_METRICS, as JSON in status.detail ("additional information").
-        try:
-            streams = len(self.store.log.streams())
-        except Exception:
-            streams = None
-        view = {"node_id": me.server_id, "sbp": me.advertise_addr, "streams": streams, "metrics": self.factory.node.metrics,
-                "append_check": block_check.state}
-        detail = json.dumps(view, sort_keys=True, default=str).encode()
+        detail = json.dumps(self.factory.describe_node_view(), sort_keys=True, default=str).encode()
         return T.DescribePdClusterResponse(codec.status(codec.OK, None, detail), T.PlacementDriverCluster([node]))
 
     _HANDLERS = {
