@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 import pytest
+import pytest_twisted
 
 from protocols.sbp import codec
 from protocols.sbp.client import BlockingSbpClient, SbpError, call_describe_cluster, call_status
@@ -82,8 +83,48 @@ def cluster3(tmp_path):
     etcd.stop()
 
 
-def test_membership_placement_and_routing(cluster3):
-    etcd, nodes = cluster3
+@pytest.fixture(scope="module")
+def shared3(tmp_path_factory):
+    """3 nodes + 1 etcd for the tests that kill nothing."""
+    base = tmp_path_factory.mktemp("shared3")
+    etcd = EtcdCluster(base, members=1).start()
+    nodes = start_nodes(base, etcd.client_urls, [1, 2, 3])
+    yield etcd, nodes
+    for n in nodes:
+        n.kill9()
+    etcd.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_twisted_client_follows_the_cluster(shared3):
+    from twisted.internet import reactor
+
+    from protocols.sbp.client import SbpClient
+
+    etcd, nodes = shared3
+    c = SbpClient(reactor, "127.0.0.1", nodes[0].ports["sbp"], follow=True)
+    try:
+        sids = [(await c.create_stream(replica_nums=1))["stream_id"] for _ in range(3)]
+        for sid in sids:  # one on each node (least loaded first): two are elsewhere
+            assert await c.append(sid, batch(2)) == 0
+            assert await c.append(sid, batch(1)) == 2
+            assert record_batch.decode(await c.fetch(sid, 2))[0].record_count == 1
+        plain = SbpClient(reactor, "127.0.0.1", nodes[0].ports["sbp"])
+        elsewhere = 0
+        for sid in sids:
+            try:
+                await plain.append(sid, batch(1))
+            except SbpError as e:
+                assert e.code == codec.PD_NOT_LEADER
+                elsewhere += 1
+        await plain.close()
+        assert elsewhere >= 1
+    finally:
+        await c.close()
+
+
+def test_membership_placement_and_routing(shared3):
+    etcd, nodes = shared3
     by_id = {n.node_id: n for n in nodes}
     # every node lists the same live members and the same single leader
     views = [view(n) for n in nodes]
@@ -112,7 +153,12 @@ def test_membership_placement_and_routing(cluster3):
         p = next(s for s in servers if s["is_primary"])
         assert p["advertise_addr"] == nodes[[n.node_id for n in nodes].index(p["server_id"])].endpoint("sbp")
         primaries[p["server_id"]] += 1
-    assert sorted(primaries.values()) == [2, 2, 2], primaries
+    # even over every stream of the cluster (other tests of this module made some too)
+    everything = {}
+    for n in nodes:
+        everything.update(client(n).list_all_ranges())
+    spread = Counter(s["server_id"] for ranges in everything.values() for r in ranges for s in r["servers"] if s["is_primary"])
+    assert max(spread.values()) - min(spread.values()) <= 1 and len(spread) == 3, spread
 
     # replica_nums 0 takes --replication-factor (3 in a cluster); more than live: 1502
     with client(nodes[0]) as c:
@@ -201,6 +247,31 @@ def test_membership_placement_and_routing(cluster3):
     st = client(nodes[0]).call(call_status())
     assert st["cluster"]["prefix"] == "/sbpnode/" and st["cluster"]["live_members"] == [1, 2, 3]
 
+    # clients follow the cluster: any node's address, PD_NOT_LEADER followed (bounded)
+    with BlockingSbpClient("127.0.0.1", other.ports["sbp"], timeout=10, follow=True) as c:
+        assert c.append(sid, batch(1)) == 5
+        assert c.fetch(sid, 5)
+        assert c.for_stream(sid).port == primary.ports["sbp"]
+    out = sbpctl("stream", "append", str(sid), "--endpoint", other.endpoint("sbp"), "--no-progress", input="a\nb\n")
+    assert "offsets 6..7" in out
+    out = sbpctl("stream", "describe", str(sid), "--endpoint", other.endpoint("sbp"), "--json")
+    assert '"next_offset": 8' in out
+    out = sbpctl("cluster", "--endpoint", other.endpoint("sbp"))
+    assert "mode      cluster" in out and "leader    %d" % views[0][1] in out
+    out = sbpctl("status", "--endpoint", other.endpoint("sbp"))
+    assert "cluster: 3 live member(s)" in out
+
+
+def sbpctl(*args, input=None):
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, input=input, timeout=60,
+                            env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+
 
 def test_duplicate_kill9_reelection_and_restart(cluster3, tmp_path):
     etcd, nodes = cluster3
@@ -287,9 +358,16 @@ def test_three_etcd_members_one_killed(tmp_path):
         with client(nodes[1], timeout=20) as c:
             s = c.create_stream(replica_nums=3)
             assert len(c.list_ranges(s["stream_id"])[0]["servers"]) == 3
-        time.sleep(4)  # longer than the lease TTL: keep-alives went to the live members
-        vs = [view(n) for n in nodes]
-        assert all(v[0] == [1, 2, 3] for v in vs) and len({v[1] for v in vs}) == 1
+        # past the lease TTL every node is (still, or again) a member: keep-alives went to the
+        # live etcd members
+        deadline = time.monotonic() + 4
+        wait_for(lambda: time.monotonic() > deadline, what="a lease TTL")
+
+        def converged():
+            vs = [view(n) for n in nodes]
+            return all(v[0] == [1, 2, 3] for v in vs) and len({v[1] for v in vs}) == 1 and vs[0][1] is not None
+
+        wait_for(converged, timeout=10, what="all members seen with one leader")
         # a node killed now still leaves the list, and its death is seen by all
         nodes[2].kill9()
         wait_for(lambda: all(view(n)[0] == [1, 2] for n in nodes[:2]), timeout=10, what="member leaves")
