@@ -13,10 +13,13 @@ Pure functions over bytes: no I/O.
 """
 
 import struct
+from itertools import chain
+from operator import itemgetter
 from typing import Iterable, List, NamedTuple, Sequence, Tuple
 
 import msgpack
 
+from storage import block_check
 from storage.crc import crc32
 
 MAGIC = 0x22
@@ -110,6 +113,58 @@ def validate(buf, check_records: bool = True) -> BatchHeader:
     if check_records:
         _decode_block(block, header)
     return header
+
+
+_G0, _G1, _G2, _G3 = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
+_LIST, _INT, _BYTES, _FOUR, _TWO = {list}, {int}, {bytes}, {4}, {2}
+
+
+def validate_count(batch, block_crc=None) -> int:
+    """``validate``'s verdicts, fast, for the reactor's APPEND path; returns record_count.
+
+    ``block_crc``: CRC-32 of ``batch[29:]`` if the caller has it (the SBP server computes it with
+    the frame's payload CRC). The records block is checked by the compiled walker once it is loaded
+    (``block_check``), and otherwise, or when that one says no, by msgpack with column-wise checks
+    (map/itemgetter run in C: no per-record Python frame). Messages are shorter than ``validate``'s;
+    the verdicts are the same (tests/test_sbp_server.py checks that).
+    """
+    if len(batch) < HEADER_SIZE:
+        raise InvalidBatch("shorter than the batch header")
+    magic, _base, count, _ts, crc, records_len = HEADER.unpack_from(batch, 0)
+    if magic != MAGIC:
+        raise InvalidBatch("bad batch magic")
+    if records_len < 0 or len(batch) != HEADER_SIZE + records_len:
+        raise InvalidBatch("batch length != 29 + records_len")
+    if count < 1:
+        raise InvalidBatch("record_count must be >= 1")
+    block = memoryview(batch)[HEADER_SIZE:]
+    if (crc32(block) if block_crc is None else block_crc) != crc:
+        raise InvalidBatch("records block CRC mismatch")
+    block_ok = block_check.records_block_ok
+    if block_ok is not None and block_ok(batch, HEADER_SIZE, count):
+        return count
+    try:
+        raw = msgpack.unpackb(block, raw=True, use_list=True, strict_map_key=False)
+    except Exception:
+        raise InvalidBatch("records block is not msgpack") from None
+    if type(raw) is not list or len(raw) != count:
+        raise InvalidBatch("records block does not hold record_count records")
+    if set(map(type, raw)) != _LIST or set(map(len, raw)) != _FOUR:
+        raise InvalidBatch("a record is not [offset_delta, timestamp_delta_ms, headers, body]")
+    if list(map(_G0, raw)) != list(range(count)):
+        raise InvalidBatch("offset_delta is not 0..n-1")
+    if set(map(type, map(_G1, raw))) != _INT or set(map(type, map(_G3, raw))) != _BYTES:
+        raise InvalidBatch("malformed timestamp delta or body")
+    headers = list(map(_G2, raw))
+    if set(map(type, headers)) != _LIST:
+        raise InvalidBatch("malformed record headers")
+    pairs = list(chain.from_iterable(headers))
+    if pairs:
+        if set(map(type, pairs)) != _LIST or set(map(len, pairs)) != _TWO:
+            raise InvalidBatch("malformed record header")
+        if set(map(type, chain.from_iterable(pairs))) != _BYTES:
+            raise InvalidBatch("malformed record header")
+    return count
 
 
 def decode(buf) -> Tuple[BatchHeader, List[Record]]:

@@ -168,7 +168,7 @@ async def test_reader_that_does_not_read_stops_the_server_reading(store, srv, mi
     await threads.deferToThread(s.sendall, req * n)
     await task.deferLater(reactor, 0.5, lambda: None)
     p = srv.conn()
-    assert p._sender is not None and p._reading_paused
+    assert p.sender is not None and p._reading_paused
     fetched = srv.factory.metrics["fetches"]
     reply = 2 << 20
     if mixed:
@@ -176,7 +176,7 @@ async def test_reader_that_does_not_read_stops_the_server_reading(store, srv, mi
     else:
         bound = (FileSender.HIGH + (4 << 20)) // reply + 4  # + what the sockets hold
     assert fetched <= bound, "the server took %d requests from a reader that does not read" % fetched
-    assert p._sender.queued <= bound * reply
+    assert p.sender.queued <= bound * reply
     # the reader catches up: every reply arrives, whole
     frames = await threads.deferToThread(read_frames, s, n)
     s.close()
@@ -192,7 +192,7 @@ async def test_goaway_closes_after_the_queued_replies(store, srv):
     await threads.deferToThread(s.sendall, b"".join(fetch_frame(k + 1, sid, 0, 2 << 20) for k in range(3))
                                 + codec.goaway_frame())
     await task.deferLater(reactor, 0.3, lambda: None)
-    assert srv.conn()._sender.busy  # replies still queued behind a full socket
+    assert srv.conn().sender.busy  # replies still queued behind a full socket
 
     def drain():
         s.settimeout(30)

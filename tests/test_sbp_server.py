@@ -396,7 +396,7 @@ def test_validate_batch_agrees(recs, flips):
         expect = record_batch.validate(b).record_count
     except record_batch.InvalidBatch:
         expect = None
-    from protocols.sbp import block_check
+    from storage import block_check
 
     compiled, block_check.records_block_ok = block_check.records_block_ok, None
     try:
@@ -417,7 +417,7 @@ def test_validate_batch_agrees(recs, flips):
 
 
 def compiled_block_check():
-    from protocols.sbp import block_check
+    from storage import block_check
 
     if block_check.records_block_ok is None:
         block_check.load()
@@ -430,13 +430,13 @@ def test_compiled_block_check_takes_the_contract_shape():
         pytest.skip("numba unavailable")
     recs = [(0, [(b"k", b"v"), (b"n", b"")], b"body"), (1, [], b""), (2, [], b"x" * 70000)]
     b = record_batch.encode(recs)
-    assert check(b, 3) and server.validate_batch(b) == 3
-    assert not check(b, 2)  # record_count disagrees
-    assert not check(b + b"\x00", 3)  # a byte after the last record
+    assert check(b, 29, 3) and server.validate_batch(b) == 3
+    assert not check(b, 29, 2)  # record_count disagrees
+    assert not check(b + b"\x00", 29, 3)  # a byte after the last record
     for cut in (30, len(b) // 2, len(b) - 1):
-        assert not check(b[:cut], 3)  # never reads past the end
+        assert not check(b[:cut], 29, 3)  # never reads past the end
     swapped = msgpack.packb([[1, 0, [], b""], [0, 0, [], b""]])
-    assert not check(b"\0" * 29 + swapped, 2)  # offset_delta out of order
+    assert not check(b"\0" * 29 + swapped, 29, 2)  # offset_delta out of order
 
 
 @pytest_twisted.ensureDeferred

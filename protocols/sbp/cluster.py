@@ -1,8 +1,9 @@
 """SBP in cluster mode (CONTRACT §9): the placement-driver opcodes answered from etcd through the
 node's PlacementDriver, and APPEND / FETCH routed to the node that serves the stream.
 
-The server hands every frame to ``ClusterSbp.intercept`` first when the node runs with
-``--cluster``; without it this module is never loaded and nothing changes.
+With ``--cluster`` the server's factory takes ``ClusterAdmin`` as its ``admin_class`` (the
+placement-driver opcodes) and hands APPEND and FETCH frames to ``ClusterRouter.route`` first;
+without it this module is never loaded and nothing changes.
 
 Routing (part 1, before replication): a stream's data lives on its open range's primary, so
 APPEND, FETCH and TRIM_STREAMS are served there; another node answers each entry with
@@ -19,9 +20,9 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from protocols.sbp import codec
+from protocols.sbp.admin import RangeAdmin
 from protocols.sbp.codec import T
-
-_ROUTED = frozenset([codec.APPEND, codec.FETCH])
+from protocols.sbp.status import status_for_failure
 
 
 def _status_of(failure, log):
@@ -39,12 +40,12 @@ def _status_of(failure, log):
         return codec.status(codec.UNKNOWN, "placement driver unavailable: %s" % e)
     if isinstance(e, placement.PlacementError):
         return codec.status(codec.UNKNOWN, str(e))
-    from protocols.sbp.server import status_for_failure
-
     return status_for_failure(failure, log, "placement driver")
 
 
-class ClusterSbp:
+class ClusterRouter:
+    """APPEND / FETCH routing, one per server factory."""
+
     log = Logger()
 
     def __init__(self, cluster, factory):
@@ -55,45 +56,17 @@ class ClusterSbp:
     def pd(self):
         return self.cluster.pd
 
-    # -- entry point ----------------------------------------------------------------------------
-
-    def intercept(self, proto, frame) -> bool:
-        """True if the frame is taken care of here (answered now or later)."""
-        op = frame.opcode
-        if op in _ROUTED:
-            return self._route(proto, frame)
-        handler = self._HANDLERS.get(op)
-        if handler is None:
-            return False
-        table, resp_name = codec.OPCODES[op][1], codec.OPCODES[op][2]
-        req = codec.decode_table(table, frame.header)
-        d = defer.maybeDeferred(handler, self, req)
-        proto._begin()
-
-        def failed(f):
-            st = _status_of(f, self.log)
-            fields = dict((name, default) for name, _, default in codec.SCHEMA[resp_name])
-            fields["status"] = st
-            return fields
-
-        d.addErrback(failed)
-        d.addCallback(lambda obj: proto._reply(frame, resp_name, obj))
-        d.addErrback(lambda f: self.log.failure("cluster reply failed", f))
-        d.addBoth(lambda _: proto._end())
-        return True
-
-    # -- APPEND / FETCH routing -----------------------------------------------------------------
-
-    def _route(self, proto, frame):
-        gate = getattr(proto, "_cluster_gate", None)
+    def route(self, proto, frame) -> bool:
+        """True if the frame is taken care of here (answered now or later); False: serve it."""
+        gate = getattr(proto, "cluster_gate", None)
         if gate is not None:
             # an earlier frame of this connection waits on etcd: keep the order
-            gate.addCallback(lambda _: self._route_now(proto, frame))
+            gate.addCallback(lambda _: self._route_now(proto, frame, True))
             return True
-        return self._route_now(proto, frame)
+        return self._route_now(proto, frame, False)
 
-    def _route_now(self, proto, frame):
-        if proto._lost:
+    def _route_now(self, proto, frame, deferred):
+        if proto.lost:
             return True
         if frame.opcode == codec.APPEND:
             req = codec.decode_table("AppendRequest", frame.header)
@@ -110,14 +83,14 @@ class ClusterSbp:
             else:
                 where[sid] = w
         if not waits:
-            return self._decide(proto, frame, req, where)
+            return self._decide(proto, frame, req, where, deferred)
         d = defer.gatherResults(waits, consumeErrors=True)
         gate = defer.Deferred()
-        proto._cluster_gate = gate
-        proto._begin()
+        proto.cluster_gate = gate
+        proto.begin()
 
         def go(_):
-            self._decide(proto, frame, req, where)
+            self._decide(proto, frame, req, where, True)
 
         def failed(f):
             f = f.value.subFailure if isinstance(f.value, defer.FirstError) else f
@@ -125,19 +98,20 @@ class ClusterSbp:
             self._answer_all(proto, frame, req, lambda sid: st)
 
         def release(_):
-            proto._end()
-            if proto._cluster_gate is gate:
-                proto._cluster_gate = None
+            proto.end()
+            if proto.cluster_gate is gate:
+                proto.cluster_gate = None
             gate.callback(None)
 
         d.addCallbacks(go, failed).addErrback(lambda f: self.log.failure("routing failed", f)).addBoth(release)
         return True
 
-    def _decide(self, proto, frame, req, where):
+    def _decide(self, proto, frame, req, where, deferred):
         if all(a is None for a in where.values()):
-            if proto._lost:
-                return True
-            proto._dispatch(frame, routed=True)
+            if not deferred:
+                return False  # served here, by the caller, at once
+            if not proto.lost:
+                proto._dispatch(frame, routed=True)
             return True
         me = self.factory.this_server().advertise_addr
         self._answer_all(proto, frame, req, lambda sid: codec.status(codec.PD_NOT_LEADER, where.get(sid) or me))
@@ -151,20 +125,47 @@ class ClusterSbp:
             results = [T.FetchResult(i.stream_id, i.request_index, 0, status_of(i.stream_id)) for i in req.fetch_requests]
             proto._reply(frame, "FetchResponse", T.FetchResponse(0, codec.status(), results))
 
+
+class ClusterAdmin(RangeAdmin):
+    """The placement driver of a cluster node: stream and range metadata from etcd (through the
+    node's PlacementDriver); heartbeats and metrics reports stay as on a single node."""
+
+    def __init__(self, conn):
+        super().__init__(conn)
+        self.cluster = self.factory.node.cluster
+
+    @property
+    def pd(self):
+        return self.cluster.pd
+
+    def handle(self, opcode, req):
+        if opcode not in self.CLUSTER_HANDLERS:
+            return super().handle(opcode, req)
+        d = defer.maybeDeferred(self.CLUSTER_HANDLERS[opcode], self, req)
+        resp_name = codec.OPCODES[opcode][2]
+
+        def failed(f):
+            # the whole request failed (etcd unreachable, ...): a response with that status
+            fields = dict((name, default) for name, _, default in codec.SCHEMA[resp_name])
+            fields["status"] = _status_of(f, self.log)
+            return fields
+
+        return d.addErrback(failed)
+
     # -- conversions ----------------------------------------------------------------------------
 
     @staticmethod
-    def _stream(rec):
+    def _stream_of(rec):
         return T.Stream(rec["stream_id"], rec["replica_nums"], rec["retention_period_ms"])
 
-    def _range(self, rec, rng):
+    def _range_of(self, rec, rng):
         servers = [T.RangeReplica(T.RangeServer(s["id"], self.pd.address(s)), bool(s.get("primary"))) for s in rng["servers"]]
         return T.Range(rec["stream_id"], rng["index"], rng["start"], self.pd.next_offset(rec, rng), rng["end"], servers)
 
     def _ranges(self, rec):
-        return [self._range(rec, r) for r in rec["ranges"]]
+        return [self._range_of(rec, r) for r in rec["ranges"]]
 
-    def _each(self, items, fn, on_error):
+    def _each_entry(self, items, fn, on_error):
         """``fn(item)`` for each item (Deferreds); a failed item becomes ``on_error(item, status)``."""
         ds = []
         for item in items:
@@ -178,16 +179,16 @@ class ClusterSbp:
     def do_create_streams(self, req):
         def one(s):
             d = self.pd.create_stream(s.replica_nums, s.retention_period_ms)
-            return d.addCallback(lambda rec: T.CreateStreamResult(self._stream(rec), codec.status()))
+            return d.addCallback(lambda rec: T.CreateStreamResult(self._stream_of(rec), codec.status()))
 
-        d = self._each(req.streams, one, lambda s, st: T.CreateStreamResult(None, st))
+        d = self._each_entry(req.streams, one, lambda s, st: T.CreateStreamResult(None, st))
         return d.addCallback(lambda rs: T.CreateStreamsResponse(0, codec.status(), rs))
 
     def do_describe_streams(self, req):
         def one(sid):
-            return self.pd.get(sid).addCallback(lambda rec: T.DescribeStreamResult(self._stream(rec), codec.status()))
+            return self.pd.get(sid).addCallback(lambda rec: T.DescribeStreamResult(self._stream_of(rec), codec.status()))
 
-        d = self._each(req.stream_ids, one, lambda sid, st: T.DescribeStreamResult(T.Stream(sid, 0, 0), st))
+        d = self._each_entry(req.stream_ids, one, lambda sid, st: T.DescribeStreamResult(T.Stream(sid, 0, 0), st))
         return d.addCallback(lambda rs: T.DescribeStreamsResponse(0, codec.status(), rs))
 
     def do_update_streams(self, req):
@@ -195,29 +196,29 @@ class ClusterSbp:
             # as on a single node: 0 means unchanged (FlatBuffers omits defaults)
             d = self.pd.update_stream(s.stream_id, replica_nums=s.replica_nums or None,
                                       retention_period_ms=s.retention_period_ms if s.retention_period_ms else None)
-            return d.addCallback(lambda rec: T.UpdateStreamResult(self._stream(rec), codec.status()))
+            return d.addCallback(lambda rec: T.UpdateStreamResult(self._stream_of(rec), codec.status()))
 
-        d = self._each(req.streams, one, lambda s, st: T.UpdateStreamResult(T.Stream(s.stream_id, 0, 0), st))
+        d = self._each_entry(req.streams, one, lambda s, st: T.UpdateStreamResult(T.Stream(s.stream_id, 0, 0), st))
         return d.addCallback(lambda rs: T.UpdateStreamsResponse(0, codec.status(), rs))
 
     def do_delete_streams(self, req):
         def one(s):
             return self.pd.delete_stream(s.stream_id).addCallback(
-                lambda rec: T.DeleteStreamResult(self._stream(rec), codec.status()))
+                lambda rec: T.DeleteStreamResult(self._stream_of(rec), codec.status()))
 
-        d = self._each(req.streams, one, lambda s, st: T.DeleteStreamResult(T.Stream(s.stream_id, 0, 0), st))
+        d = self._each_entry(req.streams, one, lambda s, st: T.DeleteStreamResult(T.Stream(s.stream_id, 0, 0), st))
         return d.addCallback(lambda rs: T.DeleteStreamsResponse(0, codec.status(), rs))
 
     def do_trim_streams(self, req):
         def one(ts):
             def done(pair):
                 rec, _meta = pair
-                first = self._range(rec, rec["ranges"][0]) if rec["ranges"] else None
-                return T.TrimStreamResult(self._stream(rec), codec.status(), first)
+                first = self._range_of(rec, rec["ranges"][0]) if rec["ranges"] else None
+                return T.TrimStreamResult(self._stream_of(rec), codec.status(), first)
 
             return self.pd.trim_stream(ts.stream_id, ts.trim_offset).addCallback(done)
 
-        d = self._each(req.trimmed_streams, one,
+        d = self._each_entry(req.trimmed_streams, one,
                        lambda ts, st: T.TrimStreamResult(T.Stream(ts.stream_id, 0, 0), st, None))
         return d.addCallback(lambda rs: T.TrimStreamsResponse(0, codec.status(), rs))
 
@@ -252,12 +253,12 @@ class ClusterSbp:
             def found(rec):
                 for r in rec["ranges"]:
                     if r["index"] == rid.range_index:
-                        return T.DescribeRangesResult(rid.stream_id, codec.status(), self._range(rec, r))
+                        return T.DescribeRangesResult(rid.stream_id, codec.status(), self._range_of(rec, r))
                 return T.DescribeRangesResult(rid.stream_id, codec.status(codec.RANGE_NOT_FOUND, "no range %d" % rid.range_index), None)
 
             return self.pd.get(rid.stream_id).addCallback(found)
 
-        d = self._each(req.ranges, one, lambda rid, st: T.DescribeRangesResult(rid.stream_id, st, None))
+        d = self._each_entry(req.ranges, one, lambda rid, st: T.DescribeRangesResult(rid.stream_id, st, None))
         return d.addCallback(lambda rs: T.DescribeRangesResponse(0, codec.status(), rs))
 
     def do_allocate_id(self, req):
@@ -267,8 +268,9 @@ class ClusterSbp:
     def do_describe_pd_cluster(self, req):
         members, leader = yield self.cluster.describe()
         nodes = [T.PlacementDriverNode(str(nid), rec.get("sbp") or "", nid == leader) for nid, rec in sorted(members.items())]
-        # the node's own view as JSON in status.detail, as on a single node, with the cluster's
-        local = self.factory.describe_node_view()
+        # the node's own view as on a single node (status.detail JSON), with the cluster's
+        single = RangeAdmin.do_describe_pd_cluster(self, req)
+        local = json.loads(single.status.detail)
         local["cluster"] = self.cluster.status()
         local["cluster"]["members"] = {str(nid): rec for nid, rec in sorted(members.items())}
         local["cluster"]["leader"] = leader
@@ -299,7 +301,7 @@ class ClusterSbp:
         st = codec.status(codec.INVALID_REQUEST, "SYNC_RANGES in cluster mode comes with replication (issue 17)")
         return T.SyncRangesResponse(0, codec.status(), [T.SyncRangesResult(sr.stream_id, st, []) for sr in req.stream_ranges])
 
-    _HANDLERS = {
+    CLUSTER_HANDLERS = {
         codec.CREATE_STREAMS: do_create_streams,
         codec.DESCRIBE_STREAMS: do_describe_streams,
         codec.UPDATE_STREAMS: do_update_streams,

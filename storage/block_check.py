@@ -1,6 +1,6 @@
 """The compiled records-block check behind APPEND validation (``storage/msgpack_scan.py``).
 
-``server.validate_batch`` must know that a records block decodes as CONTRACT §3 describes. With
+``record_batch.validate_count`` (what the SBP server's APPEND runs) must know that a records block decodes as CONTRACT §3 describes. With
 msgpack that means building every record as Python objects, about 25 us per batch of 64 records on
 the reactor thread: a third of its time under interval appends. The compiled check walks the same
 bytes in about 1 us and builds nothing.
@@ -17,12 +17,11 @@ import threading
 from twisted.logger import Logger
 
 from storage.jit import import_compiled
-from storage.record_batch import HEADER_SIZE
 
 log = Logger()
 
-# (batch, record_count) -> True if batch[29:] is exactly a well-formed records block; None until
-# loaded (or for good, without numba).
+# (batch, start, record_count) -> True if batch[start:] is exactly a well-formed records block;
+# None until loaded (or for good, without numba).
 records_block_ok = None
 # What APPEND validation runs on: "msgpack", "loading" (msgpack meanwhile), "compiled"; shown in
 # the node's status (sbpctl status: append_check).
@@ -40,7 +39,7 @@ def start_loading():
             return
         _started = True
         state = "loading"
-    threading.Thread(target=load, name="sbp-block-check", daemon=True).start()
+    threading.Thread(target=load, name="block-check", daemon=True).start()
 
 
 def load():
@@ -59,8 +58,8 @@ def load():
         for buf in (b"\x90", bytearray(b"\x90")):
             block_ok(frombuffer(buf, u8), 0, 1, 0)
 
-        def check(batch, count):
-            return block_ok(frombuffer(batch, u8), HEADER_SIZE, len(batch), count)
+        def check(batch, start, count):
+            return block_ok(frombuffer(batch, u8), start, len(batch), count)
 
         records_block_ok = check
         state = "compiled"
