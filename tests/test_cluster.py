@@ -102,7 +102,7 @@ async def test_twisted_client_follows_the_cluster(shared3):
     from protocols.sbp.client import SbpClient
 
     etcd, nodes = shared3
-    c = SbpClient(reactor, "127.0.0.1", nodes[0].ports["sbp"], follow=True)
+    c = SbpClient(reactor, "127.0.0.1", nodes[0].ports["sbp"], follow_cluster=True)
     try:
         sids = [(await c.create_stream(replica_nums=1))["stream_id"] for _ in range(3)]
         for sid in sids:  # one on each node (least loaded first): two are elsewhere
@@ -248,7 +248,7 @@ def test_membership_placement_and_routing(shared3):
     assert st["cluster"]["prefix"] == "/sbpnode/" and st["cluster"]["live_members"] == [1, 2, 3]
 
     # clients follow the cluster: any node's address, PD_NOT_LEADER followed (bounded)
-    with BlockingSbpClient("127.0.0.1", other.ports["sbp"], timeout=10, follow=True) as c:
+    with BlockingSbpClient("127.0.0.1", other.ports["sbp"], timeout=10, follow_cluster=True) as c:
         assert c.append(sid, batch(1)) == 5
         assert c.fetch(sid, 5)
         assert c.for_stream(sid).port == primary.ports["sbp"]

@@ -69,8 +69,8 @@ def _guarded(fn):
         from protocols.sbp.client import BlockingSbpClient, SbpConnectionError, SbpError
 
         host, port = split_endpoint(args.endpoint, 7700)
-        # follow=True: in a cluster, data calls go to the stream's node (CONTRACT §9)
-        client = BlockingSbpClient(host, port, timeout=args.timeout, follow=True)
+        # follow_cluster: in a cluster, data calls go to the stream's node (CONTRACT §9)
+        client = BlockingSbpClient(host, port, timeout=args.timeout, follow_cluster=True)
         try:
             return fn(client, args)
         except SbpConnectionError as e:

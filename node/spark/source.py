@@ -67,8 +67,8 @@ def _client(endpoint: str, timeout: float):
     from protocols.sbp.client import BlockingSbpClient
 
     host, port = split_endpoint(endpoint)
-    # follow=True: in a cluster any node's address works (CONTRACT §9)
-    return BlockingSbpClient(host, port, timeout=timeout, follow=True)
+    # follow_cluster: in a cluster any node's address works (CONTRACT §9)
+    return BlockingSbpClient(host, port, timeout=timeout, follow_cluster=True)
 
 
 class _Options:

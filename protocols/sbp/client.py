@@ -342,14 +342,14 @@ class BlockingSbpClient:
     """A small synchronous SBP client over one socket; one request at a time (except
     ``append_pipelined``). Pickles as its configuration only; connects on first use."""
 
-    def __init__(self, host, port, timeout=30.0, follow=False):
+    def __init__(self, host, port, timeout=30.0, follow_cluster=False):
         self.host = host
         self.port = int(port)
         self.timeout = timeout
-        # follow=True: a data call on one stream answered PD_NOT_LEADER naming another node of
+        # follow_cluster=True: a data call on one stream answered PD_NOT_LEADER naming another node of
         # the cluster goes there (CONTRACT §9), at most MAX_HOPS times; the stream's node is
         # remembered for the next calls
-        self.follow = follow
+        self.follow_cluster = follow_cluster
         self._routes = {}  # stream_id -> "host:port"
         self._peers = {}  # "host:port" -> BlockingSbpClient
         self._members = set()
@@ -359,10 +359,10 @@ class BlockingSbpClient:
         self._ids = itertools.count(1)
 
     def __getstate__(self):
-        return {"host": self.host, "port": self.port, "timeout": self.timeout, "follow": self.follow}
+        return {"host": self.host, "port": self.port, "timeout": self.timeout, "follow_cluster": self.follow_cluster}
 
     def __setstate__(self, state):
-        self.__init__(state["host"], state["port"], state["timeout"], state.get("follow", False))
+        self.__init__(state["host"], state["port"], state["timeout"], state.get("follow_cluster", False))
 
     def __enter__(self):
         return self
@@ -479,7 +479,7 @@ class BlockingSbpClient:
 
     def call(self, call, extra_wait=0.0):
         sid = call.stream_id
-        if not self.follow or sid is None:
+        if not self.follow_cluster or sid is None:
             return self._call_here(call, extra_wait)
         target = self._routes.get(sid)
         client = self._peer(target) if target else self
@@ -731,13 +731,13 @@ class SbpClient:
     A request that was in flight when the connection died fails with SbpConnectionError (it is
     not retried: an APPEND might have been applied)."""
 
-    def __init__(self, reactor, host, port, connect_timeout=10.0, fail_after_failures=5, follow=False):
+    def __init__(self, reactor, host, port, connect_timeout=10.0, fail_after_failures=5, follow_cluster=False):
         self.reactor = reactor
         self.host = host
         self.port = int(port)
         self.connect_timeout = connect_timeout
-        # follow=True: as BlockingSbpClient's (CONTRACT §9)
-        self.follow = follow
+        # follow_cluster=True: as BlockingSbpClient's (CONTRACT §9)
+        self.follow_cluster = follow_cluster
         self._routes = {}
         self._peers = {}
         self._members = set()
@@ -762,7 +762,7 @@ class SbpClient:
     @defer.inlineCallbacks
     def call(self, call):
         sid = call.stream_id
-        if not self.follow or sid is None:
+        if not self.follow_cluster or sid is None:
             result = yield self._call_here(call)
             return result
         target = self._routes.get(sid)
