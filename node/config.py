@@ -122,6 +122,13 @@ def cluster_tls(opts):
     for name, path in zip(("cert", "key", "ca"), paths):
         if not os.path.isfile(path):
             raise usage.UsageError("--cluster-tls-%s: no file %s" % (name, path))
+    from node.cluster.tls import CertificateRefused, check_node_certificate
+
+    try:
+        # CONTRACT §9: a node without a CA-signed certificate takes no part: it does not start
+        check_node_certificate(*paths)
+    except CertificateRefused as e:
+        raise usage.UsageError("--cluster-tls-cert: %s" % e)
     return tuple(os.path.abspath(p) for p in paths)
 
 

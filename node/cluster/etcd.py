@@ -128,25 +128,16 @@ class TxnResult:
 
 class TlsPolicy:
     """IPolicyForHTTPS for mutual TLS to etcd: the cluster CA as the only trust root and this
-    node's certificate as the client certificate."""
+    node's certificate as the client certificate (node/cluster/tls.py)."""
 
     def __init__(self, cert_path, key_path, ca_path):
-        from twisted.internet import ssl
-
-        with open(ca_path, "rb") as f:
-            self._ca = ssl.Certificate.loadPEM(f.read())
-        with open(cert_path, "rb") as f:
-            cert = f.read()
-        with open(key_path, "rb") as f:
-            key = f.read()
-        self._client = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
+        self._paths = (cert_path, key_path, ca_path)
+        self.creatorForNetloc(b"127.0.0.1", 0)  # unreadable files fail here, at start
 
     def creatorForNetloc(self, hostname, port):
-        from twisted.internet import ssl
+        from node.cluster.tls import client_options
 
-        return ssl.optionsForClientTLS(
-            hostname.decode("ascii"), trustRoot=self._ca, clientCertificate=self._client
-        )
+        return client_options(hostname.decode("ascii"), *self._paths)
 
 
 def _implements_policy(cls):
