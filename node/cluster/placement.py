@@ -11,8 +11,9 @@ Keys under the cluster prefix P:
   nodes changing one stream at once never lose an update; the loser re-reads and retries.
   ``epoch`` is the stream's fencing epoch and each range records the epoch it was opened under:
   the seal on failover (issue 17) bumps it in the same compare-and-swap.
-- ``P counters/streams/<node_id>``: the last n used in stream ids ``(node_id << 32) | n`` by that
-  node (CONTRACT §2), advanced by compare-and-swap, never below the node's local counter.
+- ``P counters/streams/<node_id>``: the highest n reserved for stream ids ``(node_id << 32) | n``
+  by that node (CONTRACT §2), advanced by compare-and-swap a block of STREAM_ID_BLOCK at a time,
+  never below the node's local counter.
 - ``P counters/allocate_id``: ALLOCATE_ID's counter.
 
 Placement of a new stream: R distinct live members, the least loaded first (open ranges they hold,
@@ -36,6 +37,7 @@ from node.cluster import etcd
 from storage import errors as store_errors
 
 CAS_ATTEMPTS = 20
+STREAM_ID_BLOCK = 100
 
 
 class PlacementError(Exception):
@@ -101,6 +103,8 @@ class PlacementDriver:
         self._watch = None
         self._ensuring = {}  # stream_id -> Deferred of a local replica being created
         self._revision = 0
+        self._id_lock = defer.DeferredLock()
+        self._id_next = self._id_end = 0  # the reserved block of stream-id counters [next, end)
 
     def key(self, sid) -> str:
         return self.prefix + "streams/%020d" % sid
@@ -268,12 +272,13 @@ class PlacementDriver:
     # -- ids ------------------------------------------------------------------------------------
 
     @defer.inlineCallbacks
-    def _advance(self, key, floor=0):
-        """Compare-and-swap a decimal counter at ``key`` one step up (from at least ``floor``)."""
+    def _advance(self, key, floor=0, step=1):
+        """Compare-and-swap a decimal counter at ``key`` ``step`` up (from at least ``floor``);
+        the new value."""
         for _ in range(CAS_ATTEMPTS):
             kv = yield self.client.get(key)
             current = int(kv.value) if kv is not None else 0
-            n = max(current, floor) + 1
+            n = max(current, floor) + step
             cmp = etcd.compare_mod_revision(key, kv.mod_revision) if kv is not None else etcd.compare_version(key, 0)
             r = yield self.client.txn([cmp], [etcd.op_put(key, str(n))])
             if r.succeeded:
@@ -285,9 +290,20 @@ class PlacementDriver:
 
     @defer.inlineCallbacks
     def _new_stream_id(self):
-        # never below the local counter: streams this node made before --cluster keep their ids
-        floor = getattr(self.store.log, "_counter", 0)
-        n = yield self._advance(self.prefix + "counters/streams/%d" % self.node_id, floor)
+        # ids are reserved STREAM_ID_BLOCK at a time (one etcd write per block, not per stream,
+        # as elastic-stream's allocator does); a restart skips the rest of its block
+        yield self._id_lock.acquire()
+        try:
+            if self._id_next >= self._id_end:
+                # never below the local counter: streams this node made before --cluster keep
+                # their ids
+                floor = getattr(self.store.log, "_counter", 0)
+                end = yield self._advance(self.prefix + "counters/streams/%d" % self.node_id, floor, STREAM_ID_BLOCK)
+                self._id_next, self._id_end = end - STREAM_ID_BLOCK + 1, end + 1
+            n = self._id_next
+            self._id_next += 1
+        finally:
+            self._id_lock.release()
         if n >= 1 << 32:
             raise PlacementError("stream ids of node %d are exhausted" % self.node_id)
         return (self.node_id << 32) | n
