@@ -375,3 +375,35 @@ def test_three_etcd_members_one_killed(tmp_path):
         for n in nodes:
             n.kill9()
         etcd.stop()
+
+
+def test_etcd_down_while_running(tmp_path):
+    """The node keeps serving what it holds while etcd is away, says so in status, and is a
+    member again once etcd is back."""
+    etcd = EtcdCluster(tmp_path, members=1).start()
+    nodes = []
+    try:
+        nodes = start_nodes(tmp_path, etcd.client_urls, [7])
+        (n,) = nodes
+        with client(n) as c:
+            sid = c.create_stream(replica_nums=1)["stream_id"]
+            assert c.append(sid, batch(2)) == 0
+        etcd.kill9(0)
+        with client(n) as c:
+            assert c.append(sid, batch(1)) == 2  # served from what the node holds
+            assert c.fetch(sid, 0)
+        wait_for(lambda: client(n).call(call_status())["cluster"]["etcd_reachable"] is False, timeout=15,
+                 what="status saying etcd is unreachable")
+        with client(n, timeout=20) as c:
+            with pytest.raises(SbpError) as info:
+                c.create_stream(replica_nums=1)
+            assert "placement driver unavailable" in info.value.message
+        etcd.start_member(0)
+        wait_for(lambda: view(n) == ([7], 7), timeout=20, what="membership after etcd returns")
+        with client(n) as c:
+            assert c.create_stream(replica_nums=1)["stream_id"] >> 32 == 7
+        assert client(n).call(call_status())["cluster"]["etcd_reachable"] is True
+    finally:
+        for node in nodes:
+            node.kill9()
+        etcd.stop()

@@ -266,7 +266,13 @@ class ClusterAdmin(RangeAdmin):
 
     @defer.inlineCallbacks
     def do_describe_pd_cluster(self, req):
-        members, leader = yield self.cluster.describe()
+        from node.cluster import etcd
+
+        try:
+            members, leader = yield self.cluster.describe()
+        except etcd.EtcdError:
+            # etcd unreachable: answer from what the watches last saw (status shows it stale)
+            members, leader = dict(self.cluster.membership.members), self.cluster.election.leader_id
         nodes = [T.PlacementDriverNode(str(nid), rec.get("sbp") or "", nid == leader) for nid, rec in sorted(members.items())]
         # the node's own view as on a single node (status.detail JSON), with the cluster's
         single = RangeAdmin.do_describe_pd_cluster(self, req)
