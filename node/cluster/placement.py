@@ -16,9 +16,10 @@ Keys under the cluster prefix P:
   never below the node's local counter.
 - ``P counters/allocate_id``: ALLOCATE_ID's counter.
 
-Placement of a new stream: R distinct live members, the least loaded first (open ranges they hold,
-then the primaries they hold, ties broken by a rotating start so equal nodes take turns); of those,
-the one holding the fewest primaries is the primary. Fewer than R live members: NoAvailableRS.
+Placement of a new stream: R distinct live members. The primary is the member leading the fewest
+open ranges (then holding the fewest), the others the least loaded (open ranges held, then
+primaries), ties broken by a rotating start so equal nodes take turns. Fewer than R live members:
+NoAvailableRS.
 
 Each node watches ``P streams/`` and keeps every record in ``streams`` (a cache for routing and
 placement load; reads that answer clients go to etcd). For each stream whose ranges name it, the
@@ -329,9 +330,10 @@ class PlacementDriver:
         self._turn += 1
         n = len(live)
         order = {nid: (i - self._turn) % n for i, nid in enumerate(live)}
-        chosen = sorted(live, key=lambda nid: (held[nid], led[nid], order[nid]))[:replica_nums]
-        primary = min(chosen, key=lambda nid: (led[nid], held[nid], order[nid]))
-        return [(nid, nid == primary) for nid in chosen]
+        # the primary first (the node leading the fewest open ranges), then the least loaded others
+        primary = min(live, key=lambda nid: (led[nid], held[nid], order[nid]))
+        others = sorted((nid for nid in live if nid != primary), key=lambda nid: (held[nid], led[nid], order[nid]))
+        return [(primary, True)] + [(nid, False) for nid in others[:replica_nums - 1]]
 
     def _servers(self, choice):
         out = []
