@@ -278,22 +278,27 @@ class FileTree:
         return parent, entity
 
     def list(self, components, expect_gen: int, after=None, limit: int = MAX_LIST):
-        """-> (dir gen, truncated, [(name, gen, is_dir)]) sorted by name, names > ``after`` only."""
+        """-> (dir gen, truncated, [(name, gen, is_dir)]) sorted by name, names > ``after`` only
+        (sync, on the committed state)."""
+        return self.meta.read(lambda txn: self._list_in(txn, components, expect_gen, after, limit))
 
-        def fn(txn):
-            _, entity = self._lookup(txn, components)
-            if entity is None:
-                raise NotFound("%s does not exist" % _show(components))
-            if not entity.is_dir:
-                raise NotADirectory("%s is a file" % _show(components))
-            check_gen(entity, expect_gen, _show(components))
-            prefix = _U64.pack(entity.inode)
-            start = prefix + after + b"\x00" if after is not None else prefix
-            rows = txn.scan(ENT_TABLE, start=start, prefix=prefix, limit=limit + 1)
-            items = [(bytes(k[8:]), v[_GEN], bool(v[_IS_DIR])) for k, v in rows[:limit]]
-            return entity.gen, len(rows) > limit, items
+    def list_queued(self, components, expect_gen: int, after=None, limit: int = MAX_LIST):
+        """-> Deferred[the same as ``list``], answered at its place among the mutations queued
+        before it (see ``_batched``)."""
+        return self._batched(lambda txn: self._list_in(txn, components, expect_gen, after, limit))
 
-        return self.meta.read(fn)
+    def _list_in(self, txn, components, expect_gen, after, limit):
+        _, entity = self._lookup(txn, components)
+        if entity is None:
+            raise NotFound("%s does not exist" % _show(components))
+        if not entity.is_dir:
+            raise NotADirectory("%s is a file" % _show(components))
+        check_gen(entity, expect_gen, _show(components))
+        prefix = _U64.pack(entity.inode)
+        start = prefix + after + b"\x00" if after is not None else prefix
+        rows = txn.scan(ENT_TABLE, start=start, prefix=prefix, limit=limit + 1)
+        items = [(bytes(k[8:]), v[_GEN], bool(v[_IS_DIR])) for k, v in rows[:limit]]
+        return entity.gen, len(rows) > limit, items
 
     def stat(self, components):
         """-> Entity (sync); raises NotFound/NotADirectory."""
@@ -307,31 +312,36 @@ class FileTree:
         return self.meta.read(fn)
 
     def read(self, components, expect_gen: int, offset: int, length: int, max_chunks: int = MAX_CHUNKS_PER_OP):
-        """-> ReadResult for the readable part of [offset, offset+length) (sync)."""
+        """-> ReadResult for the readable part of [offset, offset+length) (sync, on the committed
+        state)."""
+        return self.meta.read(lambda txn: self._read_in(txn, components, expect_gen, offset, length, max_chunks))
 
-        def fn(txn):
-            _, entity = self._lookup(txn, components)
-            if entity is None:
-                raise NotFound("%s does not exist" % _show(components))
-            if entity.is_dir:
-                raise IsADirectory("%s is a directory" % _show(components))
-            check_gen(entity, expect_gen, _show(components))
-            end = min(entity.size, offset + length)
-            readable = max(0, end - offset)
-            first, count = span(offset, readable, entity.chunk_size)
-            if count > max_chunks:
-                raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
-            hashes = [ZERO_HASH] * count
-            if count:
-                rows = txn.scan(CHK_TABLE, start=_chk_key(entity.inode, first), prefix=_U64.pack(entity.inode), limit=count)
-                for key, addr in rows:
-                    index = _CHK.unpack(key)[1] - first
-                    if index >= count:
-                        break
-                    hashes[index] = bytes(addr)
-            return ReadResult(entity.gen, entity.chunk_size, readable, first, hashes, entity.size)
+    def read_queued(self, components, expect_gen: int, offset: int, length: int, max_chunks: int = MAX_CHUNKS_PER_OP):
+        """-> Deferred[the same as ``read``], answered at its place among the mutations queued
+        before it (see ``_batched``)."""
+        return self._batched(lambda txn: self._read_in(txn, components, expect_gen, offset, length, max_chunks))
 
-        return self.meta.read(fn)
+    def _read_in(self, txn, components, expect_gen, offset, length, max_chunks):
+        _, entity = self._lookup(txn, components)
+        if entity is None:
+            raise NotFound("%s does not exist" % _show(components))
+        if entity.is_dir:
+            raise IsADirectory("%s is a directory" % _show(components))
+        check_gen(entity, expect_gen, _show(components))
+        end = min(entity.size, offset + length)
+        readable = max(0, end - offset)
+        first, count = span(offset, readable, entity.chunk_size)
+        if count > max_chunks:
+            raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
+        hashes = [ZERO_HASH] * count
+        if count:
+            rows = txn.scan(CHK_TABLE, start=_chk_key(entity.inode, first), prefix=_U64.pack(entity.inode), limit=count)
+            for key, addr in rows:
+                index = _CHK.unpack(key)[1] - first
+                if index >= count:
+                    break
+                hashes[index] = bytes(addr)
+        return ReadResult(entity.gen, entity.chunk_size, readable, first, hashes, entity.size)
 
     def write(self, components, expect_gen: int, flags: int, offset: int, length: int, hashes):
         """-> Deferred[new gen]. ``hashes`` are the new addresses of the chunks the range spans."""
@@ -346,9 +356,12 @@ class FileTree:
         that arrive in one reactor turn (from any connection) go to the store as one transaction,
         so each costs one entry in it, not a transaction of its own. Every mutation goes this one
         way and runs to its end inside it (no retry later), in the order asked for, so mutations
-        pipelined on one connection apply in arrival order. ``fn`` must raise FsError only before
-        it changes anything (every operation checks everything first), so a refused one leaves no
-        trace; any other exception aborts (and fails) the whole batch."""
+        pipelined on one connection apply in arrival order. A queued read (``list_queued``,
+        ``read_queued``) is an entry too: it sees the entries before it and none after it, and
+        is answered when the transaction has committed, together with them and in their order.
+        ``fn`` must raise FsError only before it changes anything (every operation checks
+        everything first), so a refused one leaves no trace; any other exception aborts (and
+        fails) the whole batch."""
         d = defer.Deferred()
         self._batch.append((fn, d))
         if len(self._batch) == 1:

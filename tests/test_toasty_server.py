@@ -296,6 +296,48 @@ async def test_pipelined_write_then_read_sees_the_write(meta, chunks):
 
 
 @pytest_twisted.ensureDeferred
+async def test_pipelined_list_sees_only_the_requests_before_it(meta):
+    """CONTRACT §5: a LIST pipelined between CREATEs sees the ones before it, not the one after."""
+    msgs = [Create(b"/v", True), Create(b"/v/x", False, 4096), List_(0, b"/v"), Create(b"/v/y", False, 4096)]
+    meta.send(b"".join(codec.encode(m) for m in msgs))  # one read on the server's side
+    cv, cx, ls, cy = await meta.replies(4)
+    assert cv.TYPE == cx.TYPE == cy.TYPE == codec.CREATE_SUCCESS
+    assert ls.TYPE == codec.LIST_SUCCESS and ls.gen == cv.gen
+    assert [(i.name, i.gen) for i in ls.items] == [(b"x", cx.gen)]
+    assert [i.name for i in (await meta.call(List_(0, b"/v"))).items] == [b"x", b"y"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_pipelined_read_before_a_write_sees_the_old_content(meta, chunks):
+    """READ /w; WRITE /w sent together: the READ answers with the content and generation before
+    the WRITE -- with nothing else pending, and behind an unacknowledged mutation of the same
+    connection (which it does see)."""
+    old = await put_chunk(chunks, b"o", 4096)
+    new = await put_chunk(chunks, b"n", 4096)
+    g = (await meta.call(Write(MISSING, CREATE_IF_MISSING, b"/w", 0, 1, [wc(old)]))).gen
+    meta.send(b"".join(codec.encode(m) for m in [Read(0, b"/w", 0, 10), Write(g, 0, b"/w", 0, 1, [wc(new)])]))
+    r, w = await meta.replies(2)
+    assert w.TYPE == codec.WRITE_SUCCESS and w.gen > g
+    assert (r.TYPE, r.gen, [c.hash for c in r.chunks]) == (codec.READ_SUCCESS, g, [old])
+    msgs = [
+        Write(MISSING, CREATE_IF_MISSING, b"/w0", 0, 1, [wc(new)]),  # pending when the READ comes
+        Read(0, b"/w", 0, 10),
+        List_(0, b"/"),
+        Write(w.gen, TRUNCATE_AFTER, b"/w", 0, 2, [wc(old)]),
+        Write(MISSING, CREATE_IF_MISSING, b"/w2", 0, 1, [wc(new)]),
+        Read(w.gen, b"/w", 0, 10),  # refused: the WRITE before it moved the generation on
+        Read(0, b"/w", 0, 10),
+    ]
+    meta.send(b"".join(codec.encode(m) for m in msgs))
+    w0, r1, ls, w1, w2, stale, r2 = await meta.replies(7)
+    assert w0.TYPE == w1.TYPE == w2.TYPE == codec.WRITE_SUCCESS
+    assert (r1.TYPE, r1.gen, r1.file_length, [c.hash for c in r1.chunks]) == (codec.READ_SUCCESS, w.gen, 1, [new])
+    assert [(i.name, i.gen) for i in ls.items] == [(b"w", w.gen), (b"w0", w0.gen)]
+    assert stale.TYPE == codec.READ_ERROR and "Generation" in stale.message
+    assert (r2.gen, r2.file_length, [c.hash for c in r2.chunks]) == (w1.gen, 2, [old])
+
+
+@pytest_twisted.ensureDeferred
 async def test_unreferenced_chunks_are_reclaimed(store, meta, chunks):
     h1 = await put_chunk(chunks, b"1", 4096)
     h2 = await put_chunk(chunks, b"2", 4096)

@@ -6,10 +6,12 @@ decoded to exactly its length. Anything else closes the connection with no reply
 warn. Replies leave in request order (the protocol has no request id): each request owns a slot in
 an ordered queue, and the head is written as soon as it is ready.
 
-Metadata requests run against ``storage.files.FileTree``. A read (LIST, READ) that arrives behind an
-unacknowledged write (CREATE, DELETE, WRITE) of the same connection waits for it, so a pipelined
-``WRITE; READ`` sees its own write. Chunk requests run against ``store.chunks`` (content addressed,
-SHA-256 of the zero-padded chunk).
+Metadata requests run against ``storage.files.FileTree``; pipelined requests take effect in arrival
+order (CONTRACT §5). A read (LIST, READ) with no unacknowledged mutation (CREATE, DELETE, WRITE) of
+its connection ahead of it is answered at once from the committed state. One behind such a mutation
+joins the tree's mutation batch as an entry of its own, so it sees the mutations sent before it and
+none sent after it, while pipelined mutations keep sharing one transaction. Chunk requests run
+against ``store.chunks`` (content addressed, SHA-256 of the zero-padded chunk).
 """
 
 import struct
@@ -364,8 +366,7 @@ class MetaServerProtocol(_ToastyServerProtocol):
         super().__init__(node)
         self.tree = tree
         self.factory = factory
-        self._writes = 0  # unacknowledged writes of this connection
-        self._waiting = deque()  # reads parked behind them: (msg, Deferred)
+        self._writes = 0  # unacknowledged mutations of this connection
 
     def error_reply(self, msg, text):
         if msg.TYPE == codec.READ:
@@ -373,13 +374,8 @@ class MetaServerProtocol(_ToastyServerProtocol):
         return codec.ErrorReply(_ERROR_TYPE[msg.TYPE], text)
 
     def handle(self, msg):
-        t = msg.TYPE
-        if t in (codec.LIST, codec.READ):
-            if self._writes or self._waiting:
-                d = defer.Deferred()
-                self._waiting.append((msg, d))
-                return d
-            return defer.succeed(self._read_op(msg))
+        if msg.TYPE in (codec.LIST, codec.READ):
+            return self._read_op(msg)
         self._writes += 1
         d = self._write_op(msg)
         d.addBoth(self._write_done)
@@ -387,24 +383,43 @@ class MetaServerProtocol(_ToastyServerProtocol):
 
     def _write_done(self, result):
         self._writes -= 1
-        while self._waiting and not self._writes:
-            msg, d = self._waiting.popleft()
-            d.callback(self._read_op(msg))
         return result
 
     def _read_op(self, msg):
+        # CONTRACT §5: a read sees exactly the requests sent before it on its connection. With
+        # none of them unacknowledged, that is the committed state; else the read takes its place
+        # in the mutation batch behind them, ahead of any mutation sent after it.
+        queued = self._writes > 0
+        tree = self.tree
         try:
             if msg.TYPE == codec.LIST:
                 components, after = paths.split_list_path(msg.path)
-                gen, truncated, items = self.tree.list(components, msg.expect_gen, after, codec.MAX_LIST_ITEMS)
-                return codec.ListSuccess(gen, truncated, [codec.ListItem(g, d, n) for n, g, d in items])
-            components = paths.normalize(msg.path)
-            r = self.tree.read(components, msg.expect_gen, msg.offset, msg.length, codec.MAX_READ_CHUNKS)
-            holders = self.factory.holders()
-            chunks = [codec.ReadChunk(h, [] if h == codec.ZERO_HASH else holders) for h in r.hashes]
-            return codec.ReadSuccess(r.gen, r.chunk_size, r.file_length, chunks, self.factory.write_locations())
+                args = (components, msg.expect_gen, after, codec.MAX_LIST_ITEMS)
+                if not queued:
+                    return defer.succeed(self._list_reply(tree.list(*args)))
+                d = tree.list_queued(*args)
+                d.addCallback(self._list_reply)
+            else:
+                components = paths.normalize(msg.path)
+                args = (components, msg.expect_gen, msg.offset, msg.length, codec.MAX_READ_CHUNKS)
+                if not queued:
+                    return defer.succeed(self._read_reply(tree.read(*args)))
+                d = tree.read_queued(*args)
+                d.addCallback(self._read_reply)
         except (paths.InvalidPath, files.FsError) as e:
-            return self.error_reply(msg, str(e))
+            return defer.succeed(self.error_reply(msg, str(e)))
+        d.addErrback(self._fs_error, msg)
+        return d
+
+    @staticmethod
+    def _list_reply(result):
+        gen, truncated, items = result
+        return codec.ListSuccess(gen, truncated, [codec.ListItem(g, d, n) for n, g, d in items])
+
+    def _read_reply(self, r):
+        holders = self.factory.holders()
+        chunks = [codec.ReadChunk(h, [] if h == codec.ZERO_HASH else holders) for h in r.hashes]
+        return codec.ReadSuccess(r.gen, r.chunk_size, r.file_length, chunks, self.factory.write_locations())
 
     def _write_op(self, msg):
         try:
