@@ -277,12 +277,16 @@ def test_duplicate_kill9_reelection_and_restart(cluster3, tmp_path):
     etcd, nodes = cluster3
     live, leader = view(nodes[0])
     # a live node's id on another data dir: refused with one line, non-zero exit, nothing left
+    leases_before = sorted(x["ID"] for x in etcd.request(0, "/v3/lease/leases", {}).get("leases", []))
     dup = NodeProcess(tmp_path, name="dup", cluster=etcd.client_urls, node_id=nodes[1].node_id, fsync="never")
     result = subprocess.run(dup.argv(), capture_output=True, text=True, timeout=60,
                             env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert result.returncode != 0
     assert "node_id %d is already live" % nodes[1].node_id in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert view(nodes[1])[0] == [1, 2, 3]
+    # nothing half-registered: the refused node's lease was revoked
+    assert sorted(x["ID"] for x in etcd.request(0, "/v3/lease/leases", {}).get("leases", [])) == leases_before
 
     # kill -9 the leader: it leaves the member list within TTL + 5 s and another leads within 10 s
     old = next(n for n in nodes if n.node_id == leader)
@@ -407,3 +411,9 @@ def test_etcd_down_while_running(tmp_path):
         for node in nodes:
             node.kill9()
         etcd.stop()
+
+
+def test_sbpctl_cluster_on_a_single_node(node):
+    out = sbpctl("cluster", "--endpoint", node.endpoint("sbp"))
+    assert "mode      single node" in out and "leader    %d" % node.node_id in out
+    assert "single node" in sbpctl("status", "--endpoint", node.endpoint("sbp"))
