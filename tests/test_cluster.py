@@ -387,8 +387,10 @@ def test_etcd_down_while_running(tmp_path):
     etcd = EtcdCluster(tmp_path, members=1).start()
     nodes = []
     try:
-        nodes = start_nodes(tmp_path, etcd.client_urls, [7])
+        nodes = start_nodes(tmp_path, etcd.client_urls, [7], advertise="localhost")
         (n,) = nodes
+        # --advertise: the host others are told
+        assert members(n)[0]["advertise_addr"] == "localhost:%d" % n.ports["sbp"]
         with client(n) as c:
             sid = c.create_stream(replica_nums=1)["stream_id"]
             assert c.append(sid, batch(2)) == 0
