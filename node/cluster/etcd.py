@@ -259,9 +259,9 @@ class EtcdClient:
     def lease_grant(self, ttl: int):
         return self.call("/v3/lease/grant", {"TTL": str(ttl)}).addCallback(lambda a: int(a["ID"]))
 
-    def lease_keepalive(self, lease_id: int, deadline=None):
+    def lease_keepalive(self, lease_id: int, deadline=None, timeout=None):
         """The lease's remaining TTL; 0 when it has expired (etcd answers without a TTL)."""
-        d = self.call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline)
+        d = self.call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline, timeout=timeout)
         return d.addCallback(lambda a: int(a.get("result", {}).get("TTL", 0)))
 
     def lease_revoke(self, lease_id: int, deadline=None):

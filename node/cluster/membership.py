@@ -217,7 +217,10 @@ class Membership:
             return
         if self.lease is not None:
             try:
-                ttl = yield self.client.lease_keepalive(self.lease, deadline=KEEPALIVE_EVERY * 2)
+                # a short timeout per attempt: a hung etcd member must not hold the keep-alive
+                # past the TTL while another member would answer
+                ttl = yield self.client.lease_keepalive(self.lease, deadline=KEEPALIVE_EVERY * 2,
+                                                        timeout=KEEPALIVE_EVERY * 0.8)
             except etcd.EtcdError as e:
                 # etcd slow or unreachable: keep serving, say so, keep trying (the lease may
                 # still run)
