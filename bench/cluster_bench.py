@@ -10,7 +10,9 @@ Starts its own etcd (one member, loopback, temp dir) and three nodes (``--fsync 
 2. placement-driver ops/s and latency percentiles for CREATE_STREAMS and DESCRIBE_RANGES, with
    ``--clients`` blocking clients (threads, one request in flight each) all against one node, then
    spread over the three;
-3. leader failover: kill -9 of the placement-driver leader until both survivors name the same new
+3. APPEND on a stream's primary, cluster mode beside a single node (what routing costs the data
+   path): ``--appends`` frames of 16 records x 100 B, 16 in flight, ``--fsync never``;
+4. leader failover: kill -9 of the placement-driver leader until both survivors name the same new
    leader (DESCRIBE_PD_CLUSTER polled every 20 ms), ``--kills`` times (the killed node restarts
    between kills); median and worst.
 """
@@ -118,6 +120,22 @@ def bench_pd(nodes, clients, ops):
         report("DESCRIBE_RANGES, " + label, rate, lat)
 
 
+def bench_append(cluster_node, single_node, appends):
+    from storage import record_batch
+
+    batch = record_batch.encode([(1000 + i, [], b"x" * 100) for i in range(16)])
+    print("APPEND on the primary, %d frames of 16 x 100 B records, 16 in flight:" % appends)
+    for label, node in (("cluster mode", cluster_node), ("single node", single_node)):
+        with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=30, follow_cluster=True) as c:
+            sid = c.create_stream(replica_nums=1)["stream_id"]
+            target = c.for_stream(sid)
+            target.append_pipelined([(sid, batch)] * 200, window=16)  # warm-up
+            t = time.perf_counter()
+            target.append_pipelined([(sid, batch)] * appends, window=16)
+            elapsed = time.perf_counter() - t
+        print("  %-14s %8.0f appends/s  %8.0f records/s" % (label, appends / elapsed, appends * 16 / elapsed))
+
+
 def view(node):
     with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=5) as c:
         ms = c.call(call_describe_cluster())
@@ -160,6 +178,7 @@ def main():
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--starts", type=int, default=3)
+    p.add_argument("--appends", type=int, default=5000)
     a = p.parse_args()
     base = tempfile.mkdtemp(prefix="cluster-bench-")
     etcd = EtcdCluster(base, members=1).start()
@@ -170,6 +189,12 @@ def main():
         nodes = [NodeProcess(base, name="n%d" % i, cluster=etcd.client_urls, node_id=i, fsync="never").start(timeout=120)
                  for i in (1, 2, 3)]
         bench_pd(nodes, a.clients, a.ops)
+        single = NodeProcess(base, name="single", fsync="never").start(timeout=120)
+        try:
+            # the primary of a new R=1 stream is the least loaded node: ask that node
+            bench_append(nodes[0], single, a.appends)
+        finally:
+            single.kill9()
         bench_failover(nodes, a.kills)
         print("load average: %.2f %.2f %.2f" % os.getloadavg())
     finally:

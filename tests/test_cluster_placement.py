@@ -29,7 +29,7 @@ def driver(ids, me=1):
 
 def place(pd, sid, r):
     servers = pd._servers(pd.choose(r))
-    pd.streams[sid] = {"stream_id": sid, "replica_nums": r, "ranges": [{"index": 0, "start": 0, "end": -1, "servers": servers}]}
+    pd._set({"stream_id": sid, "replica_nums": r, "ranges": [{"index": 0, "start": 0, "end": -1, "servers": servers}]})
     return servers
 
 
@@ -70,3 +70,16 @@ def test_open_range_and_primary_helpers():
     assert placement.primary_of(placement.open_range(rec))["id"] == 3
     assert placement.hosts(rec, 1) and not placement.hosts(rec, 4)
     assert placement.ack_count(3) == 2 and placement.ack_count(1) == 1 and placement.ack_count(5) == 3
+
+
+def test_load_counts_follow_changes_and_deletes():
+    pd = driver([1, 2, 3])
+    place(pd, 1, 3)
+    assert pd._held == {1: 1, 2: 1, 3: 1} and sum(pd._led.values()) == 1
+    rec = dict(pd.streams[1])
+    rec["ranges"] = [dict(rec["ranges"][0], end=5)]  # sealed: no open range
+    pd._set(rec)
+    assert set(pd._held.values()) == {0} and set(pd._led.values()) == {0}
+    place(pd, 2, 2)
+    pd._unset(2)
+    assert set(pd._held.values()) == {0}

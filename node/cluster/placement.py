@@ -99,7 +99,9 @@ class PlacementDriver:
         self.store = store
         self.replication_factor = replication_factor
         self.reactor = reactor or client.reactor
-        self.streams = {}  # stream_id -> record, as last seen (watch)
+        self.streams = {}  # stream_id -> record, as last seen (watch); change through _set/_unset
+        self._held = {}  # node_id -> open ranges it holds (from self.streams)
+        self._led = {}  # node_id -> open ranges it leads
         self._turn = 0
         self._watch = None
         self._ensuring = {}  # stream_id -> Deferred of a local replica being created
@@ -132,7 +134,9 @@ class PlacementDriver:
             if rec is not None:
                 streams[rec["stream_id"]] = rec
         gone = [sid for sid in self.streams if sid not in streams]
-        self.streams = streams
+        self.streams, self._held, self._led = {}, {}, {}
+        for rec in streams.values():
+            self._set(rec)
         for rec in streams.values():
             self._apply(rec)
         for sid in gone:
@@ -148,7 +152,7 @@ class PlacementDriver:
                     sid = int(kv.key.rsplit(b"/", 1)[1])
                 except ValueError:
                     continue
-                self.streams.pop(sid, None)
+                self._unset(sid)
                 self._apply_delete(sid)
             else:
                 rec = _decode(kv)
@@ -159,8 +163,34 @@ class PlacementDriver:
         old = self.streams.get(rec["stream_id"])
         if old is not None and old.get("_rev", 0) > rec.get("_rev", 0):
             return  # an older view arriving late
-        self.streams[rec["stream_id"]] = rec
+        self._set(rec)
         self._apply(rec)
+
+    def _count(self, rec, sign):
+        rng = open_range(rec)
+        for s in (rng["servers"] if rng else ()):
+            self._held[s["id"]] = self._held.get(s["id"], 0) + sign
+            if s.get("primary"):
+                self._led[s["id"]] = self._led.get(s["id"], 0) + sign
+
+    def _set(self, rec):
+        old = self.streams.get(rec["stream_id"])
+        if old is not None:
+            self._count(old, -1)
+        self.streams[rec["stream_id"]] = rec
+        self._count(rec, +1)
+
+    def held(self):
+        """node_id -> open ranges it holds (a copy)."""
+        return dict(self._held)
+
+    def led(self, node_id):
+        return self._led.get(node_id, 0)
+
+    def _unset(self, sid):
+        old = self.streams.pop(sid, None)
+        if old is not None:
+            self._count(old, -1)
 
     # -- this node's replicas -------------------------------------------------------------------
 
@@ -316,17 +346,8 @@ class PlacementDriver:
         live = self.membership.live_ids()
         if len(live) < replica_nums:
             raise NoAvailableRS("%d live node(s), stream needs %d" % (len(live), replica_nums))
-        held = dict.fromkeys(live, 0)
-        led = dict.fromkeys(live, 0)
-        for rec in self.streams.values():
-            rng = open_range(rec)
-            if rng is None:
-                continue
-            for s in rng["servers"]:
-                if s["id"] in held:
-                    held[s["id"]] += 1
-                    if s.get("primary"):
-                        led[s["id"]] += 1
+        held = {nid: self._held.get(nid, 0) for nid in live}
+        led = {nid: self._led.get(nid, 0) for nid in live}
         self._turn += 1
         n = len(live)
         order = {nid: (i - self._turn) % n for i, nid in enumerate(live)}
@@ -414,7 +435,7 @@ class PlacementDriver:
                 raise StreamGone("stream %d not found" % sid)
             r = yield self.client.txn([etcd.compare_mod_revision(key, kv.mod_revision)], [etcd.op_delete(key)])
             if r.succeeded:
-                self.streams.pop(sid, None)
+                self._unset(sid)
                 self._apply_delete(sid)
                 return rec
         raise Conflict("stream %d kept changing" % sid)

@@ -11,7 +11,7 @@ nothing registered.
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from node.cluster import etcd
+from node.cluster import etcd, placement
 from node.cluster.election import Election
 from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation
 from node.cluster.placement import PlacementDriver
@@ -86,6 +86,24 @@ class ClusterNode:
                 continue
         leader = yield self.election.current_leader()
         return members, leader
+
+    @staticmethod
+    def classify(e):
+        """(kind, message) of a cluster error for the protocols to answer with, or None if ``e``
+        is not one. Kinds: no_available_rs, stream_not_found, not_here (message: the address to
+        ask), unavailable (etcd did not answer), error."""
+        if isinstance(e, placement.NoAvailableRS):
+            return "no_available_rs", str(e)
+        if isinstance(e, placement.StreamGone):
+            return "stream_not_found", str(e)
+        if isinstance(e, placement.NotHere):
+            return "not_here", e.address
+        if isinstance(e, etcd.EtcdUnavailable) or (isinstance(e, etcd.EtcdError) and e.code in (14, 4)):
+            # etcd slow or unreachable: the request fails, the node keeps serving what it can
+            return "unavailable", "placement driver unavailable: %s" % e
+        if isinstance(e, (etcd.EtcdError, placement.PlacementError)):
+            return "error", "placement driver: %s" % e
+        return None
 
     def status(self):
         """What `sbpctl status` shows of cluster mode."""

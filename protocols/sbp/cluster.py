@@ -25,22 +25,22 @@ from protocols.sbp.codec import T
 from protocols.sbp.status import status_for_failure
 
 
-def _status_of(failure, log):
-    from node.cluster import etcd, placement
+# what the node's cluster says an error is (ClusterNode.classify) -> SBP status code
+_CODES = {
+    "no_available_rs": codec.NO_AVAILABLE_RS,
+    "stream_not_found": codec.STREAM_NOT_FOUND,
+    "not_here": codec.PD_NOT_LEADER,
+    "unavailable": codec.UNKNOWN,
+    "error": codec.UNKNOWN,
+}
 
-    e = failure.value
-    if isinstance(e, placement.NoAvailableRS):
-        return codec.status(codec.NO_AVAILABLE_RS, str(e))
-    if isinstance(e, placement.StreamGone):
-        return codec.status(codec.STREAM_NOT_FOUND, str(e))
-    if isinstance(e, placement.NotHere):
-        return codec.status(codec.PD_NOT_LEADER, e.address)
-    if isinstance(e, etcd.EtcdError):
-        # etcd slow or unreachable: the request fails, the node keeps serving what it can
-        return codec.status(codec.UNKNOWN, "placement driver unavailable: %s" % e)
-    if isinstance(e, placement.PlacementError):
-        return codec.status(codec.UNKNOWN, str(e))
-    return status_for_failure(failure, log, "placement driver")
+
+def _status_of(cluster, failure, log):
+    kind = cluster.classify(failure.value)
+    if kind is None:
+        return status_for_failure(failure, log, "placement driver")
+    name, message = kind
+    return codec.status(_CODES[name], message)
 
 
 class ClusterRouter:
@@ -94,7 +94,7 @@ class ClusterRouter:
 
         def failed(f):
             f = f.value.subFailure if isinstance(f.value, defer.FirstError) else f
-            st = _status_of(f, self.log)
+            st = _status_of(self.cluster, f, self.log)
             self._answer_all(proto, frame, req, lambda sid: st)
 
         def release(_):
@@ -147,7 +147,7 @@ class ClusterAdmin(RangeAdmin):
         def failed(f):
             # the whole request failed (etcd unreachable, ...): a response with that status
             fields = dict((name, default) for name, _, default in codec.SCHEMA[resp_name])
-            fields["status"] = _status_of(f, self.log)
+            fields["status"] = _status_of(self.cluster, f, self.log)
             return fields
 
         return d.addErrback(failed)
@@ -170,7 +170,7 @@ class ClusterAdmin(RangeAdmin):
         ds = []
         for item in items:
             d = defer.maybeDeferred(fn, item)
-            d.addErrback(lambda f, item=item: on_error(item, _status_of(f, self.log)))
+            d.addErrback(lambda f, item=item: on_error(item, _status_of(self.cluster, f, self.log)))
             ds.append(d)
         return defer.gatherResults(ds)
 
@@ -233,7 +233,7 @@ class ClusterAdmin(RangeAdmin):
                 except Exception as e:
                     from twisted.python.failure import Failure
 
-                    out.append(T.ListRangesResult(owner.stream_id, _status_of(Failure(e), self.log), []))
+                    out.append(T.ListRangesResult(owner.stream_id, _status_of(self.cluster, Failure(e), self.log), []))
                     continue
                 out.append(T.ListRangesResult(rec["stream_id"], codec.status(), self._ranges(rec)))
             elif owner.range_server is not None:
@@ -266,11 +266,11 @@ class ClusterAdmin(RangeAdmin):
 
     @defer.inlineCallbacks
     def do_describe_pd_cluster(self, req):
-        from node.cluster import etcd
-
         try:
             members, leader = yield self.cluster.describe()
-        except etcd.EtcdError:
+        except Exception as e:
+            if self.cluster.classify(e) is None or self.cluster.classify(e)[0] != "unavailable":
+                raise
             # etcd unreachable: answer from what the watches last saw (status shows it stale)
             members, leader = dict(self.cluster.membership.members), self.cluster.election.leader_id
         nodes = [T.PlacementDriverNode(str(nid), rec.get("sbp") or "", nid == leader) for nid, rec in sorted(members.items())]
@@ -285,16 +285,8 @@ class ClusterAdmin(RangeAdmin):
         return T.DescribePdClusterResponse(codec.status(codec.OK, None, detail), T.PlacementDriverCluster(nodes))
 
     def _ranges_per_node(self):
-        counts = {}
-        for rec in self.pd.streams.values():
-            for r in rec["ranges"]:
-                if r["end"] >= 0:
-                    continue
-                for s in r["servers"]:
-                    c = counts.setdefault(str(s["id"]), {"ranges": 0, "primaries": 0})
-                    c["ranges"] += 1
-                    c["primaries"] += bool(s.get("primary"))
-        return counts
+        """Open ranges held and led per node, as this node's watch knows them."""
+        return {str(nid): {"ranges": n, "primaries": self.pd.led(nid)} for nid, n in self.pd.held().items() if n}
 
     def do_seal_ranges(self, req):
         st = codec.status(codec.INVALID_REQUEST, "SEAL_RANGES in cluster mode comes with replication (issue 17)")
