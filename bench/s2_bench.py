@@ -3,9 +3,13 @@
     python bench/s2_bench.py [--records 1000000] [--batch 1000] [--size 100] [--fsync always]
                              [--endpoint http://127.0.0.1:PORT]
 
+    python bench/s2_bench.py --compare [--records 200000] ...
+
 Without --endpoint it starts a node (tests/nodeproc.py) in a temporary directory and stops it at
 the end. Measures: an S2S append session of N records (batches of --batch, --size-byte bodies; ack
 latency percentiles), an S2S read session of them, then unary protobuf and JSON appends and reads.
+With --compare: the S2S append and read sessions only, on a plain stream, on encrypted streams
+(aegis-256, aes-256-gcm) and through a scoped access token, one after the other on one node.
 """
 
 import argparse
@@ -119,6 +123,67 @@ async def run(endpoint, args):
     print("unary read (JSON, HTTP/1.1): %d records: %.0f records/s" % (got, got / dt))
 
 
+async def sessions(stream, args):
+    """(append records/s, MB/s, ack p50 ms, ack p99 ms, read records/s) of one S2S session pair."""
+    from s2_sdk import AppendInput, ReadLimit, Record, SeqNum
+
+    batch = AppendInput(records=[Record(body=b"x" * args.size) for _ in range(args.batch)])
+    nbatches = args.records // args.batch
+    n = nbatches * args.batch
+    latencies = []
+
+    async def acked(ticket, submitted):
+        await ticket
+        latencies.append(time.perf_counter() - submitted)
+
+    t0 = time.perf_counter()
+    async with stream.append_session(max_unacked_bytes=args.unacked * 1024 * 1024) as session:
+        waiters = [asyncio.ensure_future(acked(await session.submit(batch), time.perf_counter()))
+                   for _ in range(nbatches)]
+        await asyncio.gather(*waiters)
+    append_dt = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = 0
+    async for rb in stream.read_session(start=SeqNum(0), limit=ReadLimit(count=n)):
+        got += len(rb.records)
+    read_dt = time.perf_counter() - t0
+    assert got == n, (got, n)
+    return (n / append_dt, n * args.size / 1e6 / append_dt, pct(latencies, 50) * 1e3, pct(latencies, 99) * 1e3,
+            n / read_dt)
+
+
+async def compare(endpoint, args):
+    import os as _os
+
+    from s2_sdk import (S2, AccessTokenScope, BasinConfig, Encryption, Endpoints, ExactMatch,
+                        OperationGroupPermissions, Permission, PrefixMatch)
+
+    ep = Endpoints(account=endpoint, basin=endpoint)
+    stamp = int(time.time())
+    key = _os.urandom(32)
+    rows = []
+    async with S2(args.token or "bench", endpoints=ep) as root:
+        plain = "bench-plain-%d" % stamp
+        await root.create_basin(plain)
+        await root.basin(plain).create_stream("s")
+        rows.append(("plain", await sessions(root.basin(plain).stream("s"), args)))
+        for cipher in (Encryption.AEGIS_256, Encryption.AES_256_GCM):
+            name = "bench-%s-%d" % (cipher.value.replace("-", ""), stamp)
+            await root.create_basin(name, config=BasinConfig(stream_cipher=cipher))
+            await root.basin(name).create_stream("s")
+            rows.append((cipher.value, await sessions(root.basin(name).stream("s", encryption_key=key), args)))
+        token = await root.issue_access_token("bench-%d" % stamp, scope=AccessTokenScope(
+            basins=ExactMatch(plain), streams=PrefixMatch("scoped/"),
+            op_groups=OperationGroupPermissions(basin=Permission.READ_WRITE, stream=Permission.READ_WRITE)))
+    async with S2(token, endpoints=ep) as scoped:
+        await scoped.basin(plain).create_stream("scoped/s")
+        rows.append(("scoped token", await sessions(scoped.basin(plain).stream("scoped/s"), args)))
+    print("| stream | append session records/s | MB/s | ack p50 ms | ack p99 ms | read session records/s |")
+    print("|---|---|---|---|---|---|")
+    for label, (rate, mbs, p50, p99, rrate) in rows:
+        print("| %s | %.0f | %.1f | %.1f | %.1f | %.0f |" % (label, rate, mbs, p50, p99, rrate))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=1_000_000)
@@ -129,9 +194,12 @@ def main():
     ap.add_argument("--fsync", default="always")
     ap.add_argument("--endpoint", help="use a running node (http://host:port) instead of starting one")
     ap.add_argument("--token")
+    ap.add_argument("--compare", action="store_true",
+                    help="sessions only: plain, aegis-256, aes-256-gcm and a scoped token")
     args = ap.parse_args()
+    job = compare if args.compare else run
     if args.endpoint:
-        asyncio.run(run(args.endpoint, args))
+        asyncio.run(job(args.endpoint, args))
         return
     from tests.nodeproc import NodeProcess
 
@@ -140,7 +208,7 @@ def main():
         node.start()
         try:
             print("node: fsync=%s, http port %d" % (args.fsync, node.ports["http"]))
-            asyncio.run(run("http://127.0.0.1:%d" % node.ports["http"], args))
+            asyncio.run(job("http://127.0.0.1:%d" % node.ports["http"], args))
         finally:
             node.terminate()
 

@@ -18,6 +18,11 @@ DEFAULT_ENDPOINTS = {
 }
 
 DEFAULT_CLUSTER_PREFIX = "/sbpnode/"
+# Listen backlog for bursts of connects (Twisted's default is 50); a `backlog=` in the user's
+# endpoint string wins. The kernel caps it at net.core.somaxconn.
+DEFAULT_BACKLOG = 1024
+_BACKLOG_TYPES = ("tcp", "tcp6", "ssl", "unix")
+
 DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 
@@ -51,7 +56,16 @@ class NodeConfig:
     cluster_tls_ca: Optional[str] = None
 
     def endpoint(self, name: str) -> Optional[str]:
-        return getattr(self, name)
+        return with_backlog(getattr(self, name))
+
+
+def with_backlog(description: Optional[str]) -> Optional[str]:
+    """The endpoint string with ``backlog=DEFAULT_BACKLOG`` unless it names a backlog already."""
+    if description is None or description.split(":", 1)[0].lower() not in _BACKLOG_TYPES:
+        return description
+    if any(part.strip().lower().startswith("backlog=") for part in description.split(":")[1:]):
+        return description
+    return description + ":backlog=%d" % DEFAULT_BACKLOG
 
 
 def parse_endpoint(name: str, value: str) -> Optional[str]:

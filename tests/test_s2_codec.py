@@ -226,7 +226,8 @@ def test_stream_config_merge_and_retention():
     cfg = codec.merge_stream_config(codec.default_stream_config(),
                                     {"retention_policy": {"age": 60}, "timestamping": {"mode": "arrival"}})
     assert cfg["retention_policy"] == {"age": 60} and cfg["timestamping"] == {"mode": "arrival", "uncapped": False}
-    assert codec.retention_ms(cfg) == 60000 and codec.retention_ms(codec.default_stream_config()) == 0
+    assert codec.retention_ms(cfg) == 60000 and codec.retention_ms(codec.default_stream_config()) == 7 * 24 * 3600 * 1000
+    assert codec.default_stream_config()["storage_class"] == "express"
     assert codec.retention_policy(0) == {"infinite": {}} and codec.retention_policy(-5) == {"infinite": {}}
     assert codec.retention_policy(7000) == {"age": 7}
     for bad in ({"retention_policy": {"age": 0}}, {"timestamping": {"mode": "x"}}, {"storage_class": "cold"}):

@@ -82,7 +82,9 @@ def test_json_raw_and_base64_formats(node):
     assert json.loads(body)["records"][0]["body"] == "\x00\ufffdbin"  # lossy raw view of binary data
     status, headers, body = call(node, "GET", "/v1/streams/%s" % name)
     assert status == 200 and "sbp-stream-id" in headers
-    assert json.loads(body)["retention_policy"] == {"infinite": {}}
+    # CONTRACT §2: S2's default stream config.
+    assert json.loads(body)["retention_policy"] == {"age": 7 * 24 * 3600}
+    assert json.loads(body)["storage_class"] == "express"
 
 
 def test_protobuf_over_http1(node):
@@ -323,6 +325,9 @@ def test_sbp_interop_same_records_both_ways(node):
                         {"seq_num": 1, "timestamp": 1001, "body": "two"}]
         _, _, body = call(node, "GET", "/v1/streams?prefix=%d" % sid)
         assert [s["name"] for s in json.loads(body)["streams"]] == [str(sid)]
+        # CONTRACT §2: an SBP-created stream keeps its own retention (infinite here).
+        _, _, body = call(node, "GET", "/v1/streams/%d" % sid)
+        assert json.loads(body)["retention_policy"] == {"infinite": {}}
         status, _, body = call(node, "POST", "/v1/streams/%d/records" % sid,
                                {"records": [{"body": "from-s2", "headers": [["k", "w"]], "timestamp": 2000}]})
         assert status == 200 and json.loads(body)["start"]["seq_num"] == 2

@@ -104,7 +104,13 @@ def test_basins_and_streams_control_plane(endpoint):
             assert cfg.retention_policy == 3600
             cfg = await basin.reconfigure_stream("logs/0", config=StreamConfig(retention_policy="infinite"))
             assert cfg.retention_policy == "infinite"
-            assert (await basin.get_stream_config("other")).retention_policy == "infinite"
+            other = await basin.get_stream_config("other")  # CONTRACT §2: S2's defaults
+            assert other.retention_policy == 7 * 24 * 3600 and other.storage_class == "express"
+            await s2.reconfigure_basin(name, config=BasinConfig(
+                default_stream_config=StreamConfig(retention_policy="infinite", storage_class="standard")))
+            await basin.create_stream("third")
+            third = await basin.get_stream_config("third")
+            assert third.retention_policy == "infinite" and third.storage_class == "standard"
             with pytest.raises(S2ServerError) as e:
                 await basin.create_stream("other")
             assert e.value.status_code == 409
@@ -299,6 +305,26 @@ def test_append_session_producer_and_read_session(endpoint):
             with pytest.raises(ReadUnwrittenError):
                 async for _ in st.read_session(start=SeqNum(1000)):
                     pass
+
+    run(main())
+
+
+def test_read_session_is_caught_up_from_the_batch_reaching_the_tail(endpoint):
+    # The SDK counts a session as caught up from a data batch whose tail is its last seq_num + 1
+    # (issue 23: the catch-up batch came without tail, and a loop on is_caught_up() never ended).
+    async def main():
+        async with client(endpoint) as s2:
+            st = await new_stream(s2)
+            await st.append(AppendInput(records=[Record(body=b"%d" % i) for i in range(30)]))
+            got = []
+            session = st.read_session(start=SeqNum(0))
+            async for batch in session:
+                got.extend(r.seq_num for r in batch.records)
+                assert batch.tail is not None and batch.tail.seq_num == 30
+                if session.is_caught_up():
+                    break
+            await session.close()
+            assert got == list(range(30))
 
     run(main())
 

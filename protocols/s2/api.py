@@ -13,7 +13,6 @@ The only wait before that is loading a stream's last timestamp once (``_StreamSt
 appends queued behind that load are released in arrival order.
 """
 
-import hmac
 import re
 import time
 
@@ -22,9 +21,11 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from protocols.s2 import codec
+from protocols.s2 import codec, crypto
 from protocols.s2.codec import S2Error
+from protocols.s2.metrics import MetricsApi, S2Counters
 from protocols.s2.sessions import READ_CHUNK_BYTES, AppendSession, ReadSession, now_ms
+from protocols.s2.tokens import AccessTokens
 from storage import record_batch
 
 DEFAULT_BASIN = "sbpnode-default"
@@ -74,11 +75,14 @@ class S2Api:
         self.token = node.config.http_token
         self.max_batch_bytes = node.config.max_batch_bytes
         self.states = {}
-        self.index = {}  # (basin, name) -> stream id
+        self.index = None  # (basin, name) -> stream id of S2-named streams; see _names()
         self.creating = set()
         self.sessions = set()
         self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
         self.errors = _store_errors()
+        self.tokens = AccessTokens(self.store, self.token)
+        self.counters = S2Counters(self.metrics)
+        self.metrics_api = MetricsApi(self, self.counters)
 
     # -----------------------------------------------------------------------------------------
     # Start-up
@@ -168,49 +172,110 @@ class S2Api:
         m = req.method
         if seg == ["health"] and m == "GET":
             return self.h_health
-        if self.token is not None:
-            auth = req.header("authorization", "")
-            if not hmac.compare_digest(auth.encode(), ("Bearer " + self.token).encode()):
-                raise S2Error(401, "authn", "missing or wrong bearer token")
+        req.auth = auth = self.tokens.authenticate(req)
         if len(seg) < 2 or seg[0] != "v1":
             raise S2Error(404, "bad_path", "no such resource")
-        if seg[1] == "basins":
+        handler, op, basin, stream = self._resolve(req, responder, seg, m)
+        if op is not None:
+            auth.require(op, basin=basin, stream=stream)
+        self.counters.op(op, basin)
+        if handler == self._start_append_session:
+            # An S2S append session starts before its request body ends (it is the session).
+            self._run(responder, self.open_append_session(req, responder))
+            return None
+        return handler
+
+    def _start_append_session(self):
+        raise AssertionError("dispatched in _route")
+
+    def _resolve(self, req, responder, seg, m):
+        """(handler, S2 operation, basin, stream) of a request; the handler checks resources it
+        only learns from the body (names of new basins, streams, tokens) and filters listings."""
+        kind = seg[1]
+        if kind == "basins":
             if len(seg) == 2:
-                return {"GET": self.h_list_basins, "POST": self.h_create_basin}.get(m) or _no_method()
+                return _pick(m, {"GET": (self.h_list_basins, "list-basins"),
+                                 "POST": (self.h_create_basin, "create-basin")}) + (None, None)
             if len(seg) == 3:
-                return {
-                    "GET": self.h_get_basin, "PUT": self.h_ensure_basin,
-                    "PATCH": self.h_reconfigure_basin, "DELETE": self.h_delete_basin,
-                }.get(m) or _no_method()
-        elif seg[1] == "streams":
+                handler, op = _pick(m, {
+                    "GET": (self.h_get_basin, "get-basin-config"),
+                    "PUT": (self.h_ensure_basin, "create-basin"),
+                    "PATCH": (self.h_reconfigure_basin, "reconfigure-basin"),
+                    "DELETE": (self.h_delete_basin, "delete-basin"),
+                })
+                return handler, op, seg[2], None
+        elif kind == "streams":
+            basin = self._req_basin(req)
             if len(seg) == 2:
-                return {"GET": self.h_list_streams, "POST": self.h_create_stream}.get(m) or _no_method()
+                return _pick(m, {"GET": (self.h_list_streams, "list-streams"),
+                                 "POST": (self.h_create_stream, "create-stream")}) + (basin, None)
+            if len(seg) >= 3:
+                # An auto_prefix_streams token names its streams without its prefix.
+                seg[2] = req.auth.prefix + seg[2]
+            stream = seg[2] if len(seg) >= 3 else None
             if len(seg) == 3:
-                return {
-                    "GET": self.h_get_stream, "PUT": self.h_ensure_stream,
-                    "PATCH": self.h_reconfigure_stream, "DELETE": self.h_delete_stream,
-                }.get(m) or _no_method()
+                handler, op = _pick(m, {
+                    "GET": (self.h_get_stream, "get-stream-config"),
+                    "PUT": (self.h_ensure_stream, "create-stream"),
+                    "PATCH": (self.h_reconfigure_stream, "reconfigure-stream"),
+                    "DELETE": (self.h_delete_stream, "delete-stream"),
+                })
+                return handler, op, basin, stream
             if len(seg) == 4 and seg[3] == "records":
                 s2s = _media(req.header("content-type")) == "s2s/proto"
                 if m == "POST" and s2s:
-                    self._run(responder, self.open_append_session(req, responder))
-                    return None
+                    return self._start_append_session, "append", basin, stream
                 if m == "GET":
                     if s2s:
-                        return self.h_read_s2s
+                        return self.h_read_s2s, "read", basin, stream
                     if _media(req.header("accept")) == "text/event-stream":
-                        return self.h_read_sse
-                    return self.h_read
+                        return self.h_read_sse, "read", basin, stream
+                    return self.h_read, "read", basin, stream
                 if m == "POST":
-                    return self.h_append
+                    return self.h_append, "append", basin, stream
                 _no_method()
             if len(seg) == 5 and seg[3] == "records" and seg[4] == "tail":
                 if m == "GET":
-                    return self.h_tail
+                    return self.h_tail, "check-tail", basin, stream
                 _no_method()
-        elif seg[1] in ("access-tokens", "metrics", "locations"):
-            raise S2Error(501, "not_implemented", "/v1/%s is not implemented by sbpnode" % seg[1])
+        elif kind == "access-tokens":
+            if len(seg) == 2:
+                return _pick(m, {"GET": (self.tokens.h_list, "list-access-tokens"),
+                                 "POST": (self.tokens.h_issue, "issue-access-token")}) + (None, None)
+            if len(seg) == 3 and m == "DELETE":
+                req.auth.require("revoke-access-token", token_id=seg[2])
+                return self.tokens.h_revoke, "revoke-access-token", None, None
+            if len(seg) == 3:
+                _no_method()
+        elif kind == "metrics":
+            if 2 <= len(seg) <= 4:
+                if m != "GET":
+                    _no_method()
+                op = ("account-metrics", "basin-metrics", "stream-metrics")[len(seg) - 2]
+                if len(seg) == 4:
+                    seg[3] = req.auth.prefix + seg[3]  # auto_prefix_streams, as on stream paths
+                return self.metrics_api.h_metrics, op, (seg[2] if len(seg) > 2 else None), \
+                    (seg[3] if len(seg) > 3 else None)
+        elif kind == "locations":
+            if len(seg) == 2:
+                return _pick(m, {"GET": (self.h_list_locations, "list-locations")}) + (None, None)
+            if len(seg) == 3 and seg[2] == "default":
+                return _pick(m, {"GET": (self.h_get_default_location, "get-default-location"),
+                                 "PUT": (self.h_set_default_location, "set-default-location")}) + (None, None)
         raise S2Error(404, "bad_path", "no such resource")
+
+    # -----------------------------------------------------------------------------------------
+    # Locations: the node is one location, "local" (every basin's location), private to it.
+
+    async def h_list_locations(self, req, responder, body):
+        responder.respond(200, [JSON], codec.dumps([LOCAL_LOCATION]))
+
+    async def h_get_default_location(self, req, responder, body):
+        responder.respond(200, [JSON], codec.dumps(LOCAL_LOCATION))
+
+    async def h_set_default_location(self, req, responder, body):
+        _check_location(codec.parse_json(body))
+        responder.respond(200, [JSON], codec.dumps(LOCAL_LOCATION))
 
     # -----------------------------------------------------------------------------------------
     # Basins
@@ -242,7 +307,7 @@ class S2Api:
         names = {k.decode(): v for k, v in rows}
         if DEFAULT_BASIN not in names and DEFAULT_BASIN.startswith(prefix):
             names[DEFAULT_BASIN] = self._basin(DEFAULT_BASIN)
-        ordered = [n for n in sorted(names) if n > start_after]
+        ordered = [n for n in sorted(names) if n > start_after and req.auth.sees("basins", n)]
         page = ordered[:limit]
         out = {"basins": [self._basin_info(n, names[n]) for n in page], "has_more": len(ordered) > limit}
         responder.respond(200, [JSON], codec.dumps(out))
@@ -252,7 +317,10 @@ class S2Api:
         if not isinstance(obj, dict):
             raise codec.bad("bad_json", "expected {\"basin\": name}")
         name = codec.validate_basin_name(obj.get("basin"))
+        req.auth.require("create-basin", basin=name)
+        _check_location(obj.get("location"))
         config = codec.merge_basin_config(codec.default_basin_config(), obj.get("config"))
+        _check_cipher(config)
         rec = {"created_ms": now_ms(), "config": config}
         key = name.encode()
 
@@ -272,7 +340,11 @@ class S2Api:
         if not isinstance(obj, dict):
             raise codec.bad("bad_json", "expected an object")
         patch = obj.get("config")
+        _check_location(obj.get("location"))
+        _check_cipher(codec.merge_basin_config({}, patch))
         key = name.encode()
+        if self._basin(name) is not None:
+            req.auth.require("reconfigure-basin", basin=name)  # ensure of an existing basin
 
         def fn(txn):
             rec = txn.get(BASINS_TABLE, key)
@@ -299,6 +371,7 @@ class S2Api:
         name = req.segments[2]
         self._require_basin(name)
         patch = codec.parse_json(body) or {}
+        _check_cipher(codec.merge_basin_config({}, patch))
         key = name.encode()
 
         def fn(txn):
@@ -318,7 +391,7 @@ class S2Api:
         for meta in self.store.log.streams():
             if self._name_of(meta)[0] == name and meta.origin is None:
                 await self.store.log.delete_stream(meta.stream_id)
-                self.states.pop(meta.stream_id, None)
+                self._forget(meta)
         await self.store.meta.transact(lambda txn: txn.delete(BASINS_TABLE, name.encode()))
         responder.respond(202, [JSON], b"{}")
 
@@ -333,23 +406,41 @@ class S2Api:
             return DEFAULT_BASIN, str(meta.stream_id)
         return attrs.get("s2_basin", DEFAULT_BASIN), name
 
-    def _rebuild_index(self):
-        self.index = {self._name_of(m): m.stream_id for m in self.store.log.streams()}
+    def _names(self):
+        """The (basin, name) -> stream id index of S2-named streams, built once from the store.
+
+        Only S2 creates S2-named streams (swarm replicas and SBP streams carry no ``s2_name``;
+        they are found by their decimal id), so the index is kept exact by ``_create`` and
+        ``h_delete_stream``: a lookup or a create costs O(1) whatever the number of streams."""
+        if self.index is None:
+            self.index = {}
+            for m in self.store.log.streams():
+                if (m.attrs or {}).get("s2_name") is not None:
+                    self.index[self._name_of(m)] = m.stream_id
+        return self.index
+
+    def _forget(self, meta):
+        # After the store deleted it; a create of the same name meanwhile keeps its new entry.
+        key = self._name_of(meta)
+        if self._names().get(key) == meta.stream_id:
+            del self.index[key]
+        self.states.pop(meta.stream_id, None)
 
     def _find(self, basin, name):
-        sid = self.index.get((basin, name))
-        for attempt in (0, 1):
-            if sid is not None:
-                try:
-                    meta = self.store.log.stream(sid)
-                    if self._name_of(meta) == (basin, name):
-                        return meta
-                except self.errors.StreamNotFound:
-                    pass
-            if attempt == 0:
-                self._rebuild_index()
-                sid = self.index.get((basin, name))
-        return None
+        key = (basin, name)
+        sid = self._names().get(key)
+        if sid is None and basin == DEFAULT_BASIN and name.isdigit() and name == str(int(name)):
+            sid = int(name)  # an SBP-created (or replicated) stream under its decimal id
+        if sid is None:
+            return None
+        try:
+            meta = self.store.log.stream(sid)
+        except self.errors.StreamNotFound:
+            self.index.pop(key, None)  # deleted through another interface (SBP)
+            return None
+        if self._name_of(meta) != key:
+            return None
+        return meta
 
     def _req_basin(self, req):
         # s2-basin first (s2-sdk with a plain endpoint, s2-lite style); else S2's cloud form
@@ -368,7 +459,7 @@ class S2Api:
         if meta is None:
             if auto_create and rec["config"].get(auto_create):
                 config = self._initial_config(rec, req.header("s2-stream-config"))
-                meta = await self._create(basin, name, config)
+                meta = await self._create(basin, name, config, rec)
                 if meta is not None:
                     return meta
                 meta = self._find(basin, name)
@@ -382,9 +473,18 @@ class S2Api:
         config["retention_policy"] = codec.retention_policy(meta.retention_period_ms)
         return config
 
-    def _stream_info(self, meta):
-        return {"name": self._name_of(meta)[1], "created_at": codec.rfc3339(meta.created_ms or 0),
-                "deleted_at": None}
+    def _stream_info(self, meta, auth=None):
+        name = self._name_of(meta)[1]
+        if auth is not None and auth.prefix and name.startswith(auth.prefix):
+            name = name[len(auth.prefix):]  # an auto_prefix_streams token sees its names bare
+        info = {"name": name, "created_at": codec.rfc3339(meta.created_ms or 0), "deleted_at": None}
+        cipher = (meta.attrs or {}).get("s2_cipher")
+        if cipher:
+            info["cipher"] = cipher
+        return info
+
+    def streams_of(self, basin):
+        return [m for m in self.store.log.streams() if self._name_of(m)[0] == basin]
 
     def _initial_config(self, basin_rec, patch):
         base = basin_rec["config"].get("default_stream_config") or codec.default_stream_config()
@@ -395,20 +495,22 @@ class S2Api:
                 raise codec.bad("bad_header", "s2-stream-config is not JSON")
         return codec.merge_stream_config(base, patch)
 
-    async def _create(self, basin, name, config):
-        """Create the store stream; None if the name is taken."""
+    async def _create(self, basin, name, config, basin_rec):
+        """Create the store stream; None if the name is taken. The stream takes the basin's
+        ``stream_cipher`` for its lifetime (S2: later basin changes only affect new streams)."""
         key = (basin, name)
         if self._find(basin, name) is not None or key in self.creating:
             return None
+        attrs = {"s2_basin": basin, "s2_name": name, "s2_config": config, "s2_fence": ""}
+        cipher = basin_rec["config"].get("stream_cipher")
+        if cipher:
+            attrs["s2_cipher"] = cipher
         self.creating.add(key)
         try:
-            meta = await self.store.log.create_stream(
-                retention_period_ms=codec.retention_ms(config),
-                attrs={"s2_basin": basin, "s2_name": name, "s2_config": config, "s2_fence": ""},
-            )
+            meta = await self.store.log.create_stream(retention_period_ms=codec.retention_ms(config), attrs=attrs)
+            self._names()[key] = meta.stream_id
         finally:
             self.creating.discard(key)
-        self.index[key] = meta.stream_id
         return meta
 
     async def h_create_stream(self, req, responder, body):
@@ -417,12 +519,14 @@ class S2Api:
             raise codec.bad("bad_json", "expected {\"stream\": name}")
         basin = self._req_basin(req)
         rec = self._require_basin(basin)
-        name = codec.validate_stream_name(obj.get("stream"))
+        name = codec.validate_stream_name(req.auth.prefix + codec.validate_stream_name(obj.get("stream")))
+        req.auth.require("create-stream", basin=basin, stream=name)
         config = self._initial_config(rec, obj.get("config"))
-        meta = await self._create(basin, name, config)
+        meta = await self._create(basin, name, config, rec)
         if meta is None:
             raise S2Error(409, "resource_already_exists", "stream %s already exists" % name)
-        responder.respond(201, [JSON, ("sbp-stream-id", str(meta.stream_id))], codec.dumps(self._stream_info(meta)))
+        responder.respond(201, [JSON, ("sbp-stream-id", str(meta.stream_id))],
+                          codec.dumps(self._stream_info(meta, req.auth)))
 
     async def h_ensure_stream(self, req, responder, body):
         basin = self._req_basin(req)
@@ -432,7 +536,7 @@ class S2Api:
         meta = self._find(basin, name)
         result = "noop"
         if meta is None:
-            meta = await self._create(basin, name, self._initial_config(rec, patch))
+            meta = await self._create(basin, name, self._initial_config(rec, patch), rec)
             if meta is None:
                 meta = self._find(basin, name)
             else:
@@ -441,25 +545,28 @@ class S2Api:
             old = self._config_of(meta)
             new = codec.merge_stream_config(old, patch)
             if new != old:
+                req.auth.require("reconfigure-stream", basin=basin, stream=name)
                 meta = await self._reconfigure(meta, new)
                 result = "updated"
         responder.respond(201 if result == "created" else 200,
                           [JSON, ("s2-provision-result", result), ("sbp-stream-id", str(meta.stream_id))],
-                          codec.dumps(self._stream_info(meta)))
+                          codec.dumps(self._stream_info(meta, req.auth)))
 
     async def h_list_streams(self, req, responder, body):
         basin = self._req_basin(req)
         self._require_basin(basin)
-        prefix = req.query.get("prefix", "")
+        auth = req.auth
+        prefix = auth.prefix + req.query.get("prefix", "")
         start_after = req.query.get("start_after", "")
+        start_after = auth.prefix + start_after if start_after else ""
         limit = _limit(req.query)
         found = []
         for meta in self.store.log.streams():
             b, n = self._name_of(meta)
-            if b == basin and n.startswith(prefix) and n > start_after:
+            if b == basin and n.startswith(prefix) and n > start_after and auth.sees("streams", n):
                 found.append((n, meta))
         found.sort(key=lambda x: x[0])
-        out = {"streams": [self._stream_info(m) for _, m in found[:limit]], "has_more": len(found) > limit}
+        out = {"streams": [self._stream_info(m, auth) for _, m in found[:limit]], "has_more": len(found) > limit}
         responder.respond(200, [JSON], codec.dumps(out))
 
     async def h_get_stream(self, req, responder, body):
@@ -482,8 +589,7 @@ class S2Api:
     async def h_delete_stream(self, req, responder, body):
         meta = await self._stream(req)
         await self.store.log.delete_stream(meta.stream_id)
-        self.states.pop(meta.stream_id, None)
-        self.index.pop(self._name_of(meta), None)
+        self._forget(meta)
         responder.respond(202, [JSON], b"{}")
 
     # -----------------------------------------------------------------------------------------
@@ -562,12 +668,19 @@ class S2Api:
             return codec.decode_append_input_proto(body)
         return codec.decode_append_input_json(body, codec.parse_format(req.header("s2-format")))
 
-    async def append(self, sid, inp):
+    def cipher_for(self, meta, req):
+        """The stream's RecordCipher keyed by the request's s2-encryption-key, or None."""
+        name = (meta.attrs or {}).get("s2_cipher")
+        if not name:
+            return None
+        return crypto.RecordCipher(name, crypto.parse_key(req.header(crypto.KEY_HEADER)), meta.stream_id)
+
+    async def append(self, sid, inp, auth=None, cipher=None):
         """Append one AppendInput; returns (start, end, tail) positions once durable."""
         meta = self.store.log.stream(sid)
         if meta.origin is not None:
             raise S2Error(403, "permission_denied", "stream is a read-only replica of %s" % meta.origin)
-        codec.validate_append(inp.records)
+        metered = codec.validate_append(inp.records)
         if inp.fencing_token is not None and len(inp.fencing_token.encode()) > codec.MAX_FENCING_TOKEN:
             raise codec.invalid("fencing token longer than 36 bytes")
         st = self._state_now(meta)
@@ -606,8 +719,18 @@ class S2Api:
                 if commands is None:
                     commands = []
                 commands.append((i, headers[0][1], body))
+            elif cipher is not None:
+                rows[-1] = (i, t - first, (), cipher.seal(headers, body))  # S2: commands stay plaintext
+        if commands and auth is not None:
+            # Command records need their own operations (fence, trim) besides append.
+            basin, name = self._name_of(meta)
+            for op in {op.decode("utf-8", "replace") for _i, op, _b in commands}:
+                if op in ("fence", "trim"):
+                    auth.require(op, basin=basin, stream=name)
         # One S2 AppendInput = one record batch (headers as (name, value) pairs pack as arrays).
         n = len(rows)
+        if cipher is not None and cipher.name == "aes-256-gcm" and start + n > crypto.AES_GCM_MAX_RECORDS:
+            raise codec.invalid("an aes-256-gcm stream holds at most 2^32 records")
         batch = record_batch.encode_block(msgpack.packb(rows, use_bin_type=True), n, first)
         if len(batch) > self.max_batch_bytes:
             raise codec.invalid("batch of %d bytes exceeds --max-batch-bytes" % len(batch))
@@ -625,7 +748,7 @@ class S2Api:
             st.assigned = base + n
         if last > st.tail_ts:
             st.tail_ts = last
-        self.metrics["appended_records"] += n
+        self.counters.appended(self._name_of(meta)[0], n, metered)
         if commands:
             self._persist_fence(st, commands)
             self._apply_trims(sid, base, commands)
@@ -660,7 +783,7 @@ class S2Api:
     async def h_append(self, req, responder, body):
         inp = self._decode_append(req, body)
         meta = await self._stream(req, auto_create="create_stream_on_append")
-        start, end, tail = await self.append(meta.stream_id, inp)
+        start, end, tail = await self.append(meta.stream_id, inp, req.auth, self.cipher_for(meta, req))
         if _media(req.header("accept")) in PROTO_TYPES:
             responder.respond(200, [PROTO], codec.encode_append_ack_proto(start, end, tail))
         else:
@@ -670,7 +793,7 @@ class S2Api:
         meta = await self._stream(req, auto_create="create_stream_on_append")
         if meta.origin is not None:
             raise S2Error(403, "permission_denied", "stream is a read-only replica of %s" % meta.origin)
-        session = AppendSession(self, responder, meta.stream_id)
+        session = AppendSession(self, responder, meta.stream_id, req.auth, self.cipher_for(meta, req))
         responder.start(200, [("content-type", "s2s/proto")])
         responder.attach_sink(session)
 
@@ -727,7 +850,7 @@ class S2Api:
         start = entries[lo - 1][0] if lo > 0 else meta.trim_offset
         return max(start, meta.trim_offset), ts
 
-    async def read_records(self, sid, pos, max_bytes, min_ts=None):
+    async def read_records(self, sid, pos, max_bytes, min_ts=None, cipher=None):
         """Records at seq >= pos from one store read: [(seq, ts, headers, body)], next pos."""
         try:
             batches = await self.store.log.read(sid, pos, max_bytes)
@@ -761,6 +884,8 @@ class S2Api:
                         continue
                     min_ts = None
                 out.append((seq, t, r[2], r[3]))
+        if cipher is not None:
+            out = [r if crypto.is_command(r[2]) else (r[0], r[1]) + cipher.open(r[3]) for r in out]
         return out, nxt, min_ts
 
     @staticmethod
@@ -788,6 +913,7 @@ class S2Api:
         p = codec.parse_read_params(req.query)
         fmt = codec.parse_format(req.header("s2-format"))
         meta = await self._stream(req, auto_create="create_stream_on_read")
+        cipher = self.cipher_for(meta, req)
         sid = meta.stream_id
         count = min(p.count if p.count is not None else codec.UNARY_MAX_COUNT, codec.UNARY_MAX_COUNT)
         nbytes = min(p.bytes if p.bytes is not None else codec.UNARY_MAX_BYTES, codec.UNARY_MAX_BYTES)
@@ -799,7 +925,7 @@ class S2Api:
         while True:
             meta = self.store.log.stream(sid)
             if pos < meta.next_offset and count > 0:
-                got, pos, min_ts = await self.read_records(sid, pos, min(nbytes, READ_CHUNK_BYTES), min_ts)
+                got, pos, min_ts = await self.read_records(sid, pos, min(nbytes, READ_CHUNK_BYTES), min_ts, cipher)
                 got, used, hit = self._limit_records(got, count - len(records), nbytes, p.until)
                 records.extend(got)
                 if used is not None:
@@ -814,7 +940,8 @@ class S2Api:
                 break
             if not await self._wait_data(sid, pos, remaining, responder):
                 break
-        self.metrics["read_records"] += len(records)
+        self.counters.read(self._name_of(meta)[0], len(records),
+                           sum(codec.metered_size(h, b) for _, _, h, b in records))
         tail = await self._tail(self.store.log.stream(sid))
         if _media(req.header("accept")) in PROTO_TYPES:
             responder.respond(200, [PROTO], codec.encode_read_batch_proto(records, tail))
@@ -877,8 +1004,11 @@ class S2Api:
         meta = await self._stream(req, auto_create="create_stream_on_read")
         wait = p.wait if p.wait is not None else (0 if p.bounded else None)
         start, min_ts, tail = await self._resolve_start(meta, p, wait is None or wait > 0)
+        cipher = self.cipher_for(meta, req)
         session = ReadSession(self, responder, kind, meta.stream_id, p, fmt, start, min_ts, wait,
                               seen_count, seen_bytes)
+        session.basin = self._name_of(meta)[0]
+        session.cipher = cipher
         if kind == "sse":
             responder.start(200, [("content-type", "text/event-stream"), ("cache-control", "no-cache, no-transform"),
                                   ("x-accel-buffering", "no")])
@@ -900,6 +1030,28 @@ _BASIN_HOST = re.compile(r"^([a-z0-9][a-z0-9-]{6,46}[a-z0-9])\.b\.")
 
 def _no_method():
     raise S2Error(405, "bad_path", "method not allowed on this resource")
+
+
+LOCAL_LOCATION = {"name": "local", "is_private": True, "storage_classes": ["standard", "express"],
+                  "default_storage_class": "express"}
+
+
+def _check_location(value):
+    if value is not None and value != LOCAL_LOCATION["name"]:
+        raise codec.invalid("unknown location %r: this node is the location %r" % (value, LOCAL_LOCATION["name"]))
+
+
+def _check_cipher(config):
+    cipher = config.get("stream_cipher")
+    if cipher and not crypto.available(cipher):
+        raise S2Error(501, "not_implemented", "%s is not available on this node" % cipher)
+
+
+def _pick(method, table):
+    got = table.get(method)
+    if got is None:
+        _no_method()
+    return got
 
 
 def _limit(query):

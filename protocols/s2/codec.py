@@ -593,11 +593,15 @@ def validate_stream_name(name) -> str:
     return name
 
 
+DEFAULT_RETENTION_SECS = 7 * 24 * 3600
+STREAM_CIPHERS = ("aegis-256", "aes-256-gcm")
+
+
 def default_stream_config() -> dict:
-    # CONTRACT §2: streams created through S2 default to infinite retention.
+    # CONTRACT §2: streams created through S2 get S2's defaults, express and 7-day age retention.
     return {
-        "storage_class": "standard",
-        "retention_policy": {"infinite": {}},
+        "storage_class": "express",
+        "retention_policy": {"age": DEFAULT_RETENTION_SECS},
         "timestamping": {"mode": "client-prefer", "uncapped": False},
         "delete_on_empty": {"min_age_secs": 0},
     }
@@ -683,8 +687,11 @@ def merge_basin_config(base: dict, patch) -> dict:
             if not isinstance(patch[key], bool):
                 raise invalid("%s must be a boolean" % key)
             out[key] = patch[key]
-    if patch.get("stream_cipher") is not None:
-        raise S2Error(501, "not_implemented", "stream encryption is not supported")
+    if "stream_cipher" in patch:
+        cipher = patch["stream_cipher"]
+        if cipher is not None and cipher not in STREAM_CIPHERS:
+            raise invalid("stream_cipher must be one of %s" % ", ".join(STREAM_CIPHERS))
+        out["stream_cipher"] = cipher
     return out
 
 
@@ -695,6 +702,8 @@ def basin_config_json(config: dict) -> dict:
     }
     if config.get("default_stream_config"):
         out["default_stream_config"] = config["default_stream_config"]
+    if config.get("stream_cipher"):
+        out["stream_cipher"] = config["stream_cipher"]
     return out
 
 

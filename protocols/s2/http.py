@@ -14,7 +14,8 @@ DRAIN_LOW_WATER = 1024 * 1024
 
 
 class HttpRequest:
-    __slots__ = ("method", "raw_path", "segments", "query", "headers", "peer", "http_version", "body", "max_body")
+    __slots__ = ("method", "raw_path", "segments", "query", "headers", "peer", "http_version", "body", "max_body",
+                 "auth")
 
     def __init__(self, method, raw_path, headers, peer="", http_version="1.1", max_body=8 * 1024 * 1024):
         self.method = method.upper()
@@ -28,6 +29,7 @@ class HttpRequest:
         self.http_version = http_version
         self.body = bytearray()
         self.max_body = max_body
+        self.auth = None  # protocols.s2.tokens.Auth, set when the request is authenticated
 
     def header(self, name, default=None):
         return self.headers.get(name, default)

@@ -46,6 +46,8 @@ class ReadSession:
         self.stopped = False
         self.draining = False
         self.waiting = None
+        self.basin = None
+        self.cipher = None  # protocols.s2.crypto.RecordCipher of an encrypted stream
         responder.on_close.append(self.stop)
 
     def stop(self, draining=False):
@@ -78,10 +80,18 @@ class ReadSession:
                 if self.count is not None and self.count <= 0 or self.nbytes is not None and self.nbytes <= 0:
                     break
                 if self.pos < meta.next_offset:
-                    got, self.pos, self.min_ts = await api.read_records(self.sid, self.pos, READ_CHUNK_BYTES, self.min_ts)
+                    got, self.pos, self.min_ts = await api.read_records(self.sid, self.pos, READ_CHUNK_BYTES, self.min_ts,
+                                                                         self.cipher)
                     got, used, hit = api._limit_records(got, self.count, self.nbytes, self.p.until)
                     if got:
-                        self._emit(got, used)
+                        # A batch that reaches the tail carries it: the SDKs count a session
+                        # as caught up only from such a batch (or a heartbeat).
+                        tail = None
+                        if got[-1][0] + 1 >= api.store.log.stream(self.sid).next_offset:
+                            tail = await api._tail(api.store.log.stream(self.sid))
+                            if got[-1][0] + 1 != tail[0]:
+                                tail = None
+                        self._emit(got, used, tail)
                         idle_since = time.monotonic()
                         following = False
                     if hit:
@@ -115,29 +125,32 @@ class ReadSession:
         elif not r.closed:
             self._end()
 
-    def _emit(self, records, used):
+    def _emit(self, records, used, tail=None):
         n = len(records)
-        self.api.metrics["read_records"] += n
         if self.count is not None:
             self.count -= n
+        if used is None:
+            used = sum(codec.metered_size(h, b) for _, _, h, b in records)
+        self.api.counters.read(self.basin, n, used)
         if self.kind == "s2s":
-            if used is None and self.nbytes is not None:
-                used = sum(codec.metered_size(h, b) for _, _, h, b in records)
             if self.nbytes is not None:
                 self.nbytes -= used
             write = self.responder.write
             for i in range(0, n, MAX_FRAME_RECORDS):
-                write(codec.s2s_frame(codec.encode_read_batch_proto(records[i:i + MAX_FRAME_RECORDS])))
+                last = i + MAX_FRAME_RECORDS >= n
+                write(codec.s2s_frame(codec.encode_read_batch_proto(records[i:i + MAX_FRAME_RECORDS],
+                                                                    tail if last else None)))
             return
         for i in range(0, n, MAX_FRAME_RECORDS):
             part = records[i:i + MAX_FRAME_RECORDS]
+            last = i + MAX_FRAME_RECORDS >= n
             size = sum(codec.metered_size(h, b) for _, _, h, b in part)
             if self.nbytes is not None:
                 self.nbytes -= size
             self.seen_count += len(part)
             self.seen_bytes += size
             event_id = "%d,%d,%d" % (part[-1][0], self.seen_count, self.seen_bytes)
-            self.responder.write(codec.sse_event("batch", codec.dumps(codec.read_batch_json(part, self.fmt)), event_id))
+            self.responder.write(codec.sse_event("batch", codec.dumps(codec.read_batch_json(part, self.fmt, tail if last else None)), event_id))
 
     async def _heartbeat(self, meta):
         tail = await self.api._tail(meta)
@@ -164,10 +177,12 @@ class AppendSession:
 
     log = Logger()
 
-    def __init__(self, api, responder, sid):
+    def __init__(self, api, responder, sid, auth=None, cipher=None):
         self.api = api
         self.responder = responder
         self.sid = sid
+        self.auth = auth
+        self.cipher = cipher
         self.reader = codec.S2SReader()
         self.pending = deque()  # [Deferred result slot]
         self.failed = False
@@ -198,7 +213,7 @@ class AppendSession:
                 slot = [False, None, len(payload)]
                 self.inflight += len(payload)
                 self.pending.append(slot)
-                d = defer.ensureDeferred(self.api.append(self.sid, inp))
+                d = defer.ensureDeferred(self.api.append(self.sid, inp, self.auth, self.cipher))
                 d.addBoth(self._done, slot)
                 if self.failed:
                     return
