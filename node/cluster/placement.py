@@ -244,7 +244,9 @@ class PlacementDriver:
         elif meta.retention_period_ms != rec["retention_period_ms"] or meta.replica_nums != rec["replica_nums"]:
             meta = yield log.update_stream(sid, replica_nums=rec["replica_nums"],
                                            retention_period_ms=rec["retention_period_ms"])
-        if rec.get("trim_offset", 0) > meta.trim_offset:
+        if rec.get("trim_offset", 0) > meta.trim_offset and meta.origin is None:
+            # a read-only replica holds nothing yet (replication, issue 17, brings its data and
+            # trims it); the primary's trim already ran in trim_stream, this covers a restart
             yield log.trim(sid, rec["trim_offset"])
 
     def _apply_delete(self, sid):
