@@ -11,7 +11,8 @@ pipelined load generator on one connection (``--depth`` requests in flight):
   SCAN  a full scan: GET_FF pages of 1024 vs Redis SCAN COUNT 1024 + MGET; keys/s
 
 and prints both sides and the ratios (sbpnode / Redis). ``--durable`` runs the node with
-``--fsync always`` and Redis with ``appendonly yes, appendfsync always``.
+``--fsync always`` and Redis with ``appendonly yes, appendfsync always``. ``--metrics off`` starts
+the node without its metrics (with ``--only kv``: the A/B of their cost).
 
 Keys are 8 bytes, a bijective scramble of the index, so they spread over all 8 partitions.
 """
@@ -354,6 +355,7 @@ def main(argv=None):
     ap.add_argument("--durable", action="store_true", help="node --fsync always vs redis appendfsync always")
     ap.add_argument("--fsync", default=None, help="node fsync policy (default: never, or always with --durable)")
     ap.add_argument("--only", choices=["kv", "redis"], default=None, help="run one side only")
+    ap.add_argument("--metrics", choices=["on", "off"], default="on", help="the node's --metrics (A/B of their cost, docs/benchmarks.md)")
     args = ap.parse_args(argv)
     fsync = args.fsync or ("always" if args.durable else "never")
 
@@ -366,7 +368,7 @@ def main(argv=None):
     node = redis = None
     try:
         if args.only != "redis":
-            node = NodeProcess(tmp, name="bench", fsync=fsync, sbp="none", meta="none", chunks="none", swarm="none", http="none").start()
+            node = NodeProcess(tmp, name="bench", fsync=fsync, metrics=args.metrics, sbp="none", meta="none", chunks="none", swarm="none", http="none").start()
             port = node.ports["kv"]
             pid = node.proc.pid
             sets = kv_requests_set(keys, value)

@@ -13,6 +13,10 @@ either side), one side at a time:
    batches, 1024 records) vs ``XRANGE key (last + COUNT 1024``, one request at a time;
 3. append latency p50/p99/p99.9 at a steady 20 MB/s (64 KiB batches paced open-loop), both fsync
    pairs.
+
+``--metrics-ab N`` instead measures what the node's metrics cost (issue 22): N alternating pairs
+of the append run, ``--fsync interval:1000``, one node started with ``--metrics on`` and one with
+``--metrics off`` (the order flips every pair), with the node's CPU seconds per million records.
 """
 
 import argparse
@@ -52,11 +56,12 @@ def free_port():
 
 
 class Node:
-    def __init__(self, base, fsync):
+    def __init__(self, base, fsync, metrics="on"):
         from tests.nodeproc import NodeProcess
 
         opts = {name: "none" for name in ("kv", "meta", "chunks", "swarm", "http")}
-        self.proc = NodeProcess(base, name="sbp-" + fsync.replace(":", "-"), fsync=fsync, log_level="warn", **opts)
+        self.proc = NodeProcess(base, name="sbp-" + fsync.replace(":", "-"), fsync=fsync, log_level="warn",
+                                metrics=metrics, **opts)
 
     def __enter__(self):
         self.proc.start()
@@ -452,6 +457,40 @@ def fmt_rate(r):
     return "%.0f rec/s (%.1f MiB/s)" % (r, r * RECORD_SIZE / 1048576)
 
 
+def metrics_ab(base, runs, records, window):
+    """Append throughput and the node's CPU per record, --metrics on vs off, alternating."""
+    batches = records // BATCH_RECORDS
+    results = {"on": [], "off": []}
+    print("metrics A/B: %d pairs of %d-record append runs, --fsync interval:1000, window %d" % (runs, batches * BATCH_RECORDS, window))
+    # one discarded run first: the first node of a bench ran slow in every A/B (cold caches)
+    with Node(base, "interval:1000", metrics="off") as node:
+        c = BlockingSbpClient("127.0.0.1", node.port)
+        sid = c.create_stream()["stream_id"]
+        c.close()
+        measured(node.proc.proc.pid, sbp_append_load, node.port, sid, batches, window)
+    shutil.rmtree(node.proc.data_dir, ignore_errors=True)
+    for i in range(runs):
+        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            load = os.getloadavg()[0]
+            with Node(base, "interval:1000", metrics=mode) as node:
+                c = BlockingSbpClient("127.0.0.1", node.port)
+                sid = c.create_stream()["stream_id"]
+                c.close()
+                r = measured(node.proc.proc.pid, sbp_append_load, node.port, sid, batches, window)
+            shutil.rmtree(node.proc.data_dir, ignore_errors=True)
+            rate = r["records"] / r["seconds"]
+            cpu = r["server_cpu"] / r["records"] * 1e6
+            results[mode].append((rate, cpu))
+            print("  pair %d metrics %-3s: %9.0f rec/s  node CPU %.2f s per 1M records  errors=%d  load %.2f" % (
+                i + 1, mode, rate, cpu, r["errors"], load))
+    med = {m: (pct([x[0] for x in v], 50), pct([x[1] for x in v], 50)) for m, v in results.items()}
+    wins = sum(1 for a, b in zip(results["on"], results["off"]) if a[0] >= b[0])
+    print("median: on %.0f rec/s (%.2f CPU s/1M), off %.0f rec/s (%.2f CPU s/1M): throughput on/off %.3f, "
+          "CPU on/off %.3f; metrics-on faster in %d of %d pairs" % (
+              med["on"][0], med["on"][1], med["off"][0], med["off"][1], med["on"][0] / med["off"][0],
+              med["on"][1] / med["off"][1], wins, runs))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--always-records", type=int, default=200_000, help="records appended in the fsync-always pair")
@@ -460,9 +499,18 @@ def main():
     ap.add_argument("--latency-seconds", type=float, default=10.0)
     ap.add_argument("--rate-mb", type=float, default=20.0, help="MB/s for the latency runs")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
+    ap.add_argument("--metrics-ab", type=int, default=0, metavar="N",
+                    help="only measure the metrics' cost: N alternating pairs of append runs (--records each), metrics on/off")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="sbp-bench-")
     rows = []
+    if args.metrics_ab:
+        try:
+            metrics_ab(base, args.metrics_ab, args.records, args.window)
+        finally:
+            if not args.keep:
+                shutil.rmtree(base, ignore_errors=True)
+        return
     try:
         print("records: %d B body, %d per batch; window %d batches; one load process per side" % (RECORD_SIZE, BATCH_RECORDS, args.window))
         f50, f99 = disk_floor(base)

@@ -54,6 +54,9 @@ class NodeConfig:
     cluster_tls_cert: Optional[str] = None
     cluster_tls_key: Optional[str] = None
     cluster_tls_ca: Optional[str] = None
+    metrics: bool = True  # --metrics on|off: the Prometheus registry, latency hooks and status page
+    metrics_token: Optional[str] = None  # --metrics-token: bearer token for /metrics and the status page
+    metrics_streams: int = 100  # --metrics-streams: streams that get their own label
 
     def endpoint(self, name: str) -> Optional[str]:
         return with_backlog(getattr(self, name))
@@ -144,6 +147,21 @@ def cluster_tls(opts):
     except CertificateRefused as e:
         raise usage.UsageError("--cluster-tls-cert: %s" % e)
     return tuple(os.path.abspath(p) for p in paths)
+def parse_on_off(option: str, value) -> bool:
+    v = str(value).strip().lower()
+    if v not in ("on", "off"):
+        raise usage.UsageError("--%s: %r is not on or off" % (option, value))
+    return v == "on"
+
+
+def parse_non_negative_int(option: str, value) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise usage.UsageError("--%s: %r is not an integer" % (option, value))
+    if n < 0:
+        raise usage.UsageError("--%s: %d is out of range (>= 0)" % (option, n))
+    return n
 
 
 def from_options(opts) -> NodeConfig:
@@ -183,5 +201,8 @@ def from_options(opts) -> NodeConfig:
         log_level=level,
         replication_factor=rf,
         shutdown_timeout=float(opts["shutdown-timeout"]),
+        metrics=parse_on_off("metrics", opts["metrics"]),
+        metrics_token=opts["metrics-token"],
+        metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),
         **{name: parse_endpoint(name, opts[name]) for name in LISTENERS},
     )

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from twisted.application import service
 from twisted.internet import defer, endpoints
@@ -20,6 +21,7 @@ from node import listeners
 from node.config import LISTENERS, NodeConfig
 from node.identity import NodeIdMismatch, load_or_create_node_id
 from node.lockfile import DataDirLock, DataDirLocked
+from node.metrics import ignore_latency
 
 
 class NodeContext:
@@ -31,8 +33,14 @@ class NodeContext:
         self.node_id = None
         self.store = None
         self.ports = {}  # listener name -> IListeningPort
-        self.metrics = {}
-        self.cluster = None  # node.cluster.service.ClusterNode with --cluster (CONTRACT §9)
+        self.metrics = {}  # the counters the protocols keep (read by node/metrics.py at scrape time)
+        # observe_latency(operation, seconds): the protocols' latency hook (node/metrics.py
+        # OPERATIONS); a no-op with --metrics off
+        self.observe_latency = ignore_latency
+        self.node_metrics = None  # node.metrics.NodeMetrics with --metrics on
+        self.http_pages = None  # fn(responder) -> bool: /metrics and the status page (node/status_page.py)
+        self.cluster = None  # node.cluster.service.ClusterNode with --cluster (CONTRACT §9; its status() is node/cluster_view.py's view); None: single node
+        self.started = time.time()
         self._shutdown_hooks = []
 
     def advertised(self, name: str):
@@ -100,6 +108,8 @@ class NodeService(service.MultiService):
             self.log.failure("could not open the store")
             self._lock.release()
             raise SystemExit("sbpnode: could not open the store in %s: %s" % (self.config.data_dir, e))
+        if self.config.metrics:
+            self._start_metrics()
         if self.config.cluster:
             from node.cluster.service import ClusterNode
 
@@ -121,6 +131,19 @@ class NodeService(service.MultiService):
             if peer_service is not None:
                 peer_service.setServiceParent(self)
         super().privilegedStartService()
+
+    def _start_metrics(self):
+        from node.metrics import NodeMetrics
+        from node.status_history import StatusHistory
+        from node.status_page import StatusPages
+
+        node = self.node
+        node.node_metrics = metrics = NodeMetrics(node, self.config.metrics_streams)
+        node.observe_latency = metrics.observe_latency
+        node.store.wal.on_sync = metrics.observe_fsync
+        history = StatusHistory(node, metrics, clock=node.reactor)
+        history.setServiceParent(self)
+        node.http_pages = StatusPages(node, metrics, history, token=self.config.metrics_token).handle
 
     def _abort_start(self, message: str):
         for port in self.node.ports.values():

@@ -37,6 +37,9 @@ class Options(usage.Options):
         ["cluster-tls-key", None, None, "PEM private key for --cluster-tls-cert."],
         ["cluster-tls-ca", None, None, "PEM CA certificate: node-to-node peers must present a certificate it signed."],
         ["shutdown-timeout", None, "10", "Seconds to let in-flight work finish on SIGTERM/SIGINT."],
+        ["metrics", None, "on", "on: Prometheus metrics at GET /metrics and the status page at GET / on the --http listener; off: neither, and no latency timing."],
+        ["metrics-token", None, None, "Require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on /metrics and the status page (default: open)."],
+        ["metrics-streams", None, "100", "Streams given their own `stream` label in the metrics (the biggest by records); the rest are summed as stream=\"_other\"."],
     ]
 
     def __init__(self):

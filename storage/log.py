@@ -66,6 +66,11 @@ class RecordLog:
     def streams(self):
         return [s.meta() for s in self._streams.values()]
 
+    def offsets(self):
+        """{stream id: (trim offset, next offset)} of every stream: a cheap snapshot (no
+        StreamMeta per stream) for the node's metrics and status page, which sample it often."""
+        return {sid: (s.trim_offset, s.next_offset) for sid, s in self._streams.items()}
+
     def _persist(self, s, extra=None, counter=None, nbytes=256):
         """Durably write the stream's metadata; fires with its StreamMeta."""
         sid = s.sid

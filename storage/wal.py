@@ -132,6 +132,10 @@ class Wal:
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
         self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
+        # Observability (writer thread writes, any thread reads): flushes = group commits that
+        # wrote bytes; on_sync(seconds) is told each fdatasync's duration (the node's histogram).
+        self.flushes = 0
+        self.on_sync = None
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -250,6 +254,7 @@ class Wal:
                 off += n
             self._dirty.add(self.active)
             self._buf = bytearray()
+            self.flushes += 1
         self._buf_start = self.end
 
     def discard(self):
@@ -258,10 +263,16 @@ class Wal:
         self._buf = bytearray()
 
     def sync(self):
+        on_sync = self.on_sync
         for base in self._dirty:
             fd = self.fds.get(base)
             if fd is not None:
+                if on_sync is None:
+                    os.fdatasync(fd)
+                    continue
+                t0 = time.perf_counter()
                 os.fdatasync(fd)
+                on_sync(time.perf_counter() - t0)
         self._dirty.clear()
 
     @property

@@ -17,6 +17,7 @@ GROUPS = [
     ("fs", "node.cli.fs"),
     ("peer", "node.cli.peer"),
     ("s2", "node.cli.s2"),
+    ("top", "node.cli.top"),
 ]
 
 

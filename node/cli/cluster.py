@@ -28,7 +28,7 @@ def run(args):
     if cluster is None:
         # a node without --cluster is a cluster of one (CONTRACT §9)
         cluster = {"mode": "single node", "leader": info.get("node_id"),
-                   "members": {str(info.get("node_id")): {"sbp": info.get("sbp")}}, "ranges_per_node": {}}
+                   "members": [{"node_id": info.get("node_id"), "sbp": info.get("sbp")}], "ranges_per_node": {}}
     else:
         cluster = dict(cluster, mode="cluster")
     if args.json:
@@ -41,10 +41,10 @@ def run(args):
     print("leader    %s" % cluster.get("leader"))
     print("%-12s %-22s %-7s %-7s %-9s %s" % ("node", "sbp", "leader", "ranges", "primary", "lag"))
     per_node = cluster.get("ranges_per_node", {})
-    for nid in sorted(cluster["members"], key=lambda k: int(k)):
-        rec = cluster["members"][nid]
+    for m in sorted(cluster["members"], key=lambda m: m["node_id"]):
+        nid = str(m["node_id"])
         counts = per_node.get(nid, {"ranges": 0, "primaries": 0})
         # lag: replication progress comes with issue 17; no replica lags yet
-        print("%-12s %-22s %-7s %-7d %-9d %s" % (nid, rec.get("sbp"), "*" if str(cluster.get("leader")) == nid else "",
+        print("%-12s %-22s %-7s %-7d %-9d %s" % (nid, m.get("sbp"), "*" if str(cluster.get("leader")) == nid else "",
                                                 counts["ranges"], counts["primaries"], "-"))
     return 0

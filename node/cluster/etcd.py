@@ -158,7 +158,7 @@ class EtcdClient:
     log = Logger()
 
     def __init__(self, urls, reactor=None, tls=None, request_timeout=3.0, deadline=10.0,
-                 backoff_min=0.05, backoff_max=1.0):
+                 backoff_min=0.05, backoff_max=1.0, observe=None):
         if reactor is None:
             from twisted.internet import reactor
         if isinstance(urls, str):
@@ -171,6 +171,7 @@ class EtcdClient:
         self.deadline = deadline
         self.backoff_min = backoff_min
         self.backoff_max = backoff_max
+        self.observe = observe  # observe(seconds) after each answered unary request (metrics)
         self._current = 0  # index of the URL that answered last
         self._pool = HTTPConnectionPool(reactor, persistent=True)
         self._pool.maxPersistentPerHost = 16
@@ -199,6 +200,7 @@ class EtcdClient:
         last = None
         while True:
             url = self.urls[self._current % len(self.urls)]
+            sent = self.reactor.seconds()
             try:
                 resp = yield self._http.post(url + path, data=data, timeout=timeout,
                                              headers={b"Content-Type": [b"application/json"]})
@@ -210,6 +212,8 @@ class EtcdClient:
                     raise EtcdError("etcd %s: %s" % (path, answer.get("error") or answer.get("message") or text[:200]),
                                     answer.get("code"))
                 self.available = True
+                if self.observe is not None:
+                    self.observe(self.reactor.seconds() - sent)
                 return answer
             except (_Retry,) + _RETRYABLE as e:
                 last = e

@@ -16,6 +16,7 @@ from node.cluster.election import Election
 from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation
 from node.cluster.placement import PlacementDriver
 
+ETCD_OPERATION = "etcd"  # node.observe_latency's name for one etcd round trip (node/metrics.py)
 START_DEADLINE = 10.0  # seconds of retrying etcd at start before giving up
 LISTENER_KEYS = ("sbp", "kv", "meta", "chunks", "swarm", "http")
 
@@ -30,7 +31,9 @@ class ClusterNode:
         tls = None
         if config.cluster_tls_cert:
             tls = (config.cluster_tls_cert, config.cluster_tls_key, config.cluster_tls_ca)
-        self.client = etcd.EtcdClient(config.cluster, reactor=node.reactor, tls=tls, deadline=START_DEADLINE)
+        observe = getattr(node, "observe_latency", None)
+        self.client = etcd.EtcdClient(config.cluster, reactor=node.reactor, tls=tls, deadline=START_DEADLINE,
+                                      observe=(lambda seconds: observe(ETCD_OPERATION, seconds)) if observe else None)
         self.membership = None
         self.election = None
         self.pd = None
@@ -106,13 +109,33 @@ class ClusterNode:
         return None
 
     def status(self):
-        """What `sbpctl status` shows of cluster mode."""
+        """The cluster as this node holds it in memory (no etcd request): node/cluster_view.py's
+        snapshot (mode, leader, members, ranges, failovers) for the metrics and the status page,
+        plus what `sbpctl status` and `sbpctl cluster` show (prefix, etcd and whether it answers,
+        this node's role)."""
+        members = []
+        if self.membership is not None:
+            for nid, rec in sorted(self.membership.members.items()):
+                members.append({"node_id": nid, "sbp": rec.get("sbp"), "http": rec.get("http"), "alive": True})
+        ranges = []
+        if self.pd is not None:
+            for rec in list(self.pd.streams.values()):
+                for r in rec["ranges"]:
+                    p = placement.primary_of(r)
+                    # confirm offsets and per-replica ends come with replication (issue 17)
+                    ranges.append({"stream_id": rec["stream_id"], "index": r["index"], "start": r["start"], "end": r["end"],
+                                   "leader": p["id"] if p else None, "replicas": [x["id"] for x in r["servers"]],
+                                   "confirm_offset": None, "replica_ends": {}})
         return {
+            "mode": "cluster",
+            "leader": self.election.leader_id if self.election else None,
+            "members": members,
+            "ranges": ranges,
+            "failovers": 0,
             "prefix": self.prefix,
             "etcd": ",".join(self.client.urls),
             "etcd_reachable": self.client.available,
-            "live_members": self.membership.live_ids() if self.membership else [],
-            "leader": self.election.leader_id if self.election else None,
+            "live_members": [m["node_id"] for m in members],
             "is_leader": bool(self.election and self.election.is_leader),
             "streams_known": len(self.pd.streams) if self.pd else 0,
             "replication_factor": self.node.config.replication_factor,

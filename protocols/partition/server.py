@@ -16,6 +16,7 @@ a waiting read waits too, so a pipelined ``SET k; GET k`` always sees its own wr
 """
 
 import struct
+import time
 from collections import deque
 
 from twisted.internet import defer
@@ -153,9 +154,14 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
         limit = max(2, min(remaining + 2, (SCAN_REPLY_BUDGET - nbytes) // avg + 2))
 
 
+def _ignore_latency(operation, seconds):
+    """A node without the latency hook (--metrics off, test doubles)."""
+
+
 @implementer(IPushProducer)
 class KvServerProtocol(Protocol):
     log = Logger()
+    observe_latency = staticmethod(_ignore_latency)  # the factory's, i.e. the node's (node/metrics.py)
     # Backpressure: stop reading once this many requests wait for execution or for their reply,
     # or once this many bytes of written values wait to be durable.
     max_pending = 1024
@@ -366,7 +372,8 @@ class KvServerProtocol(Protocol):
     def _get_run(self, buf, pos, n, total, cid, klen):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
         store read; returns the position after the run. Only called with nothing queued ahead,
-        so the replies go straight to the output."""
+        so the replies go straight to the output. One latency observation per run."""
+        t0 = time.perf_counter()
         keys = []
         cids = []
         add_key = keys.append
@@ -403,6 +410,7 @@ class KvServerProtocol(Protocol):
             # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
             append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
             append(value)
+        self.observe_latency("kv.get", time.perf_counter() - t0)
         return pos
 
     def _write_run(self, buf, pos, n):
@@ -459,7 +467,7 @@ class KvServerProtocol(Protocol):
             d = self._write_many(ops)
         except Exception:
             d = defer.fail()
-        d.addBoth(self._run_done, slot, cids, nbytes)
+        d.addBoth(self._run_done, slot, cids, nbytes, time.perf_counter())
 
     def _issue_blocked_writes(self, blocked):
         """Issue the consecutive valid SETs/REMOVEs at the head of ``blocked`` as one run."""
@@ -501,7 +509,8 @@ class KvServerProtocol(Protocol):
             lambda rs: [(bool(r) if op[1] is None else True) if ok else r for (ok, r), op in zip(rs, ops)]
         )
 
-    def _run_done(self, result, slot, cids, nbytes):
+    def _run_done(self, result, slot, cids, nbytes, t0):
+        self.observe_latency("kv.set", time.perf_counter() - t0)  # one observation per run
         self._inflight_bytes -= nbytes
         count = len(cids)
         pack = _HEADER.pack
@@ -761,6 +770,7 @@ class KvServerProtocol(Protocol):
 class KvServerFactory(Factory):
     protocol = KvServerProtocol
     log = Logger()
+    observe_latency = staticmethod(_ignore_latency)  # the node's hook (node/metrics.py), set by build_factory
 
     def __init__(self, kv, metrics=None, store=None):
         self.kv = kv
@@ -771,6 +781,7 @@ class KvServerFactory(Factory):
     def buildProtocol(self, addr):
         p = KvServerProtocol(self.kv, self.metrics, self.store)
         p.factory = self
+        p.observe_latency = self.observe_latency
         self.connections.add(p)
         return p
 
@@ -785,5 +796,6 @@ class KvServerFactory(Factory):
 def build_factory(node):
     metrics = node.metrics.setdefault("kv", {})
     factory = KvServerFactory(node.store.kv, metrics, node.store)
+    factory.observe_latency = getattr(node, "observe_latency", _ignore_latency)
     node.on_shutdown(factory.when_idle)
     return factory

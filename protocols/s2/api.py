@@ -83,6 +83,7 @@ class S2Api:
         self.tokens = AccessTokens(self.store, self.token)
         self.counters = S2Counters(self.metrics)
         self.metrics_api = MetricsApi(self, self.counters)
+        self.node_pages = getattr(node, "http_pages", None)  # /metrics and the status page, outside the S2 routes
 
     # -----------------------------------------------------------------------------------------
     # Start-up
@@ -101,6 +102,8 @@ class S2Api:
     # Dispatch
 
     def dispatch(self, responder):
+        if self.node_pages is not None and self.node_pages(responder):
+            return
         req = responder.request
         self.metrics["requests"] += 1
         try:

@@ -21,6 +21,12 @@ _BATCH_HEADER_SIZE = record_batch.HEADER_SIZE
 RESULTS_PER_FRAME = 256
 
 
+def _observed(result, observe, t0):
+    """A Deferred callback: the APPEND's time since ``t0`` to the node's latency hook."""
+    observe("sbp.append", time.perf_counter() - t0)
+    return result
+
+
 class AppendHandler:
     def __init__(self, conn):
         self.conn = conn
@@ -28,6 +34,7 @@ class AppendHandler:
         self.metrics = conn.factory.metrics
 
     def handle(self, frame):
+        t0 = time.perf_counter()  # sbpnode_request_duration_seconds (node/metrics.py)
         conn = self.conn
         req = codec.decode_table("AppendRequest", frame.header)
         infos = req.append_requests
@@ -79,7 +86,7 @@ class AppendHandler:
                 metrics["append_bytes"] += nbytes
                 conn.begin(nbytes)
                 d.addCallbacks(self._appended_one, self._append_one_failed,
-                               callbackArgs=(frame, info, now_ms, nbytes), errbackArgs=(frame, info, now_ms, nbytes))
+                               callbackArgs=(frame, info, now_ms, nbytes, t0), errbackArgs=(frame, info, now_ms, nbytes, t0))
                 return
         results = [None] * len(infos)
         pending = []
@@ -130,18 +137,21 @@ class AppendHandler:
 
         all_done.addCallback(send)
         all_done.addErrback(lambda f: self.log.failure("APPEND reply failed", f))
+        all_done.addBoth(_observed, conn.factory.observe_latency, t0)
 
-    def _appended_one(self, base, frame, info, now_ms, nbytes):
+    def _appended_one(self, base, frame, info, now_ms, nbytes, t0):
         conn = self.conn
         if not conn.lost:
             header = codec.encode_append_response_one(conn.throttle_time_ms(), info.stream_id, info.request_index, base, now_ms)
             conn.out.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
         conn.end(nbytes)
+        conn.factory.observe_latency("sbp.append", time.perf_counter() - t0)
 
-    def _append_one_failed(self, failure, frame, info, now_ms, nbytes):
+    def _append_one_failed(self, failure, frame, info, now_ms, nbytes, t0):
         st = status_for_failure(failure, self.log, "APPEND")
         self._send(frame, [T.AppendResult(info.stream_id, info.request_index, 0, now_ms, st)])
         self.conn.end(nbytes)
+        self.conn.factory.observe_latency("sbp.append", time.perf_counter() - t0)
 
     def _send(self, frame, results):
         conn = self.conn

@@ -277,10 +277,15 @@ class ClusterAdmin(RangeAdmin):
         # the node's own view as on a single node (status.detail JSON), with the cluster's
         single = RangeAdmin.do_describe_pd_cluster(self, req)
         local = json.loads(single.status.detail)
-        local["cluster"] = self.cluster.status()
-        local["cluster"]["members"] = {str(nid): rec for nid, rec in sorted(members.items())}
-        local["cluster"]["leader"] = leader
-        local["cluster"]["ranges_per_node"] = self._ranges_per_node()
+        view = self.cluster.status()
+        view.pop("ranges", None)  # one entry per range: the metrics' business, not this reply's
+        # members and leader as etcd says now
+        view["members"] = [{"node_id": nid, "sbp": rec.get("sbp"), "http": rec.get("http"), "alive": True}
+                           for nid, rec in sorted(members.items())]
+        view["live_members"] = sorted(members)
+        view["leader"] = leader
+        local["cluster"] = view
+        view["ranges_per_node"] = self._ranges_per_node()
         detail = json.dumps(local, sort_keys=True, default=str).encode()
         return T.DescribePdClusterResponse(codec.status(codec.OK, None, detail), T.PlacementDriverCluster(nodes))
 

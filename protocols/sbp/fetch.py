@@ -11,6 +11,8 @@ big batches come as FileSpans (where they lie in the WAL files) and go out with 
 the payload CRC is derived from the stored batches' own CRCs either way.
 """
 
+import time
+
 from twisted.internet import defer
 
 from protocols.sbp import codec
@@ -178,6 +180,7 @@ class FetchOp:
         self.flush_call = None
         self.reserved = 0
         self.finished = False
+        self.t0 = time.perf_counter()  # sbpnode_request_duration_seconds (node/metrics.py)
 
     def start(self):
         parked = False
@@ -409,6 +412,7 @@ class FetchOp:
             for e in group:
                 e.batches = []
         if last:
+            conn.factory.observe_latency("sbp.fetch", time.perf_counter() - self.t0)
             self.fetcher.op_done(self)
 
 

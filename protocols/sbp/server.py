@@ -42,6 +42,10 @@ __all__ = ["SbpServerFactory", "SbpServerProtocol", "build_factory", "validate_b
 _DEFER_CRC = frozenset([codec.APPEND])
 
 
+def _ignore_latency(operation, seconds):
+    """A node without the latency hook (--metrics off, test doubles)."""
+
+
 class SbpServerFactory(Factory):
     log = Logger()
 
@@ -63,6 +67,7 @@ class SbpServerFactory(Factory):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
+        self.observe_latency = getattr(node, "observe_latency", _ignore_latency)  # node/metrics.py
         block_check.start_loading()
         # CONTRACT §9: with --cluster, the placement driver answers from etcd and APPEND / FETCH
         # are routed to the stream's node (protocols/sbp/cluster.py)

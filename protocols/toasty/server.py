@@ -15,6 +15,7 @@ against ``store.chunks`` (content addressed, SHA-256 of the zero-padded chunk).
 """
 
 import struct
+import time
 from collections import deque
 
 from twisted.internet import defer
@@ -45,6 +46,14 @@ _METRIC_NAMES = {
     codec.UPLOAD_CHUNK: "toasty_upload_chunk",
     codec.DOWNLOAD_CHUNK: "toasty_download_chunk",
 }
+
+# requests timed for sbpnode_request_duration_seconds (node/metrics.py)
+_LATENCY_NAMES = {codec.READ: "toasty.read", codec.WRITE: "toasty.write"}
+
+
+def _observed(result, observe, operation, t0):
+    observe(operation, time.perf_counter() - t0)
+    return result
 
 
 class _Slot:
@@ -266,6 +275,7 @@ class _ToastyServerProtocol(Protocol):
         metrics[key] = metrics.get(key, 0) + 1
 
     def _start(self, msg, size):
+        t0 = time.perf_counter()
         self._count(msg.TYPE)
         slot = _Slot()
         self._slots.append(slot)
@@ -278,6 +288,8 @@ class _ToastyServerProtocol(Protocol):
             d = defer.fail()
         d.addErrback(self._internal_error, msg)
         d.addCallback(self._finish, slot, size)
+        if msg.TYPE in _LATENCY_NAMES and hasattr(self.node, "observe_latency"):
+            d.addBoth(_observed, self.node.observe_latency, _LATENCY_NAMES[msg.TYPE], t0)
 
     def _internal_error(self, failure, msg):
         from storage import errors
