@@ -247,6 +247,14 @@ def test_membership_placement_and_routing(shared3):
     st = client(nodes[0]).call(call_status())
     assert st["cluster"]["prefix"] == "/sbpnode/" and st["cluster"]["live_members"] == [1, 2, 3]
 
+    # the metrics and status page read the same view (node/cluster_view.py)
+    import urllib.request
+
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % nodes[1].ports["http"], timeout=10) as r:
+        text = r.read().decode()
+    assert "sbpnode_cluster_members 3.0" in text and "sbpnode_cluster_leader %d.0" % views[0][1] in text
+    assert "sbpnode_etcd_request_duration_seconds_count" in text
+
     # clients follow the cluster: any node's address, PD_NOT_LEADER followed (bounded)
     with BlockingSbpClient("127.0.0.1", other.ports["sbp"], timeout=10, follow_cluster=True) as c:
         assert c.append(sid, batch(1)) == 5
