@@ -1,9 +1,12 @@
-"""Which protocol serves which listener (CONTRACT §1), and a placeholder for ones not built yet."""
+"""Which protocol serves which listener (CONTRACT §1).
+
+Each protocol module is imported when its listener is configured (so a node without ``--http``
+never loads the S2 stack); every one of them is part of the node, so a failed import is an error.
+"""
 
 import importlib
 
-from twisted.internet.protocol import Factory, Protocol
-from twisted.logger import Logger
+from twisted.internet.protocol import Factory
 
 # listener name -> "module:factory builder"; each builder takes the NodeContext.
 FACTORY_BUILDERS = {
@@ -18,35 +21,14 @@ FACTORY_BUILDERS = {
 PEER_SERVICE_BUILDER = "protocols.swarm.syncer:build_peer_service"
 
 
-class ClosingProtocol(Protocol):
-    """Serves a listener whose protocol is not available: accept, then close."""
-
-    def connectionMade(self):
-        self.transport.loseConnection()
-
-
 def _resolve(spec: str):
     module_name, attr = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        return None
-    return getattr(module, attr, None)
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def build_factory(name: str, node) -> Factory:
-    builder = _resolve(FACTORY_BUILDERS[name])
-    if builder is None:
-        Logger().warn("no protocol for listener {listener}; connections will be closed", listener=name)
-        return Factory.forProtocol(ClosingProtocol)
-    return builder(node)
+    return _resolve(FACTORY_BUILDERS[name])(node)
 
 
 def build_peer_service(node, endpoint: str):
-    builder = _resolve(PEER_SERVICE_BUILDER)
-    if builder is None:
-        Logger().warn("peer sync not available; ignoring --peer {peer}", peer=endpoint)
-        return None
-    return builder(node, endpoint)
+    return _resolve(PEER_SERVICE_BUILDER)(node, endpoint)

@@ -7,32 +7,14 @@ reply is copied into the transport's buffer first. When nothing of the connectio
 send on the socket itself keeps the byte order, and whatever the kernel does not take is queued
 behind through ``transport.write``, so ordering and backpressure stay Twisted's.
 
-This reads ``twisted.internet.abstract.FileDescriptor``'s buffer attributes (``dataBuffer``,
-``offset``, ``_tempDataLen``; Twisted is pinned in setup.cfg). Any other transport, TLS included
-(its bytes must go through the encryption), takes the plain ``transport.write`` path.
+Whether Twisted holds unsent bytes is read through ``protocols/tcp_internals.py`` (the one door to
+Twisted's transport internals). Any other transport, TLS included (its bytes must go through the
+encryption), takes the plain ``transport.write`` path.
 """
 
-from twisted.internet import tcp
+from protocols.tcp_internals import idle_socket
 
-
-def has_unsent(transport) -> bool:
-    """True while Twisted holds bytes of this (``tcp.Connection``) transport not yet sent."""
-    return bool(transport._tempDataLen) or len(transport.dataBuffer) > transport.offset
-
-
-def idle_socket(transport):
-    """The transport's socket when it is a plain TCP or UNIX connection, open, not TLS, holding no
-    unsent bytes; None otherwise."""
-    if (
-        not isinstance(transport, tcp.Connection)
-        or transport.TLS
-        or has_unsent(transport)
-        or not transport.connected
-        or transport.disconnecting
-        or transport._writeDisconnected
-    ):
-        return None
-    return transport.socket
+__all__ = ["idle_socket", "send_now", "send_parts_now"]
 
 
 def send_now(transport, data):

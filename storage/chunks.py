@@ -17,9 +17,9 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
-from storage.index import U64
+from storage.commit import now_ms
 from storage.crc import crc32
-from storage.store import now_ms
+from storage.index import U64
 
 PACK_ENTRY = struct.Struct(">II")
 PACK_ENTRY_SIZE = PACK_ENTRY.size + 32
@@ -235,26 +235,27 @@ class Packs:
 class ChunkStore:
     log = Logger()
 
-    def __init__(self, store, grace_s):
-        self._store = store
+    def __init__(self, core, grace_s):
+        self._core = core
         self._grace_ms = int(grace_s * 1000)
         self._last_seq = 0
         self._waiters = []  # [(seq, Deferred)]
 
-    def _load(self):
-        with self._store.env.begin() as txn:
-            raw = txn.get(index.CHUNK_SEQ, db=self._store.dbs[index.SYS])
+    def load(self):
+        """At open, after recovery: the last arrival sequence number (blocking)."""
+        with self._core.env.begin() as txn:
+            raw = txn.get(index.CHUNK_SEQ, db=self._core.dbs[index.SYS])
             self._last_seq = U64.unpack(raw)[0] if raw else 0
 
     def _db(self, n):
-        return self._store.dbs[n]
+        return self._core.dbs[n]
 
     # -- writes ---------------------------------------------------------------------------------
 
     def put(self, data, pin=False):
         """Store ``data``; fires with its SHA-256 address once durable (idempotent)."""
         data = bytes(data)
-        return self._store.transact_raw(lambda raw: self.put_in(raw, data, pin), len(data) + 64)
+        return self._core.transact(lambda raw: self.put_in(raw, data, pin), len(data) + 64)
 
     def put_in(self, raw, data, pin=False):
         """Writer thread, inside ``raw``'s transaction: store ``data``, return its address."""
@@ -267,7 +268,7 @@ class ChunkStore:
         if found is None:
             return None
         pack_id, pos, size = CHUNK_VAL.unpack(found)[:3]
-        return self._store.packs.read(pack_id, pos, size, bytes(addr))
+        return self._core.packs.read(pack_id, pos, size, bytes(addr))
 
     def put_many(self, datas, pin=False, addrs=None):
         """Store several chunks in one write transaction (one pack write, one WAL entry); fires
@@ -288,10 +289,10 @@ class ChunkStore:
         size = sum(len(d) for d in datas)
         nbytes = size + 64 * len(datas)
         if addrs is None and size >= HASH_IN_POOL_BYTES:
-            d = self._store.in_pool(_digests, datas)
-            d.addCallback(lambda hashed: self._store.transact_raw(lambda raw: self.put_many_in(raw, datas, pin, hashed), nbytes))
+            d = self._core.in_pool(_digests, datas)
+            d.addCallback(lambda hashed: self._core.transact(lambda raw: self.put_many_in(raw, datas, pin, hashed), nbytes))
             return d
-        return self._store.transact_raw(lambda raw: self.put_many_in(raw, datas, pin, addrs), nbytes)
+        return self._core.transact(lambda raw: self.put_many_in(raw, datas, pin, addrs), nbytes)
 
     def put_many_in(self, raw, datas, pin=False, addrs=None):
         """Writer thread, inside ``raw``'s transaction: :meth:`put_in` for several chunks, with one
@@ -316,7 +317,7 @@ class ChunkStore:
                     raw.delete(index.CHUNKFREE, addr)
         if not fresh:
             return out
-        placed = self._store.packs.append_many(fresh)
+        placed = self._core.packs.append_many(fresh)
         prev = raw.get(index.SYS, index.CHUNK_SEQ)
         first = (U64.unpack(prev)[0] if prev else 0) + 1
         added = now_ms()
@@ -362,7 +363,7 @@ class ChunkStore:
     # -- reads ----------------------------------------------------------------------------------
 
     def _lookup(self, addr):
-        raw = self._store.snapshot().get(bytes(addr), db=self._db(index.CHUNKS))
+        raw = self._core.snapshot().get(bytes(addr), db=self._db(index.CHUNKS))
         return CHUNK_VAL.unpack(raw) if raw is not None else None
 
     def get(self, addr, offset=0, length=None):
@@ -376,10 +377,10 @@ class ChunkStore:
         end = size if length is None else min(size, offset + length)
 
         def read():
-            data = self._store.packs.read(pack_id, pos, size, addr)
+            data = self._core.packs.read(pack_id, pos, size, addr)
             return bytes(data[offset:end])
 
-        return self._store.in_pool(read)
+        return self._core.in_pool(read)
 
     def get_cached(self, addr):
         """Chunk ``addr``'s bytes (CRC checked) read at once on the calling thread when its pack
@@ -390,7 +391,7 @@ class ChunkStore:
         if found is None:
             raise errors.ChunkNotFound("no chunk %s" % addr.hex())
         pack_id, pos, size = found[0], found[1], found[2]
-        return self._store.packs.read_cached(pack_id, pos, size, addr)
+        return self._core.packs.read_cached(pack_id, pos, size, addr)
 
     def get_many(self, addrs):
         """Whole chunks for a list of addresses, read in one pool job from one snapshot:
@@ -400,14 +401,14 @@ class ChunkStore:
         addrs = [bytes(a) for a in addrs]
         if not addrs:
             return defer.succeed([])
-        return self._store.in_pool(self._read_many, addrs)
+        return self._core.in_pool(self._read_many, addrs)
 
     def _read_many(self, addrs):
         """Pool thread: look every address up, then read runs of back-to-back entries."""
         db = self._db(index.CHUNKS)
         unpack = CHUNK_VAL.unpack
         found = []
-        with self._store.env.begin(buffers=False) as txn:
+        with self._core.env.begin(buffers=False) as txn:
             get = txn.get
             for i, addr in enumerate(addrs):
                 raw = get(addr, db=db) if len(addr) == 32 else None
@@ -416,7 +417,7 @@ class ChunkStore:
                     found.append((pack_id, pos, size, i))
         found.sort()
         out = [None] * len(addrs)
-        packs = self._store.packs
+        packs = self._core.packs
         entry = PACK_ENTRY
         j, n = 0, len(found)
         while j < n:
@@ -449,12 +450,12 @@ class ChunkStore:
 
     def has_many(self, addrs):
         db = self._db(index.CHUNKS)
-        txn = self._store.snapshot()
+        txn = self._core.snapshot()
         return [txn.get(bytes(a), db=db) is not None for a in addrs]
 
     def info(self, addr):
         """(size, seq, pinned, refcount) or None."""
-        txn = self._store.snapshot()
+        txn = self._core.snapshot()
         raw = txn.get(bytes(addr), db=self._db(index.CHUNKS))
         if raw is None:
             return None
@@ -469,7 +470,7 @@ class ChunkStore:
         out = []
         if limit <= 0:
             return out
-        cur = self._store.snapshot().cursor(db=self._db(index.CHUNKSEQ))
+        cur = self._core.snapshot().cursor(db=self._db(index.CHUNKSEQ))
         if not cur.set_range(U64.pack(max(0, from_seq))):
             return out
         for key, addr in cur:
@@ -482,7 +483,7 @@ class ChunkStore:
         return out
 
     def wait_for_seq(self, seq):
-        if self._last_seq >= seq or self._store.closed:
+        if self._last_seq >= seq or self._core.closed:
             return defer.succeed(None)
         entry = [seq, None]
 
@@ -497,7 +498,8 @@ class ChunkStore:
         self._waiters.append(tuple(entry))
         return d
 
-    def _close_waiters(self):
+    def close_waiters(self):
+        """The store closes: every ``wait_for_seq`` fires."""
         waiters, self._waiters = self._waiters, []
         for _, d in waiters:
             d.callback(None)
@@ -505,7 +507,8 @@ class ChunkStore:
     # -- references (inside metadata transactions, writer thread) --------------------------------
 
     @staticmethod
-    def _incref(raw, addrs):
+    def incref_in(raw, addrs):
+        """Writer thread, inside ``raw``'s transaction: one more reference to each chunk."""
         for addr in addrs:
             addr = bytes(addr)
             cur = raw.get(index.CHUNKREF, addr)
@@ -513,7 +516,9 @@ class ChunkStore:
             raw.delete(index.CHUNKFREE, addr)
 
     @staticmethod
-    def _decref(raw, addrs):
+    def decref_in(raw, addrs):
+        """Writer thread, inside ``raw``'s transaction: one reference less to each chunk; at 0 an
+        unpinned chunk becomes a sweep candidate."""
         for addr in addrs:
             addr = bytes(addr)
             cur = raw.get(index.CHUNKREF, addr)
@@ -529,18 +534,19 @@ class ChunkStore:
 
     # -- sweep ----------------------------------------------------------------------------------
 
-    def _sweep_tick(self):
-        store = self._store
-        if store.closed or store.failed:
+    def sweep_tick(self):
+        """Reclaim chunks unreferenced past the grace period and compact a mostly-dead pack."""
+        core = self._core
+        if core.closed or core.failed:
             return None
-        if store.snapshot().stat(self._db(index.CHUNKFREE))["entries"] == 0 and self._compaction_target(
-                store.snapshot().cursor(db=self._db(index.PACKS))) is None:
+        if core.snapshot().stat(self._db(index.CHUNKFREE))["entries"] == 0 and self._compaction_target(
+                core.snapshot().cursor(db=self._db(index.PACKS))) is None:
             return None
-        return store.transact_raw(self._sweep)
+        return core.transact(self._sweep)
 
     def _compaction_target(self, cursor):
         """The non-active pack with the least live data, if under COMPACT_BELOW of its size."""
-        packs = self._store.packs
+        packs = self._core.packs
         best = None
         for key, value in cursor:
             pack_id, live = U32.unpack(key)[0], U64.unpack(value)[0]
@@ -573,7 +579,7 @@ class ChunkStore:
             raw.delete(index.CHUNKS, addr)
             raw.delete(index.CHUNKSEQ, U64.pack(seq))
             freed[pack_id] = freed.get(pack_id, 0) + PACK_ENTRY_SIZE + size
-        packs = self._store.packs
+        packs = self._core.packs
         empty = []
         for pack_id, n in freed.items():
             key = U32.pack(pack_id)
@@ -606,7 +612,7 @@ class ChunkStore:
     def _compact(self, raw, pack_id):
         """Writer thread: copy the chunks of ``pack_id`` the index still points at to the active
         pack and repoint them (the index change is a WAL entry, so replay agrees)."""
-        packs = self._store.packs
+        packs = self._core.packs
         gained = {}
         moved = 0
         for pos, addr, size in list(packs.entries(pack_id)):
@@ -631,4 +637,4 @@ class ChunkStore:
 
     def sweep_now(self, grace_s=0.0):
         """Run a sweep at once with the given grace (tests, sbpctl)."""
-        return self._store.transact_raw(lambda raw: self._sweep(raw, now_ms() - int(grace_s * 1000)))
+        return self._core.transact(lambda raw: self._sweep(raw, now_ms() - int(grace_s * 1000)))

@@ -207,12 +207,11 @@ class RawTxn:
     """The writer thread's view of one LMDB write transaction: reads see earlier writes of the
     same group; every write is applied at once and recorded for the WAL."""
 
-    def __init__(self, txn, dbs, store):
+    def __init__(self, txn, dbs, wal):
         self.txn = txn
         self.dbs = dbs
-        self.store = store
         self.ops = []
-        self.live = LiveBytes(store.wal)
+        self.live = LiveBytes(wal)
         self.after_commit = []  # callables run in the writer thread once the group committed
         self.on_reactor = []  # callables run on the reactor thread once the group is durable
 

@@ -14,9 +14,9 @@ kv write has, and all it needs (see docs/storage.md, "Key-value partitions").
 from twisted.internet import defer
 
 from storage import errors, index
+from storage.commit import Direct
 from storage.index import (KEY_KEEP, OP_DEL, OP_PUT, decode_value, encode_key, encode_value, iter_ordered,
                            seek_backward, seek_forward)
-from storage.store import K_DIRECT, _Op
 
 MAX_KEY = 65535
 MAX_VALUE = 16 << 20
@@ -33,14 +33,14 @@ def partition_bounds(p: int):
 
 
 class KeyValue:
-    def __init__(self, store):
-        self._store = store
-        self._db = store.dbs[index.KV]
+    def __init__(self, core):
+        self._core = core
+        self._db = core.dbs[index.KV]
 
     def get(self, key):
         if type(key) is not bytes:
             key = bytes(key)
-        stored = self._store.snapshot().get(key if len(key) <= KEY_KEEP else encode_key(b"", key), db=self._db)
+        stored = self._core.snapshot().get(key if len(key) <= KEY_KEEP else encode_key(b"", key), db=self._db)
         if stored is None:
             return None
         if stored[0] == 0:
@@ -50,7 +50,7 @@ class KeyValue:
 
     def get_many(self, keys):
         """[value or None] for each key (any bytes-like object), from one snapshot."""
-        get = self._store.snapshot().get
+        get = self._core.snapshot().get
         db = self._db
         out = []
         append = out.append
@@ -107,11 +107,11 @@ class KeyValue:
                 else:
                     append((encode_key(b"", key), encode_value(key, b"", bytes(value))))
                 nbytes += klen + len(value) + 64
-            self._store._check_writable(nbytes)
+            self._core.check_writable(nbytes)
         except errors.StoreError:
             return defer.fail()
         db = self._db
-        wal = self._store.policy.always
+        wal = self._core.policy.always
 
         def apply(txn):
             if not removes:
@@ -132,7 +132,7 @@ class KeyValue:
                         logged.append([OP_PUT, index.KV, k, v])
             return existed, logged
 
-        return self._store._submit(_Op(K_DIRECT, apply, nbytes=nbytes))
+        return self._core.submit(Direct(apply, nbytes))
 
     def scan_forward(self, start, limit):
         """Pairs with key >= ``start`` (None = from the first key), ascending."""
@@ -140,7 +140,7 @@ class KeyValue:
         if limit <= 0:
             return out
         start = None if start is None else bytes(start)
-        cur = self._store.snapshot().cursor(db=self._db)
+        cur = self._core.snapshot().cursor(db=self._db)
         if not seek_forward(cur, b"", start):
             return out
         for key, value in iter_ordered(cur, False):
@@ -157,7 +157,7 @@ class KeyValue:
         if limit <= 0:
             return out
         start = None if start is None else bytes(start)
-        cur = self._store.snapshot().cursor(db=self._db)
+        cur = self._core.snapshot().cursor(db=self._db)
         if not seek_backward(cur, b"", start):
             return out
         for key, value in iter_ordered(cur, True):
@@ -178,7 +178,7 @@ class KeyValue:
             prefix = bytes(prefix)
             if start is None or start < prefix:
                 start = prefix
-        cur = self._store.snapshot().cursor(db=self._db)
+        cur = self._core.snapshot().cursor(db=self._db)
         if not seek_forward(cur, b"", start):
             return out
         for key, _ in iter_ordered(cur, False):

@@ -6,13 +6,16 @@ once the batch is durable, in log order.
 """
 
 import os
+from dataclasses import dataclass, field
+from typing import List, Optional
 
+import msgpack
 from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
+from storage.commit import AppendBatch, now_ms
 from storage.index import INDEX_KEY, INDEX_VAL, U64
-from storage.store import K_BATCH, _Op, _Stream, now_ms
 from storage.wal import T_BATCH
 
 _MAX_OFFSET = (1 << 63) - 1
@@ -20,24 +23,93 @@ _DIRECT_READ = 16 << 10
 CLEAN_BELOW = 0.25  # re-append a segment's live batches when they fill less than this share of it
 
 
+@dataclass
+class RangeMeta:
+    range_index: int
+    start_offset: int
+    next_offset: int
+    end_offset: int  # -1 while open
+    replicas: list = field(default_factory=list)  # [(server_id, advertise_addr, is_primary)]
+
+
+@dataclass
+class StreamMeta:
+    stream_id: int
+    replica_nums: int
+    retention_period_ms: int
+    trim_offset: int
+    next_offset: int
+    ranges: List[RangeMeta]
+    origin: Optional[str]
+    attrs: dict
+    created_ms: int
+
+
+class StreamState:
+    """Reactor-thread state of one stream."""
+
+    __slots__ = ("sid", "replica_nums", "retention_period_ms", "trim_offset", "ranges", "origin",
+                 "attrs", "created_ms", "next_offset", "assigned", "waiters")
+
+    def __init__(self, sid, replica_nums=1, retention_period_ms=0, origin=None, attrs=None, created_ms=0):
+        self.sid = sid
+        self.replica_nums = replica_nums
+        self.retention_period_ms = retention_period_ms
+        self.trim_offset = 0
+        self.ranges = [[0, 0, -1, []]]  # [index, start, end (-1 open), replicas]
+        self.origin = origin
+        self.attrs = dict(attrs or {})
+        self.created_ms = created_ms
+        self.next_offset = 0  # durable and visible
+        self.assigned = 0  # handed out to appends (>= next_offset)
+        self.waiters = []  # [(offset, Deferred)]
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {"r": self.replica_nums, "ret": self.retention_period_ms, "trim": self.trim_offset,
+             "ranges": self.ranges, "origin": self.origin, "attrs": self.attrs, "created": self.created_ms},
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, sid, raw):
+        d = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
+        s = cls(sid, d["r"], d["ret"], d["origin"], d["attrs"], d["created"])
+        s.trim_offset = d["trim"]
+        s.ranges = [[r[0], r[1], r[2], [tuple(x) for x in r[3]]] for r in d["ranges"]]
+        return s
+
+    def range_meta(self, r) -> RangeMeta:
+        nxt = self.next_offset if r[2] < 0 else r[2]
+        return RangeMeta(r[0], r[1], nxt, r[2], [tuple(x) for x in r[3]])
+
+    def meta(self) -> StreamMeta:
+        return StreamMeta(self.sid, self.replica_nums, self.retention_period_ms, self.trim_offset,
+                          self.next_offset, [self.range_meta(r) for r in self.ranges], self.origin,
+                          dict(self.attrs), self.created_ms)
+
+
+
 class RecordLog:
     log = Logger()
 
-    def __init__(self, store):
-        self._store = store
-        self._streams = {}
+    def __init__(self, core, node_id=0):
+        self._core = core
+        self._node_id = node_id
+        self._streams = {}  # reactor thread: stream id -> StreamState
         self._counter = 0
         self._uncleanable = set()  # segments the cleaner could not empty (a hole after a power cut)
 
-    def _load(self):
-        store = self._store
-        with store.env.begin() as txn:
-            raw = txn.get(index.STREAM_COUNTER, db=store.dbs[index.SYS])
+    def load(self):
+        """At open, after recovery: the streams' state from the index (blocking)."""
+        core = self._core
+        with core.env.begin() as txn:
+            raw = txn.get(index.STREAM_COUNTER, db=core.dbs[index.SYS])
             self._counter = U64.unpack(raw)[0] if raw else 0
-            idx = txn.cursor(db=store.dbs[index.INDEX])
-            for key, value in txn.cursor(db=store.dbs[index.STREAMS]):
+            idx = txn.cursor(db=core.dbs[index.INDEX])
+            for key, value in txn.cursor(db=core.dbs[index.STREAMS]):
                 sid = U64.unpack(key)[0]
-                s = _Stream.decode(sid, value)
+                s = StreamState.decode(sid, value)
                 nxt = s.trim_offset
                 # next_offset = the end of the stream's last indexed batch (not stored per append)
                 found = idx.prev() if idx.set_range(INDEX_KEY.pack(sid, (1 << 64) - 1)) else idx.last()
@@ -54,7 +126,7 @@ class RecordLog:
 
     # -- streams --------------------------------------------------------------------------------
 
-    def _get(self, sid) -> "_Stream":
+    def _get(self, sid) -> "StreamState":
         s = self._streams.get(sid)
         if s is None:
             raise errors.StreamNotFound("stream %d not found" % sid)
@@ -65,6 +137,9 @@ class RecordLog:
 
     def streams(self):
         return [s.meta() for s in self._streams.values()]
+
+    def stream_count(self) -> int:
+        return len(self._streams)
 
     def offsets(self):
         """{stream id: (trim offset, next offset)} of every stream: a cheap snapshot (no
@@ -83,27 +158,27 @@ class RecordLog:
             if extra is not None:
                 extra(raw)
 
-        d = self._store.transact_raw(fn, nbytes)
+        d = self._core.transact(fn, nbytes)
         d.addCallback(lambda _: s.meta())
         return d
 
     def create_stream(self, replica_nums=1, retention_period_ms=0, attrs=None):
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             _check_attrs(attrs)
         except errors.StoreError:
             return defer.fail()
         self._counter += 1
         if self._counter >= 1 << 32:
             return defer.fail(errors.InvalidRequest("stream ids exhausted"))
-        sid = (self._store.node_id << 32) | self._counter
-        s = _Stream(sid, int(replica_nums), int(retention_period_ms), None, attrs, now_ms())
+        sid = (self._node_id << 32) | self._counter
+        s = StreamState(sid, int(replica_nums), int(retention_period_ms), None, attrs, now_ms())
         self._streams[sid] = s
         return self._persist(s, counter=self._counter)
 
     def create_replica_stream(self, stream_id, origin, replica_nums, retention_period_ms, attrs=None):
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             _check_attrs(attrs)
         except errors.StoreError:
             return defer.fail()
@@ -117,13 +192,13 @@ class RecordLog:
             if attrs:
                 s.attrs.update(attrs)
         else:
-            s = _Stream(stream_id, int(replica_nums), int(retention_period_ms), origin, attrs, now_ms())
+            s = StreamState(stream_id, int(replica_nums), int(retention_period_ms), origin, attrs, now_ms())
             self._streams[stream_id] = s
         return self._persist(s)
 
     def delete_stream(self, sid):
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             s = self._get(sid)
         except errors.StoreError:
             return defer.fail()
@@ -135,11 +210,11 @@ class RecordLog:
             raw.delete(index.STREAMS, U64.pack(sid))
             raw.delete_range(index.INDEX, INDEX_KEY.pack(sid, 0), INDEX_KEY.pack(sid, _MAX_OFFSET))
 
-        return self._store.transact_raw(fn).addCallback(lambda _: meta)
+        return self._core.transact(fn).addCallback(lambda _: meta)
 
     def update_stream(self, sid, replica_nums=None, retention_period_ms=None, attrs=None):
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             s = self._get(sid)
             _check_attrs(attrs)
         except errors.StoreError:
@@ -156,14 +231,14 @@ class RecordLog:
 
     def append(self, sid, batch, expect_offset=None):
         """Assign the next offset now; fire with it once the batch is durable."""
-        store = self._store
+        core = self._core
         if type(batch) is not bytes:
             batch = bytes(batch)  # the caller's buffer may change once we return
         try:
             s = self._get(sid)
             if s.origin is not None:
                 raise errors.ReadOnlyStream(s.origin)
-            store._check_writable(len(batch))
+            core.check_writable(len(batch))
             if len(batch) < 29:
                 raise errors.InvalidRequest("a record batch is at least 29 bytes")
             if expect_offset is not None and expect_offset != s.assigned:
@@ -175,14 +250,14 @@ class RecordLog:
             return defer.fail()
         base = s.assigned
         s.assigned = base + count
-        return store._submit(_Op(K_BATCH, sid, batch, base, nbytes=len(batch) + 64))
+        return core.submit(AppendBatch(sid, batch, base, count))
 
     def append_replica(self, sid, batch):
         """Swarm follower: store the batch as is; its base_offset must be the stream's next offset."""
-        store = self._store
+        core = self._core
         try:
             s = self._get(sid)
-            store._check_writable(len(batch))
+            core.check_writable(len(batch))
             if len(batch) < 29:
                 raise errors.InvalidRequest("a record batch is at least 29 bytes")
             base = int.from_bytes(batch[1:9], "big", signed=True)
@@ -194,10 +269,11 @@ class RecordLog:
         except errors.StoreError:
             return defer.fail()
         s.assigned = base + count
-        return store._submit(_Op(K_BATCH, sid, bytes(batch), None, nbytes=len(batch) + 64))
+        return core.submit(AppendBatch(sid, bytes(batch), None, count))
 
-    def _advance(self, sid, base, count):
-        """Reactor thread, in log order: the batch at ``base`` is durable and readable."""
+    def advance(self, sid, base, count):
+        """The commit core's ``on_batch_durable`` hook (reactor thread, in log order): the batch at
+        ``base`` is durable and readable."""
         s = self._streams.get(sid)
         if s is None:
             return
@@ -217,7 +293,7 @@ class RecordLog:
 
     def wait_for_data(self, sid, offset):
         s = self._streams.get(sid)
-        if s is None or s.next_offset > offset or self._store.closed:
+        if s is None or s.next_offset > offset or self._core.closed:
             return defer.succeed(None)
         entry = [offset, None]
 
@@ -234,7 +310,8 @@ class RecordLog:
         s.waiters.append(tuple(entry))
         return d
 
-    def _close_waiters(self):
+    def close_waiters(self):
+        """The store closes: every parked reader wakes (and finds no more data)."""
         for s in self._streams.values():
             self._fire(s, everything=True)
 
@@ -254,7 +331,7 @@ class RecordLog:
             return defer.fail()
         if offset == s.next_offset:
             return defer.succeed([])
-        return self._store.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset)
+        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset)
 
     def read_spans(self, sid, offset, max_bytes):
         """``read()`` for a caller that can send file ranges itself (``sendfile``): the same
@@ -274,17 +351,17 @@ class RecordLog:
             spans = None  # the read pool does it again, and reports what fails
         if spans is not None:
             return defer.succeed(spans)
-        return self._store.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset, True)
+        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset, True)
 
     def _cached_spans(self, sid, offset, max_bytes, limit):
         """Reactor thread, no waiting for the disk: the FileSpans of ``read_spans`` when every
         batch is big enough for one and its pages are in the page cache (``wal.cached_spans``), so
         a FETCH of recent or recently read data needs no thread hop; None otherwise."""
-        store = self._store
-        entries = self._entries(store.snapshot(), sid, offset, max_bytes, limit)
+        core = self._core
+        entries = self._entries(core.snapshot(), sid, offset, max_bytes, limit)
         if not entries or any(length < _DIRECT_READ for _, length, _, _ in entries):
             return None
-        return store.wal.cached_spans(sid, entries, {})
+        return core.wal.cached_spans(sid, entries, {})
 
     def _entries(self, txn, sid, offset, max_bytes, limit):
         """CONTRACT §3's FETCH rule over the index: ``(pos, length, base, count)`` of whole batches
@@ -310,7 +387,7 @@ class RecordLog:
 
     def _locate(self, txn, sid, offset):
         """A cursor on the batch holding ``offset`` (or None)."""
-        cur = txn.cursor(db=self._store.dbs[index.INDEX])
+        cur = txn.cursor(db=self._core.dbs[index.INDEX])
         key = INDEX_KEY.pack(sid, offset)
         if cur.set_range(key):
             if cur.key() == key:
@@ -329,9 +406,9 @@ class RecordLog:
     def _read_blocking(self, sid, offset, max_bytes, limit, spans=False):
         """Read pool: whole batches from the one holding ``offset``: the first always, then each
         next while the total is below ``max_bytes``. With ``spans``, big batches as FileSpans."""
-        store = self._store
-        wal = store.wal
-        with store.env.begin() as txn:
+        core = self._core
+        wal = core.wal
+        with core.env.begin() as txn:
             entries = self._entries(txn, sid, offset, max_bytes, limit)
         if entries is None:
             raise errors.OffsetOutOfRange("offset %d of stream %d is not stored" % (offset, sid))
@@ -381,11 +458,11 @@ class RecordLog:
         """[(base_offset, record_count, length)] from the batch holding ``from_offset``."""
         self._get(sid)
         out = []
-        store = self._store
-        txn = store.snapshot()
+        core = self._core
+        txn = core.snapshot()
         cur = self._locate(txn, sid, max(from_offset, 0))
         if cur is None:
-            cur = txn.cursor(db=store.dbs[index.INDEX])
+            cur = txn.cursor(db=core.dbs[index.INDEX])
             if not cur.set_range(INDEX_KEY.pack(sid, max(from_offset, 0))):
                 return out
         for key, value in cur:
@@ -402,7 +479,7 @@ class RecordLog:
         """CONTRACT §3: trim point = max(current, min(offset, next_offset)); ranges wholly below it
         are dropped; the first remaining range starts at the trim point."""
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             s = self._get(sid)
             if s.origin is not None:
                 raise errors.ReadOnlyStream(s.origin)
@@ -439,7 +516,7 @@ class RecordLog:
 
     def seal_range(self, sid, range_index):
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             s = self._get(sid)
             if s.origin is not None:
                 raise errors.ReadOnlyStream(s.origin)
@@ -453,12 +530,12 @@ class RecordLog:
         r[2] = s.assigned
         new = [r[0] + 1, r[2], -1, list(r[3])]
         s.ranges.append(new)
-        sealed = RangeMetaOf(r)
+        sealed = RangeMeta(r[0], r[1], r[2], r[2], [tuple(x) for x in r[3]])
         return self._persist(s).addCallback(lambda meta: (sealed, s.range_meta(new)))
 
     def create_range(self, sid):
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             s = self._get(sid)
             if s.origin is not None:
                 raise errors.ReadOnlyStream(s.origin)
@@ -473,7 +550,7 @@ class RecordLog:
 
     def set_range_replicas(self, sid, range_index, replicas):
         try:
-            self._store._check_writable()
+            self._core.check_writable()
             s = self._get(sid)
             r = self._find_range(s, range_index)
         except errors.StoreError:
@@ -490,31 +567,32 @@ class RecordLog:
 
     # -- retention (reactor thread, every retention_check_s) --------------------------------------
 
-    def _retention_tick(self):
-        store = self._store
-        if store.closed or store.failed:
+    def retention_tick(self):
+        """Trim what outlived its stream's retention period, then collect WAL segments."""
+        core = self._core
+        if core.closed or core.failed:
             return
         aged = [(s.sid, s.retention_period_ms, s.next_offset) for s in self._streams.values()
                 if s.retention_period_ms > 0 and s.next_offset > s.trim_offset]
-        if not aged and len(store.wal.bases) <= 1:
+        if not aged and len(core.wal.bases) <= 1:
             return None
-        d = store.in_pool(self._expired, aged, now_ms()) if aged else defer.succeed([])
+        d = core.in_pool(self._expired, aged, now_ms()) if aged else defer.succeed([])
 
         def trim_all(points):
             for sid, point in points:
                 s = self._streams.get(sid)
                 if s is not None and point > s.trim_offset:
                     self._trim(s, point)
-            return store.transact_raw(self._gc_segments)
+            return core.transact(self._gc_segments)
 
         return d.addCallback(trim_all)
 
     def _expired(self, aged, now):
         """Read pool: per stream, the offset after its last batch older than the retention period."""
-        store = self._store
+        core = self._core
         out = []
-        with store.env.begin() as txn:
-            cur = txn.cursor(db=store.dbs[index.INDEX])
+        with core.env.begin() as txn:
+            cur = txn.cursor(db=core.dbs[index.INDEX])
             for sid, retention, nxt in aged:
                 cutoff = now - retention
                 point = None
@@ -534,14 +612,14 @@ class RecordLog:
 
     def gc_now(self):
         """Run one segment collection pass now (tests, sbpctl); fires with (deleted, relocated)."""
-        return self._store.transact_raw(self._gc_segments)
+        return self._core.transact(self._gc_segments)
 
     def _gc_segments(self, raw):
         """Writer thread: delete every WAL segment whose live batch bytes (table ``seglive``) are 0,
         and clean at most one mostly-dead segment by re-appending its few live batches at the head
         (so one long-lived stream cannot pin old segments full of expired data)."""
-        store = self._store
-        wal = store.wal
+        core = self._core
+        wal = core.wal
         live = {}
         for key, value in raw.cursor(index.SEGLIVE):
             live[U64.unpack(key)[0]] = U64.unpack(value)[0]
@@ -594,12 +672,6 @@ class RecordLog:
                                   raw.live, new, total, wal.active)
             moved += 1
         return moved
-
-
-def RangeMetaOf(r):
-    from storage.store import RangeMeta
-
-    return RangeMeta(r[0], r[1], r[2], r[2], [tuple(x) for x in r[3]])
 
 
 def _check_attrs(attrs):

@@ -9,7 +9,6 @@ Tables are key prefixes (``table`` + NUL) of one ordered LMDB table; values are 
 import msgpack
 
 from storage import errors, index
-from storage.chunks import ChunkStore
 from storage.index import decode_value, encode_key, encode_value
 
 COUNTERS = "__counter"
@@ -130,11 +129,13 @@ class Counter:
 
 
 class Txn(_ReadTxn):
-    """The writer-thread transaction handed to ``transact(fn)``."""
+    """The writer-thread transaction handed to ``transact(fn)``; ``chunks`` is the store's
+    ChunkStore (chunk references and chunk bytes in the same transaction)."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, chunks):
         super().__init__(raw.txn, raw.dbs)
         self._raw = raw
+        self._chunks = chunks
 
     def put(self, table, key, value):
         pfx = _prefix(table)
@@ -157,30 +158,32 @@ class Txn(_ReadTxn):
         return Counter(self, _counter_key(name))
 
     def chunk_incref(self, addrs):
-        ChunkStore._incref(self._raw, addrs)
+        self._chunks.incref_in(self._raw, addrs)
 
     def chunk_decref(self, addrs):
-        ChunkStore._decref(self._raw, addrs)
+        self._chunks.decref_in(self._raw, addrs)
 
     def chunk_get(self, addr):
         """The chunk's bytes (CRC checked; DataCorrupted if not), or None if it is not held."""
-        return self._raw.store.chunks.get_in(self._raw, addr)
+        return self._chunks.get_in(self._raw, addr)
 
     def chunk_put(self, data) -> bytes:
         """Store a chunk in this transaction (unreferenced until ``chunk_incref``); its address."""
-        return self._raw.store.chunks.put_in(self._raw, bytes(data))
+        return self._chunks.put_in(self._raw, bytes(data))
 
 
 class Meta:
-    def __init__(self, store):
-        self._store = store
+    def __init__(self, core, chunks):
+        self._core = core
+        self._chunks = chunks
 
     def transact(self, fn):
         """Run ``fn(txn)`` atomically and durably in the writer thread; fires with its result."""
-        return self._store.transact_raw(lambda raw: fn(Txn(raw)), 512)
+        chunks = self._chunks
+        return self._core.transact(lambda raw: fn(Txn(raw, chunks)), 512)
 
     def read(self, fn):
-        return fn(_ReadTxn(self._store.snapshot(), self._store.dbs))
+        return fn(_ReadTxn(self._core.snapshot(), self._core.dbs))
 
     def next_id(self, counter_name):
         return self.transact(lambda txn: txn.next_id(counter_name))

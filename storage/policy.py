@@ -6,7 +6,7 @@ ALLOWED = "allowed: always, interval:MS (MS a positive integer), never"
 class FsyncPolicy:
     """``always``: every acknowledged write is on disk (one fdatasync per group commit).
     ``interval:MS``: acknowledged once written to the OS; synced at most MS ms later (2 x MS while
-    the disk is slow: store.interval_sync_wait).
+    the disk is slow: commit.interval_sync_wait).
     ``never``: synced only on clean close."""
 
     __slots__ = ("mode", "interval_ms")

@@ -12,7 +12,7 @@ When the writer's own sync comes, most bytes are already on the disk and it take
 
 It changes nothing about what is durable in what order: only the writer's sync counts, and a
 pre-sync only makes bytes durable earlier. While a pre-sync is in ``fdatasync`` (``busy``) the
-writer postpones its due sync, up to twice the interval (``store.interval_sync_wait``, like Redis's
+writer postpones its due sync, up to twice the interval (``commit.interval_sync_wait``, like Redis's
 ``everysec``): on a stalled disk the appends keep committing instead of queueing behind a sync
 that waits for the same disk. It never syncs LMDB, which could make an index durable before the WAL
 bytes it names. I/O errors are left to the writer's sync, which reports them and stops the store.

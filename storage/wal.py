@@ -28,7 +28,7 @@ _CRC_PREFIX = struct.Struct(">QIB")
 MAX_PAYLOAD = 1 << 30
 
 T_BATCH = 1  # payload: u64 stream_id | u64 append_ms | record batch
-T_OPS = 2  # payload: msgpack list of raw index operations (storage.store.apply_ops)
+T_OPS = 2  # payload: msgpack list of raw index operations (storage.index.apply_ops)
 
 # A batch entry's fixed head: entry framing, u64 stream_id | u64 append_ms, the record batch's
 # 29-byte header (u8 magic | i64 base_offset | i32 record_count | i64 base_ts | u32 crc | i32 records_len)

@@ -421,10 +421,10 @@ def test_pending_budget_pauses_and_resumes_reading():
 
 def test_write_side_backpressure_stops_processing():
     proto, tr = connect(MemoryKv())
-    proto.pauseProducing()  # the transport's send buffer is full
+    proto.gate.pauseProducing()  # the transport's send buffer is full
     proto.dataReceived(c.encode_get(1, b"k"))
     assert tr.value() == b"" and tr.producerState == "paused"
-    proto.resumeProducing()
+    proto.gate.resumeProducing()
     assert replies(tr, [c.GET])[0].client_id == 1
 
 

@@ -168,7 +168,7 @@ async def test_reader_that_does_not_read_stops_the_server_reading(store, srv, mi
     await threads.deferToThread(s.sendall, req * n)
     await task.deferLater(reactor, 0.5, lambda: None)
     p = srv.conn()
-    assert p.sender is not None and p._reading_paused
+    assert p.sender is not None and not p.gate.reading
     fetched = srv.factory.metrics["fetches"]
     reply = 2 << 20
     if mixed:

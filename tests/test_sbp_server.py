@@ -305,10 +305,32 @@ async def test_backpressure_pauses_reading(node):
     assert codec.decode_header(f).throttle_time_ms > 0
     assert c.tr.producerState == "producing"
     # a full send buffer (slow reader) also stops reading
-    c.proto.pauseProducing()
+    c.proto.gate.pauseProducing()
     assert c.tr.producerState == "paused"
-    c.proto.resumeProducing()
+    c.proto.gate.resumeProducing()
     assert c.tr.producerState == "producing"
+
+
+@pytest_twisted.ensureDeferred
+async def test_append_stops_reading_while_the_store_is_congested(node, store):
+    """The SBP connection honours the store's congestion like the kv and Toasty servers: with
+    APPENDs of its own in flight it stops reading until the write queue drains."""
+    c = Conn(node)
+    (a,) = await create(c)
+    other = (await store.log.create_stream()).stream_id
+    filler = batch(1, b"f" * (1 << 20))
+    # one reactor turn: the queue only shrinks when groups are delivered on this thread
+    queued = [store.log.append(other, filler) for _ in range(80)]
+    assert store.congested
+    b = batch(1)
+    sid, _ = c.request(codec.APPEND, "AppendRequest", T.AppendRequest(0, [T.AppendInfo(a, 0, len(b))]), b)
+    assert c.tr.producerState == "paused" and not c.proto.gate.reading
+    assert c.proto.gate.reasons == {"store congestion"}
+    (f,) = await c.reply(sid)
+    assert codec.decode_header(f).append_responses[0].status.code == codec.OK
+    await defer.gatherResults(queued)
+    await store.when_drained()
+    assert c.tr.producerState == "producing" and c.proto.gate.reading
 
 
 @pytest_twisted.ensureDeferred

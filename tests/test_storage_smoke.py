@@ -224,17 +224,17 @@ async def test_fsync_policies_sync_when_they_say(tmp_path):
     st = open_store(tmp_path / "never", fsync="never")
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
-    assert st._unsynced()
+    assert st.core.unsynced()
     await st.sync()
-    assert not st._unsynced()
+    assert not st.core.unsynced()
     await st.close()
 
     st = open_store(tmp_path / "interval", fsync="interval:50")
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
-    assert st._unsynced()
+    assert st.core.unsynced()
     deadline = reactor.seconds() + 10
-    while st._unsynced():  # synced by the writer within ~50 ms (polled: the machine may be busy)
+    while st.core.unsynced():  # synced by the writer within ~50 ms (polled: the machine may be busy)
         assert reactor.seconds() < deadline
         await task.deferLater(reactor, 0.02, lambda: None)
     await st.close()
@@ -248,7 +248,7 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
     from twisted.internet import task
 
     st = open_store(tmp_path, fsync="interval:60000")
-    presync = st._presync
+    presync = st.presync
     assert presync is not None and presync.period == 0.1
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
@@ -258,14 +258,14 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
         assert reactor.seconds() < deadline
         await task.deferLater(reactor, 0.02, lambda: None)
     assert presync._seen["wal"] == (st.wal.active, st.wal.end)
-    assert st._unsynced()  # the writer's 60 s sync has not come: the dirty marks stay
+    assert st.core.unsynced()  # the writer's 60 s sync has not come: the dirty marks stay
     passes = presync.passes
     await task.deferLater(reactor, 0.3, lambda: None)
     assert presync.passes == passes  # nothing grew: no further syncs
     await st.close()
     assert not presync._thread.is_alive()
     st = open_store(tmp_path / "always", fsync="always")
-    assert st._presync is None  # every group is synced before its ack: nothing to write back early
+    assert st.presync is None  # every group is synced before its ack: nothing to write back early
     await st.close()
 
 
@@ -289,7 +289,7 @@ async def test_interval_presync_across_segment_rolls_and_deletes(tmp_path):
     for i in range(10):
         await st.log.append(kept, batch(2, 100, tag=100 + i))
     await task.deferLater(reactor, 0.05, lambda: None)
-    assert st._presync.passes > 0 and st.failed is None
+    assert st.presync.passes > 0 and st.failed is None
     await st.close()
     st = open_store(tmp_path, fsync="interval:80", segment_bytes=64 << 10)
     got = await st.log.read(kept, 0, 1 << 20)

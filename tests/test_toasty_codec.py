@@ -184,3 +184,23 @@ def test_garbage_bodies_raise_codec_error_only(mtype, body):
             decode(mtype, body)
         except CodecError:
             pass
+
+
+def test_error_texts_are_defined_once_and_read_back_by_code():
+    from protocols.toasty import file_tree, paths
+    from protocols.toasty.errors import RETRYABLE, ErrorCode
+    from protocols.toasty.planning import ToastyError, should_retry
+
+    for code in ErrorCode:
+        assert ErrorCode.of(code.message("some detail")) is code and ErrorCode.of(code.value) is code
+    assert ErrorCode.of("chunk 3 lists 0 locations") is None
+    assert str(file_tree.NotFound("/a does not exist")) == "No such file or directory: /a does not exist"
+    assert file_tree.BadGeneration().code is ErrorCode.BAD_GENERATION
+    try:
+        paths.normalize(b"a/../b")
+    except paths.InvalidPath as e:
+        assert ErrorCode.of(str(e)) is ErrorCode.INVALID_PATH
+    assert ToastyError(ErrorCode.CHUNK_NOT_FOUND.message("x")).code is ErrorCode.CHUNK_NOT_FOUND
+    for code in ErrorCode:
+        reply = codec.ErrorReply(codec.WRITE_ERROR, code.message("d"))
+        assert should_retry(reply) == (code in RETRYABLE)

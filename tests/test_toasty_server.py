@@ -576,7 +576,7 @@ async def test_messages_cut_anywhere_between_reads(store, chunks):
 async def test_chunk_server_over_a_real_socket_keeps_reply_order(store):
     """Over loopback TCP, downloads answered at once from the page cache (straight to the socket)
     and those queued behind a full send buffer, errors and partial reads stay in request order."""
-    from protocols.toasty.client import _connect
+    from protocols.toasty.client import open_connection as _connect
 
     port = reactor.listenTCP(0, server.build_chunk_factory(Node(store)), interface="127.0.0.1")
     client = await _connect(reactor, "127.0.0.1", port.getHost().port)

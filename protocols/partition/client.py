@@ -8,7 +8,6 @@ connection (every pending request then fails).
 import itertools
 import os
 import socket
-import struct
 from collections import deque
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -17,6 +16,8 @@ from twisted.internet import defer
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 
+from protocols import framing, tcp_internals
+from protocols.framing import Framer, read_frame
 from protocols.partition import codec
 from protocols.partition.codec import (
     CREATE_CURSOR,
@@ -33,9 +34,9 @@ from protocols.partition.codec import (
     SET,
 )
 
-_U64 = struct.Struct(">Q")
 # A scan reply is at most 32 MiB (the server's budget); allow headroom.
 MAX_REPLY = 2 * codec.MAX_MESSAGE
+REPLY_LAYOUT = codec.Layout(codec.HEADER_LEN, MAX_REPLY, echo_client_id=False)
 MAX_KEY = b"\xff" * codec.MAX_KEY
 
 
@@ -96,18 +97,14 @@ class KvClientProtocol(Protocol):
     log = Logger()
 
     def __init__(self):
-        self._buf = bytearray()
-        self._pos = 0
+        self._frames = Framer(REPLY_LAYOUT)
         self._pending = deque()  # (client_id, request_cmd, Deferred)
         self._ids = itertools.count(1)
         self._lost = None
         self.connected_d = defer.Deferred()
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         d, self.connected_d = self.connected_d, None
         if d is not None:
             d.callback(self)
@@ -128,22 +125,14 @@ class KvClientProtocol(Protocol):
         return d
 
     def dataReceived(self, data):
-        buf = self._buf
-        buf += data
-        pos = self._pos
-        n = len(buf)
+        frames = self._frames
+        frames.feed(data)
         try:
-            while n - pos >= 8:
-                (total,) = _U64.unpack_from(buf, pos)
-                if total < codec.HEADER_LEN or total > MAX_REPLY:
-                    raise KvProtocolError("reply total_len %d" % total)
-                if n - pos < total:
-                    break
+            for buf, pos, _end in frames.spans():
                 if not self._pending:
                     raise KvProtocolError("reply without a request")
                 cid, cmd, d = self._pending.popleft()
                 reply = codec.decode_reply(buf, cmd, pos)
-                pos += total
                 if reply.client_id != cid:
                     raise KvProtocolError("reply for client_id %d, expected %d" % (reply.client_id, cid))
                 try:
@@ -152,17 +141,10 @@ class KvClientProtocol(Protocol):
                     d.errback(e)
                 else:
                     d.callback(result)
-        except (KvProtocolError, codec.ReplyError) as e:
+        except (KvProtocolError, codec.ReplyError, framing.FrameRefused) as e:
             self.log.warn("kv server sent a bad reply ({error}); closing", error=str(e))
+            frames.clear()
             self.transport.abortConnection()
-            return
-        if pos >= n:
-            buf.clear()
-            pos = 0
-        elif pos > 65536:
-            del buf[:pos]
-            pos = 0
-        self._pos = pos
 
     def get(self, key: bytes):
         return self._request(GET, lambda cid: codec.encode_get(cid, key))
@@ -210,7 +192,7 @@ class BlockingKvClient:
     def __init__(self, host: str = "127.0.0.1", port: int = 7701, timeout: Optional[float] = 30.0):
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._buf = bytearray()
+        self._frames = Framer(REPLY_LAYOUT)
         self._ids = itertools.count(1)
 
     def close(self):
@@ -225,29 +207,19 @@ class BlockingKvClient:
         self.close()
 
     def _recv_reply(self, cid: int, cmd: int):
-        buf = self._buf
-        while True:
-            if len(buf) >= 8:
-                (total,) = _U64.unpack_from(buf, 0)
-                if total < codec.HEADER_LEN or total > MAX_REPLY:
-                    self.close()
-                    raise KvProtocolError("reply total_len %d" % total)
-                if len(buf) >= total:
-                    try:
-                        reply = codec.decode_reply(buf, cmd)
-                    except codec.ReplyError as e:
-                        self.close()
-                        raise KvProtocolError(str(e))
-                    del buf[:total]
-                    if reply.client_id != cid:
-                        self.close()
-                        raise KvProtocolError("reply for client_id %d, expected %d" % (reply.client_id, cid))
-                    return reply
-            chunk = self.sock.recv(max(65536, (total - len(buf)) if len(buf) >= 8 else 0))
-            if not chunk:
-                self.close()
-                raise ConnectionError("the kv server closed the connection")
-            buf += chunk
+        try:
+            buf, pos, _end = read_frame(self._frames, self.sock.recv, 65536)
+            reply = codec.decode_reply(buf, cmd, pos)
+        except (framing.FrameRefused, codec.ReplyError) as e:
+            self.close()
+            raise KvProtocolError(str(e))
+        except ConnectionError:
+            self.close()
+            raise ConnectionError("the kv server closed the connection")
+        if reply.client_id != cid:
+            self.close()
+            raise KvProtocolError("reply for client_id %d, expected %d" % (reply.client_id, cid))
+        return reply
 
     def _call(self, cmd, encode):
         if self.sock is None:

@@ -10,6 +10,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from protocols import framing
+
 # Command codes (spec §2).
 OK = 0
 ERR = 1
@@ -66,6 +68,36 @@ ERR_LEN = HEADER_LEN + 2  # 28
 MAX_MESSAGE = 32 * 1024 * 1024  # CONTRACT §4: total_len over this -> ERR 3 and close
 MIN_TOTAL_LEN = 8  # below this the connection is closed
 MAX_KEY = 0xFFFF  # CONTRACT §2: keys are 1..65535 bytes
+_TOTAL = struct.Struct(">Q")
+
+
+class TotalRefused(framing.FrameRefused):
+    """A total_len outside the layout's limits; ``client_id`` is the message's (None if its
+    bytes 8..15 never came: a total_len under 16)."""
+
+    def __init__(self, message, length, client_id=None):
+        super().__init__(message, length)
+        self.client_id = client_id
+
+
+class Layout(framing.Layout):
+    """CONTRACT §4 framing for ``protocols/framing.Framer``: u64 total_len (the whole message) in
+    ``[min_total, max_total]``. The server refuses a total_len over MAX_MESSAGE once the client_id
+    after it is in (``echo_client_id``: it answers ERR 3 with it), one under MIN_TOTAL_LEN at once;
+    a client refuses a bad reply at once."""
+
+    def __init__(self, min_total=MIN_TOTAL_LEN, max_total=MAX_MESSAGE, echo_client_id=True):
+        super().__init__(_TOTAL, 0, 0, min_total, max_total)
+        self.echo_client_id = echo_client_id
+
+    def refuse(self, peek, length):
+        if length < self.min_length or not self.echo_client_id:
+            raise TotalRefused("total_len %d outside %d..%d" % (length, self.min_length, self.max_length), length)
+        head = peek(16)
+        if len(head) < 16:
+            return None  # the client_id is not in yet
+        raise TotalRefused("total_len %d over %d" % (length, self.max_length), length, _TOTAL.unpack_from(head, 8)[0])
+
 MAX_VALUE = 16 * 1024 * 1024  # CONTRACT §2: values 0..16 MiB
 MAX_CURSOR_NAME = 0xFF
 MAX_COUNT = 1024  # CONTRACT §4: scan count 1..1024

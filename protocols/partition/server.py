@@ -1,11 +1,11 @@
 """The Primary_Partition key-value server (CONTRACT §4) over the node's store (``store.kv``).
 
-One ``KvServerProtocol`` per connection. It frames with a bytearray and a read offset, decodes
+One ``KvServerProtocol`` per connection. It frames with ``protocols/framing.Framer``, decodes
 each message with the codec, runs it against the store and queues the encoded reply. Replies leave
 in request order even though SET and REMOVE complete later (when durable): every executed request
 owns a slot in an ordered queue and the head of the queue is written as soon as it is ready.
 
-The hot commands skip the codec's request objects: a run of consecutive GETs in the buffer is one
+The hot commands skip the codec's request objects: a run of consecutive GETs in one read is one
 ``store.kv.get_many``, and a run of consecutive SETs/REMOVEs is one ``store.kv.write_many`` (one
 group commit, one Deferred, one slot for the whole run). Everything written in one pass over the
 buffer leaves in one ``send``.
@@ -20,14 +20,15 @@ import time
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
+from protocols import tcp_internals
 from protocols.direct_send import send_now
+from protocols.framing import Framer
 from protocols.partition import codec
+from protocols.read_gate import BUDGET, CLOSING, ReadGate
 from protocols.partition.codec import (
     CREATE_CURSOR,
     DATA_NOT_FOUND,
@@ -42,7 +43,6 @@ from protocols.partition.codec import (
     HEADER_LEN,
     INVALID_COMMAND,
     MAX_MESSAGE,
-    MIN_TOTAL_LEN,
     OK,
     REMOVE,
     SET,
@@ -158,7 +158,6 @@ def _ignore_latency(operation, seconds):
     """A node without the latency hook (--metrics off, test doubles)."""
 
 
-@implementer(IPushProducer)
 class KvServerProtocol(Protocol):
     log = Logger()
     observe_latency = staticmethod(_ignore_latency)  # the factory's, i.e. the node's (node/metrics.py)
@@ -171,22 +170,18 @@ class KvServerProtocol(Protocol):
         self.kv = kv
         self.store = store  # for its congestion signal (None: not checked)
         self.metrics = metrics if metrics is not None else {}
-        self._buf = bytearray()
-        self._pos = 0
+        self._frames = Framer(codec.Layout())
         self._cursors = {}
         self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
         self._slots = deque()  # executed requests whose replies are not yet written: [bytes|None, count]
         self._waiting = 0  # requests those slots answer (a run of writes is one slot)
         self._unacked = 0  # writes issued to the store and not yet durable
         self._inflight_bytes = 0  # value bytes of those writes
-        self._store_paused = False
         self._out = []  # replies ready to write at the end of this turn
         self._busy = False  # inside _process/_drain: writes are batched until it ends
         self._closing = False  # stop reading; close once every queued reply is written
         self._lost = False
-        self._budget_paused = False
-        self._write_paused = False
-        self._reading_paused = False
+        self.gate = None  # the ReadGate, once connected
         self._idle_waiters = []
         self._peer_errors = 0
         self.peer = "?"
@@ -194,22 +189,21 @@ class KvServerProtocol(Protocol):
     # -- connection --------------------------------------------------------------------------
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         peer = self.transport.getPeer()
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
-        self.transport.registerProducer(self, True)
+        self.gate = ReadGate(self.transport, self._process)
+        self.transport.registerProducer(self.gate, True)
         self.metrics["connections"] = self.metrics.get("connections", 0) + 1
 
     def connectionLost(self, reason=None):
         self._lost = True
+        if self.gate is not None:
+            self.gate.stop()
         # CONTRACT §4: cursors belong to the connection and vanish with it.
         self._cursors.clear()
         self._blocked.clear()
-        self._buf = bytearray()
-        self._pos = 0
+        self._frames.clear()
         self.metrics["connections"] = self.metrics.get("connections", 1) - 1
         if self._peer_errors > 1:
             self.log.warn("kv peer {peer} sent {n} bad requests in all", peer=self.peer, n=self._peer_errors)
@@ -230,35 +224,12 @@ class KvServerProtocol(Protocol):
         if self._lost and factory is not None:
             factory.forget(self)
 
-    # IPushProducer: the transport's send buffer is full (or drained again).
-    def pauseProducing(self):
-        self._write_paused = True
-        self._update_reading()
-
-    def resumeProducing(self):
-        self._write_paused = False
-        self._update_reading()
-        if not self._lost and not self._reading_paused:
-            self._process()
-
-    def stopProducing(self):
-        pass
-
-    def _update_reading(self):
-        want_pause = self._write_paused or self._budget_paused or self._store_paused or self._closing
-        if want_pause != self._reading_paused and not self._lost:
-            self._reading_paused = want_pause
-            if want_pause:
-                self.transport.pauseProducing()
-            elif not self._closing:
-                self.transport.resumeProducing()
-
     # -- framing -----------------------------------------------------------------------------
 
     def dataReceived(self, data):
         if self._closing or self._lost:
             return
-        self._buf += data
+        self._frames.feed(data)
         self._process()
 
     def _process(self):
@@ -277,97 +248,68 @@ class KvServerProtocol(Protocol):
         finally:
             self._busy = False
         self._flush()
-        self._check_store()
-
-    def _check_store(self):
-        store = self.store
-        if store is not None and not self._store_paused and self._unacked and store.congested:
+        if self._unacked and not self._lost:
             # The store's write queue is long: stop reading until it drains.
-            self._store_paused = True
-            self._update_reading()
-            store.when_drained().addCallback(self._store_drained)
-
-    def _store_drained(self, _):
-        self._store_paused = False
-        if not self._lost:
-            self._update_reading()
-            if not self._reading_paused:
-                self._process()
+            self.gate.watch_store(self.store)
 
     def _process_frames(self):
-        buf = self._buf
-        pos = self._pos
-        n = len(buf)
-        u64 = _U64.unpack_from
+        frames = self._frames
         self._handled = handled = 0
         slots = self._slots
+        gate = self.gate
         while not self._closing:
-            if (
-                self._write_paused
-                or self._store_paused
-                or self._waiting + len(self._blocked) >= self.max_pending
-                or self._inflight_bytes >= self.max_inflight_bytes
-            ):
-                if not (self._write_paused or self._store_paused):
-                    self._budget_paused = True
-                    self._update_reading()
+            if not gate.reading:
                 break
-            avail = n - pos
-            if avail < 8:
+            if self._waiting + len(self._blocked) >= self.max_pending or self._inflight_bytes >= self.max_inflight_bytes:
+                gate.hold(BUDGET)
                 break
-            (total,) = u64(buf, pos)
-            if total > MAX_MESSAGE:
-                # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
-                if avail < 16:
-                    break
-                (cid,) = u64(buf, pos + 8)
-                self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=total)
-                self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
+            try:
+                span = frames.next()
+            except codec.TotalRefused as e:
+                if e.client_id is not None:
+                    # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
+                    self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=e.length)
+                    self._submit(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
+                else:
+                    # CONTRACT §4: total_len < 8 closes the connection.
+                    self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=e.length)
                 self._close_when_flushed()
-                pos = n
+                frames.clear()
                 break
-            if total < MIN_TOTAL_LEN:
-                # CONTRACT §4: total_len < 8 closes the connection.
-                self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=total)
-                self._close_when_flushed()
-                pos = n
+            if span is None:
                 break
-            if avail < total:
-                break
+            buf, pos, end = span
+            total = end - pos
             handled += 1
             if total >= 28:
                 # Fast paths for the hot commands (same rules as the codec, no request object).
+                # A run goes on in place over the whole frames after this one in the same read.
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
                 if cmd == GET and klen and 28 + klen <= total and not self._unacked and not self._blocked and not slots:
-                    pos = self._get_run(buf, pos, n, total, cid, klen)
+                    after = self._get_run(buf, pos, len(buf), total, cid, klen)
+                    if after > end:
+                        frames.skip_to(after)
                     continue
                 if (cmd == SET or cmd == REMOVE) and not self._blocked:
-                    end = self._write_run(buf, pos, n)
-                    if end != pos:
-                        pos = end
+                    after = self._write_run(buf, pos, len(buf))
+                    if after != pos:
+                        if after > end:
+                            frames.skip_to(after)
                         continue
             if total < HEADER_LEN:
-                cid = u64(buf, pos + 8)[0] if total >= 16 else 0
+                cid = _U64.unpack_from(buf, pos + 8)[0] if total >= 16 else 0
                 self._peer_error("kv peer {peer} sent a {total}-byte message (header is 26)", total=total)
                 self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
             else:
                 try:
                     req = codec.decode_request(buf, pos)
                 except codec.DecodeError as e:
-                    cid = u64(buf, pos + 8)[0]
+                    cid = _U64.unpack_from(buf, pos + 8)[0]
                     self._peer_error("kv peer {peer}: {reason}; ERR {code}", reason=e.reason, code=e.code)
                     self._submit(codec.encode_error(cid, e.code))
                 else:
                     self._submit(req)
-            pos += total
         self.metrics["requests"] = self.metrics.get("requests", 0) + handled + self._handled
-        if pos >= n:
-            buf.clear()
-            pos = 0
-        elif pos > 65536 and pos * 2 > n:
-            del buf[:pos]
-            pos = 0
-        self._pos = pos
 
     def _get_run(self, buf, pos, n, total, cid, klen):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
@@ -667,14 +609,11 @@ class KvServerProtocol(Protocol):
         if not was_busy:
             self._flush()
             if (
-                self._budget_paused
+                BUDGET in self.gate.reasons
                 and self._waiting + len(self._blocked) < self.max_pending // 2
                 and self._inflight_bytes < self.max_inflight_bytes // 2
             ):
-                self._budget_paused = False
-                self._update_reading()
-                if not self._reading_paused:
-                    self._process()
+                self.gate.release(BUDGET)
 
     def _flush(self):
         out = self._out
@@ -687,7 +626,7 @@ class KvServerProtocol(Protocol):
 
     def _close_when_flushed(self):
         self._closing = True
-        self._update_reading()
+        self.gate.hold(CLOSING)
 
     def whenIdle(self):
         """A Deferred that fires once no write of this connection is waiting to be durable."""

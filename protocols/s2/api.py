@@ -26,7 +26,7 @@ from protocols.s2.codec import S2Error
 from protocols.s2.metrics import MetricsApi, S2Counters
 from protocols.s2.sessions import READ_CHUNK_BYTES, AppendSession, ReadSession, now_ms
 from protocols.s2.tokens import AccessTokens
-from storage import record_batch
+from storage import errors, record_batch
 
 DEFAULT_BASIN = "sbpnode-default"
 BASINS_TABLE = "s2_basins"
@@ -39,12 +39,6 @@ def _media(value) -> str:
     if not value:
         return ""
     return value.split(",")[0].split(";")[0].strip().lower()
-
-
-def _store_errors():
-    from storage import errors
-
-    return errors
 
 
 class _StreamState:
@@ -79,7 +73,6 @@ class S2Api:
         self.creating = set()
         self.sessions = set()
         self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
-        self.errors = _store_errors()
         self.tokens = AccessTokens(self.store, self.token)
         self.counters = S2Counters(self.metrics)
         self.metrics_api = MetricsApi(self, self.counters)
@@ -141,7 +134,6 @@ class S2Api:
         e = failure.value
         if isinstance(e, S2Error):
             return e
-        errors = self.errors
         if isinstance(e, errors.StreamNotFound):
             return S2Error(404, "stream_not_found", "stream not found")
         if isinstance(e, errors.ReadOnlyStream):
@@ -150,9 +142,9 @@ class S2Api:
             return codec.invalid("batch too large")
         if isinstance(e, errors.InvalidRequest):
             return codec.invalid(str(e))
-        if isinstance(e, getattr(errors, "StoreBusy", ())):
+        if isinstance(e, errors.StoreBusy):
             return S2Error(503, "unavailable", "the store is busy; retry")
-        if isinstance(e, getattr(errors, "StoreClosed", ())):
+        if isinstance(e, errors.StoreClosed):
             return S2Error(503, "server_draining", "the node is shutting down")
         if isinstance(e, errors.OffsetOutOfRange):
             return S2Error(416, "read_unwritten", "read position out of range")
@@ -438,7 +430,7 @@ class S2Api:
             return None
         try:
             meta = self.store.log.stream(sid)
-        except self.errors.StreamNotFound:
+        except errors.StreamNotFound:
             self.index.pop(key, None)  # deleted through another interface (SBP)
             return None
         if self._name_of(meta) != key:
@@ -646,7 +638,7 @@ class S2Api:
             if nxt > meta.trim_offset:
                 try:
                     batches = await self.store.log.read(st.sid, nxt - 1, 1)
-                except self.errors.OffsetOutOfRange:
+                except errors.OffsetOutOfRange:
                     batches = []
                 for b in batches[-1:]:
                     header = record_batch.read_header(b)
@@ -744,7 +736,7 @@ class S2Api:
             self._apply_fences(st, commands)
         try:
             base = await d
-        except self.errors.ExpectationFailed:
+        except errors.ExpectationFailed:
             st.ready = False  # another writer (SBP) got there first: reload before the next append
             raise codec.seq_num_mismatch(max(st.assigned, self.store.log.stream(sid).next_offset))
         if base + n > st.assigned:
@@ -777,7 +769,7 @@ class S2Api:
                 point = min(codec.command_payload(op, body), base + i + 1)
                 try:
                     current = self.store.log.stream(sid).trim_offset
-                except self.errors.StreamNotFound:
+                except errors.StreamNotFound:
                     return
                 if point > current:
                     self.store.log.trim(sid, point).addErrback(
@@ -844,7 +836,7 @@ class S2Api:
             mid = (lo + hi) // 2
             try:
                 got = await self.store.log.read(sid, entries[mid][0], 1)
-            except self.errors.OffsetOutOfRange:
+            except errors.OffsetOutOfRange:
                 got = []
             if got and record_batch.read_header(got[0]).base_timestamp_ms < ts:
                 lo = mid + 1
@@ -857,7 +849,7 @@ class S2Api:
         """Records at seq >= pos from one store read: [(seq, ts, headers, body)], next pos."""
         try:
             batches = await self.store.log.read(sid, pos, max_bytes)
-        except self.errors.OffsetOutOfRange:
+        except errors.OffsetOutOfRange:
             meta = self.store.log.stream(sid)
             if pos < meta.trim_offset:
                 pos = meta.trim_offset

@@ -22,6 +22,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from protocols import framing
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 
@@ -434,42 +436,42 @@ def _decompress(codec: int, payload: bytes) -> bytes:
     raise bad("bad_frame", "unknown S2S compression code %d" % codec)
 
 
+class _S2SLayout(framing.Layout):
+    """``[u24 length = 1 + len(payload)][u8 flags][payload]``: checked once its 4 bytes are in."""
+
+    def __init__(self, max_frame):
+        super().__init__(struct.Struct(">I"), 0, 3, 1, max_frame + 1, 4)
+
+    def frame_size(self, buf, pos, peek):
+        n = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+        if n < 1:
+            raise bad("bad_frame", "S2S frame length 0")
+        if n > self.max_length:
+            raise bad("bad_frame", "S2S frame of %d bytes exceeds %d" % (n - 1, self.max_length - 1))
+        return 3 + n
+
+
 class S2SReader:
-    """Incremental S2S deframer: bytearray + read offset; yields (terminal, payload)."""
+    """Incremental S2S deframer (``protocols/framing.Framer``); yields (terminal, payload)."""
 
     def __init__(self, max_frame: int = S2S_MAX_FRAME):
-        self._buf = bytearray()
-        self._pos = 0
         self.max_frame = max_frame
+        self._frames = framing.Framer(_S2SLayout(max_frame))
 
     def feed(self, data: bytes) -> List[Tuple[bool, bytes]]:
-        buf = self._buf
-        buf += data
+        self._frames.feed(data)
         out = []
-        pos = self._pos
-        while len(buf) - pos >= 4:
-            n = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
-            if n < 1:
-                raise bad("bad_frame", "S2S frame length 0")
-            if n - 1 > self.max_frame:
-                raise bad("bad_frame", "S2S frame of %d bytes exceeds %d" % (n - 1, self.max_frame))
-            if len(buf) - pos < 3 + n:
-                break
+        for buf, pos, end in self._frames.spans():
             flags = buf[pos + 3]
             if flags & 0x0F:
                 raise bad("bad_frame", "reserved S2S flag bits set")
-            payload = bytes(buf[pos + 4:pos + 3 + n])
-            pos += 3 + n
+            payload = buf[pos + 4:end]
             out.append((bool(flags & S2S_TERMINAL), _decompress((flags & S2S_COMPRESSION_MASK) >> S2S_COMPRESSION_SHIFT, payload)))
-        if pos > 65536 or pos == len(buf):
-            del buf[:pos]
-            pos = 0
-        self._pos = pos
         return out
 
     @property
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        return self._frames.buffered()
 
 
 def s2s_parse_terminal(payload: bytes) -> S2Error:

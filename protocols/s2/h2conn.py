@@ -30,6 +30,7 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from protocols import tcp_internals
 from protocols.s2.http import BaseResponder, HttpRequest
 
 RECEIVE_WINDOW = 16 * 1024 * 1024
@@ -113,10 +114,7 @@ class H2ServerProtocol(Protocol):
         self._flushing = False
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         self.h2 = H2Connection(config=H2Configuration(client_side=False, header_encoding="utf-8",
                                                       validate_inbound_headers=False))
         self.h2.initiate_connection()

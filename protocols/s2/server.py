@@ -12,6 +12,7 @@ from twisted.logger import Logger
 from twisted.web import resource, server
 from zope.interface import implementer
 
+from protocols import tcp_internals
 from protocols.s2.api import S2Api
 from protocols.s2.h2conn import H2ServerProtocol
 from protocols.s2.http import BaseResponder, HttpRequest
@@ -151,10 +152,7 @@ class SniffingProtocol(Protocol):
         self.inner = None
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         self.factory.connections.add(self)
 
     def dataReceived(self, data):

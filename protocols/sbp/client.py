@@ -645,6 +645,8 @@ from twisted.internet import defer, endpoints  # noqa: E402
 from twisted.internet.protocol import Factory, Protocol  # noqa: E402
 from twisted.logger import Logger  # noqa: E402
 
+from protocols import tcp_internals  # noqa: E402
+
 
 class SbpClientProtocol(Protocol):
     """Multiplexes requests over one connection by frame stream id (afkak's shape: a dict of
@@ -661,12 +663,8 @@ class SbpClientProtocol(Protocol):
         self.on_lost = None
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
-        if hasattr(self.transport, "bufferSize"):
-            self.transport.bufferSize = codec.READ_SIZE  # FETCH replies run to 16 MiB
+        tcp_internals.set_no_delay(self.transport)
+        tcp_internals.set_read_size(self.transport, codec.READ_SIZE)  # FETCH replies run to 16 MiB
 
     def request(self, call):
         if self.lost:

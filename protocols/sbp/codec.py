@@ -19,10 +19,11 @@ table decodes to an instance of a generated dataclass named as in the schema (``
 
 import dataclasses
 import struct
-from collections import deque
 from typing import List, Optional
 
 import flatbuffers
+
+from protocols import framing
 
 # -- opcodes (CONTRACT §3: the spec's table, 0x2004 CREATE_RANGE, 0x2005 DESCRIBE_RANGES) --------
 PING = 0x0001
@@ -348,102 +349,42 @@ def decode(data: bytes) -> Frame:
     return parse_frame(data, 0, len(data))
 
 
-class FrameBuffer:
-    """Frames over the received byte strings as they came: handles frames split across reads and
-    many frames per read, up to 16 MiB. A frame wholly inside one read is decoded where it lies (its
-    payload is the one copy made); a frame cut by the end of a read is joined once, when all of it
-    is in, so a big frame arriving in many reads is not copied over and over. A declared length is
-    checked as soon as its 4 bytes are in, before its body is buffered."""
+class _SbpLayout(framing.Layout):
+    """CONTRACT §3: u32 frame_length (the bytes after it), 16..16 MiB, checked once its 4 bytes are
+    in; a refusal names the frame's opcode if its bytes 5..6 are in too."""
 
-    __slots__ = ("_buf", "_pos", "_more", "_more_len", "known_opcodes", "defer_crc")
+    def __init__(self):
+        super().__init__(_LENGTH, 0, 4, MIN_FRAME_LENGTH, MAX_FRAME_LENGTH)
+
+    def refuse(self, peek, length):
+        head = peek(7)
+        check_length(length, struct.unpack_from(">H", head, 5)[0] if len(head) >= 7 else 0)
+
+
+LAYOUT = _SbpLayout()
+_framer_next = framing.Framer.next
+
+
+class FrameBuffer(framing.Framer):
+    """SBP frames over the received reads (``protocols/framing.Framer``): a frame wholly inside one
+    read is decoded where it lies (its payload is the one copy made); a frame cut by the end of a
+    read is joined once, when all of it is in. A declared length is checked as soon as its 4 bytes
+    are in, before its body is buffered."""
+
+    __slots__ = ("known_opcodes", "defer_crc")
 
     def __init__(self, known_opcodes=OPCODES, defer_crc=()):
-        self._buf = b""  # the read being framed, from _pos on (immutable: bytes)
-        self._pos = 0
-        self._more = deque()  # the reads after it
-        self._more_len = 0
+        super().__init__(LAYOUT)
         self.known_opcodes = known_opcodes
         self.defer_crc = defer_crc
-
-    def feed(self, data) -> None:
-        if not data:
-            return
-        if type(data) is not bytes:
-            data = bytes(data)  # ours to keep: the caller may reuse its buffer
-        if self._pos == len(self._buf) and not self._more:
-            self._buf, self._pos = data, 0
-        else:
-            self._more.append(data)
-            self._more_len += len(data)
-
-    def buffered(self) -> int:
-        return len(self._buf) - self._pos + self._more_len
 
     def next(self) -> Optional[Frame]:
         """The next whole frame, None if incomplete. A FrameError means the frame was consumed
         (except FrameLengthError, after which the stream cannot be resynchronised)."""
-        buf = self._buf
-        pos = self._pos
-        avail = len(buf) - pos
-        if not avail:
-            if not self._more:
-                if buf:
-                    self._buf, self._pos = b"", 0  # let the consumed read go
-                return None
-            buf = self._buf = self._more.popleft()
-            self._more_len -= len(buf)
-            pos = self._pos = 0
-            avail = len(buf)
-        if avail >= 4:
-            (length,) = _LENGTH.unpack_from(buf, pos)
-            if length < MIN_FRAME_LENGTH or length > MAX_FRAME_LENGTH:
-                self._length_error(length)
-            end = pos + 4 + length
-            if end <= len(buf):
-                self._pos = end
-                return parse_frame(buf, pos, end, self.known_opcodes, self.defer_crc)
-        if not self._more_len:
+        span = _framer_next(self)
+        if span is None:
             return None
-        return self._joined(avail)
-
-    def _joined(self, avail) -> Optional[Frame]:
-        """The frame at _pos runs past the end of its read: join it from the reads that follow once
-        they hold all of it (one copy of that frame), and go on framing the last of them in place."""
-        have = avail + self._more_len
-        if have < 4:
-            return None
-        (length,) = _LENGTH.unpack_from(self._peek(4))
-        if length < MIN_FRAME_LENGTH or length > MAX_FRAME_LENGTH:
-            self._length_error(length)
-        need = 4 + length - avail
-        if have - avail < need:
-            return None
-        parts = [memoryview(self._buf)[self._pos:]]
-        more = self._more
-        while True:
-            piece = more.popleft()
-            self._more_len -= len(piece)
-            if len(piece) >= need:
-                break
-            parts.append(piece)
-            need -= len(piece)
-        parts.append(memoryview(piece)[:need])
-        self._buf, self._pos = piece, need
-        frame = b"".join(parts)
-        return parse_frame(frame, 0, len(frame), self.known_opcodes, self.defer_crc)
-
-    def _peek(self, n) -> bytes:
-        """The next ``n`` buffered bytes (n small, all buffered), across reads."""
-        out = bytes(memoryview(self._buf)[self._pos:self._pos + n])
-        for piece in self._more:
-            if len(out) >= n:
-                break
-            out += piece[:n - len(out)]
-        return out
-
-    def _length_error(self, length):
-        head = self._peek(min(7, self.buffered()))
-        check_length(length, struct.unpack_from(">H", head, 5)[0] if len(head) >= 7 else 0)
+        return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc)
 
 
 # -- FlatBuffers headers ---------------------------------------------------------------------------

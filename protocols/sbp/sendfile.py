@@ -9,7 +9,7 @@ queue (the reply's prefix and header, each batch straight from the page cache, t
 bytes written meanwhile wait behind it. So no thread touches reply data on its way out.
 
 It drives the socket from the reactor's writability events by standing in for the transport's
-``doWrite`` (the reactor calls the instance attribute): Twisted's own buffer is flushed by the
+``doWrite`` (``tcp_internals.take_over_writes``, the one door to Twisted's internals): Twisted's own buffer is flushed by the
 original ``doWrite`` first, then the queue is sent until the socket is full, and once both are
 empty the original ``doWrite`` runs again so Twisted stops writing, resumes a producer it paused
 or finishes a ``loseConnection`` as usual. ``lose_connection()`` waits for the queue.
@@ -27,10 +27,10 @@ import os
 import socket
 from collections import deque
 
-from twisted.internet import main, tcp
 from twisted.logger import Logger
 
-from protocols.direct_send import has_unsent
+from protocols import tcp_internals
+from protocols.tcp_internals import has_unsent
 from storage.wal import FileSpan
 
 
@@ -52,17 +52,14 @@ class FileSender:
         self._on_backlog = on_backlog
         self._backlogged = False
         self._lose_when_drained = False
-        self._orig_do_write = transport.doWrite
-        transport.doWrite = self._do_write
+        self._orig_do_write = tcp_internals.take_over_writes(transport, self._do_write)
 
     @classmethod
     def for_transport(cls, transport, on_backlog):
         """A FileSender for a plain TCP (or UNIX) socket transport, else None (TLS, test
         transports): then replies are written as bytes."""
-        if not isinstance(transport, tcp.Connection) or getattr(transport, "TLS", False):
+        if not tcp_internals.is_plain_tcp(transport):
             return None
-        if not all(hasattr(transport, a) for a in ("dataBuffer", "offset", "_tempDataLen", "socket")):
-            return None  # not the Twisted FileDescriptor this was written against
         try:
             transport.socket.fileno()
         except Exception:
@@ -206,7 +203,7 @@ class FileSender:
             # Twisted's buffer is sent (and it stopped writing): the queue is next
         if not self._drain():
             self.discard()
-            return main.CONNECTION_LOST
+            return tcp_internals.CONNECTION_LOST
         if self._queue:
             self.transport.startWriting()
             self._check_backlog()

@@ -4,25 +4,29 @@ One ``SbpServerProtocol`` per connection. It frames with ``codec.FrameBuffer``, 
 header with the codec, runs the request against ``store.log`` and writes the encoded reply. Requests
 are independent (responses are matched by the frame's stream_id), so replies leave as they complete.
 
-Backpressure: a connection may have at most ``inflight_budget`` bytes of APPEND payload and FETCH
-reads outstanding; past it the server stops reading that connection (``transport.pauseProducing``)
-and replies carry ``throttle_time_ms``. The protocol is also the transport's streaming producer: when
-the socket's send buffer fills (a slow FETCH reader) the server stops reading new requests until it
-drains, so the node never buffers more than the replies to requests already accepted.
+Backpressure, through the connection's ``read_gate.ReadGate`` (the transport's streaming producer):
+a connection may have at most ``inflight_budget`` bytes of APPEND payload and FETCH reads
+outstanding; past it the server stops reading that connection (reason ``budget``) and replies carry
+``throttle_time_ms``. When the socket's send buffer fills (a slow FETCH reader) it stops reading new
+requests until it drains (``send buffer``), so the node never buffers more than the replies to
+requests already accepted; likewise while the store's write queue is congested with APPENDs of this
+connection in flight (``store congestion``), and for good once GOAWAY is sent or received
+(``closing``).
 
 Zero-copy FETCH: on a plain TCP/UNIX connection the store answers FETCH reads with
 ``log.read_spans`` (big batches as FileSpans: where they lie in the WAL files) and the reply goes
 out through a ``sendfile.FileSender``: prefix and header as bytes, each such batch with
 ``os.sendfile`` from the file, then the CRC, derived from the stored batches' CRCs. The
-FileSender's queue is a second send buffer: over its limit the server stops reading as well.
+FileSender's queue is a second send buffer: over its limit the server stops reading as well
+(``send queue``).
 """
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
-from zope.interface import implementer
 
+from protocols import tcp_internals
+from protocols.read_gate import BUDGET, CLOSING, SEND_QUEUE, ReadGate
 from protocols.sbp import codec
 from protocols.sbp.admin import RangeAdmin
 from protocols.sbp.append import RESULTS_PER_FRAME, AppendHandler
@@ -106,7 +110,6 @@ class SbpServerFactory(Factory):
         return defer.DeferredList(waits, consumeErrors=True)
 
 
-@implementer(IPushProducer)
 class SbpServerProtocol(Protocol):
     """One connection: frames in, dispatch to APPEND / FETCH / admin, backpressure, GOAWAY.
 
@@ -125,15 +128,13 @@ class SbpServerProtocol(Protocol):
         self.peer = "?"
         self._inflight_bytes = 0
         self._inflight_ops = 0
-        self._write_paused = False
-        self._reading_paused = False
+        self.gate = None  # the ReadGate, once connected
         self.closing = False  # GOAWAY sent or received: no new requests; close when idle
         self.lost = False
         self._close_sent = False
         self._processing = False
         self._idle_waiters = []
         self.sender = None  # FileSender: replies with batches sent from the WAL files
-        self._send_backlog = False  # the FileSender's queue is over its limit
         self.out = None  # where replies are written: the FileSender, or the transport
         self.read_batches = None  # store.log.read, or read_spans with a FileSender
         self.appends = AppendHandler(self)
@@ -144,15 +145,12 @@ class SbpServerProtocol(Protocol):
     # -- connection ------------------------------------------------------------------------------
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         peer = self.transport.getPeer()
         self.peer = "%s:%s" % (getattr(peer, "host", "?"), getattr(peer, "port", "?"))
-        self.transport.registerProducer(self, True)
-        if hasattr(self.transport, "bufferSize"):
-            self.transport.bufferSize = codec.READ_SIZE
+        self.gate = ReadGate(self.transport, self._process)
+        self.transport.registerProducer(self.gate, True)
+        tcp_internals.set_read_size(self.transport, codec.READ_SIZE)
         if self.factory.zero_copy:
             self.sender = FileSender.for_transport(self.transport, self._backlog)
         if self.sender is not None:
@@ -163,8 +161,7 @@ class SbpServerProtocol(Protocol):
             self.read_batches = self.store.log.read if self.store is not None else None
         # FETCH replies run to 16 MiB: hand the kernel up to 4 MiB per send() instead of Twisted's
         # 128 KiB (one reactor iteration each): fewer iterations per big reply.
-        if getattr(self.transport, "SEND_LIMIT", None) is not None:
-            self.transport.SEND_LIMIT = 4 << 20
+        tcp_internals.set_send_limit(self.transport, 4 << 20)
         self.factory.connections.add(self)
         self.factory.metrics["connections"] += 1
         if self.factory.shutting_down:
@@ -172,6 +169,8 @@ class SbpServerProtocol(Protocol):
 
     def connectionLost(self, reason=None):
         self.lost = True
+        if self.gate is not None:
+            self.gate.stop()
         self.factory.connections.discard(self)
         self.factory.metrics["connections"] -= 1
         self.fetches.cancel_all()
@@ -180,42 +179,15 @@ class SbpServerProtocol(Protocol):
         self.frames = codec.FrameBuffer()
         self.maybe_idle()
 
-    # IPushProducer: the transport's send buffer is full, or drained again
-    def pauseProducing(self):
-        self._write_paused = True
-        self._update_reading()
-
-    def resumeProducing(self):
-        self._write_paused = False
-        self._update_reading()
-        if not self._reading_paused:
-            self._process()
-
-    def stopProducing(self):
-        pass
-
     def _backlog(self, full):
         """The FileSender's queue went over its limit (full) or drained."""
-        self._send_backlog = full
-        self._update_reading()
-        if not full and not self._reading_paused and not self.lost:
-            self._process()
+        self.gate.set(SEND_QUEUE, full)
 
     def _lose(self):
         if self.sender is not None:
             self.sender.lose_connection()
         else:
             self.transport.loseConnection()
-
-    def _update_reading(self):
-        want = (self._write_paused or self._send_backlog or self.closing
-                or self._inflight_bytes > self.factory.inflight_budget)
-        if want != self._reading_paused and not self.lost:
-            self._reading_paused = want
-            if want:
-                self.transport.pauseProducing()
-            else:
-                self.transport.resumeProducing()
 
     def throttle_time_ms(self):
         budget = self.factory.inflight_budget
@@ -228,16 +200,14 @@ class SbpServerProtocol(Protocol):
         self._inflight_ops += 1
         self._inflight_bytes += nbytes
         if nbytes:
-            self._update_reading()
+            self.gate.set(BUDGET, self._inflight_bytes > self.factory.inflight_budget)
 
     def end(self, nbytes=0):
         """A request begun with ``begin(nbytes)`` is answered."""
         self._inflight_ops -= 1
         self._inflight_bytes -= nbytes
-        if nbytes:
-            self._update_reading()
-            if not self._reading_paused and not self.lost:
-                self._process()
+        if nbytes and not self.lost:
+            self.gate.set(BUDGET, self._inflight_bytes > self.factory.inflight_budget)
         if self._inflight_ops == 0 and not self.fetches.ops:
             self.maybe_idle()
 
@@ -264,7 +234,7 @@ class SbpServerProtocol(Protocol):
         self._idle_waiters.append(d)
         if not self.closing:
             self.closing = True
-            self._update_reading()
+            self.gate.hold(CLOSING)
             self.out.write(codec.goaway_frame())
             self.fetches.shutdown()
         self.maybe_idle()
@@ -275,7 +245,7 @@ class SbpServerProtocol(Protocol):
         bounded by their max_wait_ms) finish, then the server closes (CONTRACT §3)."""
         if not self.closing:
             self.closing = True
-            self._update_reading()
+            self.gate.hold(CLOSING)
         self.maybe_idle()
 
     # -- frames ----------------------------------------------------------------------------------
@@ -284,7 +254,7 @@ class SbpServerProtocol(Protocol):
         if self.lost:
             return
         self.frames.feed(data)
-        if not self._reading_paused:
+        if self.gate.reading:
             self._process()
 
     def _process(self):
@@ -295,11 +265,15 @@ class SbpServerProtocol(Protocol):
             self._process_frames()
         finally:
             self._processing = False
+        if self._inflight_ops and not self.lost:
+            # APPENDs in flight and the store's write queue long: stop reading until it drains
+            self.gate.watch_store(self.store)
 
     def _process_frames(self):
         frames = self.frames
+        gate = self.gate
         while not self.lost and not self.closing:
-            if self._reading_paused:
+            if not gate.reading:
                 return
             try:
                 frame = frames.next()

@@ -15,6 +15,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import msgpack
 
+from protocols import framing
+
 MAX_FRAME = 16 * 1024 * 1024  # CONTRACT §6: a larger declared length closes the connection
 HASH_SIZE = 32
 MAX_BATCH_SIZE = 1024  # CONTRACT §6: GetRange.batch_size is clamped to 1..1024
@@ -403,60 +405,33 @@ def decode_body(body) -> object:
     raise CodecError("unknown message code %r" % (code,))
 
 
+class _Layout(framing.Layout):
+    """CONTRACT §6: u32 body length, then the body; a length over the limit closes the connection."""
+
+    def __init__(self, max_frame):
+        super().__init__(_LENGTH, 0, 4, 0, max_frame)
+
+    def refuse(self, peek, length):
+        raise FrameTooLarge("declared frame length %d exceeds %d" % (length, self.max_length))
+
+
 class FrameReader:
-    """Splits a byte stream into message bodies. A body that arrives whole within one read is
-    copied out of it once; a body spread over reads is kept as views of those reads and joined
-    once when complete (no growing buffer, no quadratic copying). The declared length is checked
-    against MAX_FRAME before any of the body is buffered."""
+    """Splits a byte stream into message bodies (``protocols/framing.Framer``): a body that arrives
+    whole within one read is copied out of it once; a body spread over reads is joined once when
+    complete. The declared length is checked against MAX_FRAME before any of the body is buffered."""
 
     def __init__(self, max_frame: int = MAX_FRAME):
         self.max_frame = max_frame
-        self._head = b""  # an incomplete length prefix
-        self._need = None  # length of the body being collected, or None
-        self._parts = []  # its pieces so far (views of the reads)
-        self._have = 0
-
-    def _length(self, length: int) -> int:
-        if length > self.max_frame:
-            raise FrameTooLarge("declared frame length %d exceeds %d" % (length, self.max_frame))
-        return length
+        self._frames = framing.Framer(_Layout(max_frame))
 
     def feed(self, data: bytes) -> List[bytes]:
         """Add bytes; return the complete bodies now available. FrameTooLarge if a declared length
         is above the limit (the caller closes the connection)."""
-        out = []
-        view = memoryview(data)
-        pos, end = 0, len(view)
-        while pos < end:
-            if self._need is None:
-                if self._head or end - pos < 4:
-                    take = min(4 - len(self._head), end - pos)
-                    self._head += bytes(view[pos : pos + take])
-                    pos += take
-                    if len(self._head) < 4:
-                        break
-                    (length,) = _LENGTH.unpack(self._head)
-                    self._head = b""
-                else:
-                    (length,) = _LENGTH.unpack_from(view, pos)
-                    pos += 4
-                length = self._length(length)
-                if end - pos >= length:  # the whole body is in this read
-                    out.append(bytes(view[pos : pos + length]))
-                    pos += length
-                    continue
-                self._need, self._parts, self._have = length, [], 0
-            take = min(self._need - self._have, end - pos)
-            self._parts.append(view[pos : pos + take])
-            self._have += take
-            pos += take
-            if self._have == self._need:
-                out.append(b"".join(self._parts))
-                self._need, self._parts, self._have = None, [], 0
-        return out
+        self._frames.feed(data)
+        return [buf[pos + 4 : end] for buf, pos, end in self._frames.spans()]
 
     def buffered(self) -> int:
-        return len(self._head) + self._have
+        return self._frames.buffered()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ Providers (CONTRACT §6):
 """
 
 import hashlib
-import socket
 from collections import OrderedDict
 
 from twisted.internet import defer, task
@@ -20,6 +19,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from protocols import tcp_internals
 from protocols.swarm import codec
 from protocols.swarm.codec import (
     ID,
@@ -32,6 +32,7 @@ from protocols.swarm.codec import (
     StreamState,
     WantedHashes,
 )
+from storage import errors
 
 OFFER_TIMEOUT = 60.0  # seconds an offer waits for its WantedHashes before it is dropped
 FRAME_BYTES = 4 * 1024 * 1024  # aim for ChunkDelivery frames about this big (a single item may exceed it)
@@ -42,16 +43,8 @@ HASH_CACHE = 65536  # (stream, base offset) -> (length, sha256) of stored LOG ba
 LOG_HASH_WINDOW = 8 * 1024 * 1024  # bytes read at once while hashing LOG batches for an offer
 
 
-def _store_errors():
-    try:
-        from storage import errors
-    except ImportError:  # pragma: no cover - the store lands separately
-        return (), ()
-    missing = tuple(
-        getattr(errors, n) for n in ("ChunkNotFound", "OffsetOutOfRange", "StreamNotFound", "RangeNotFound") if hasattr(errors, n)
-    )
-    not_found = tuple(getattr(errors, n) for n in ("StreamNotFound",) if hasattr(errors, n))
-    return missing, not_found
+# store errors that mean "no such item (any more)": the peer is told so, nothing is logged
+MISSING = (errors.ChunkNotFound, errors.OffsetOutOfRange, errors.StreamNotFound, errors.RangeNotFound)
 
 
 class Item:
@@ -282,10 +275,7 @@ class SwarmServerProtocol(Protocol):
     # -- connection -----------------------------------------------------------------------------
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except (AttributeError, OSError, socket.error):
-            pass
+        tcp_internals.set_no_delay(self.transport)
         self.transport.registerProducer(self, True)
         self.factory.connections.add(self)
 
@@ -423,8 +413,7 @@ class SwarmServerProtocol(Protocol):
         if failure.check(defer.CancelledError) or batch.closed and self.dead:
             self._close(batch)
             return None
-        missing, not_found = _store_errors()
-        if not_found and failure.check(*not_found):
+        if failure.check(errors.StreamNotFound):
             self._close(batch)
             self._state(batch.req.stream, codec.STATE_NO_SUCH_STREAM)
             return None
@@ -511,7 +500,6 @@ class SwarmServerProtocol(Protocol):
     @defer.inlineCallbacks
     def _deliver(self, batch, items):
         """ChunkDelivery frames in index order (each under the frame limit), then BatchDone."""
-        missing, _ = _store_errors()
         stats = self.factory.stats
         frame = []
         frame_bytes = 0
@@ -547,7 +535,7 @@ class SwarmServerProtocol(Protocol):
                 if digest is None:
                     # Gone between offer and delivery (trim, retention, sweep) or unreadable: skip
                     # it; the client sees it missing at BatchDone.
-                    if missing and isinstance(data, missing) or isinstance(data, LookupError):
+                    if isinstance(data, MISSING) or isinstance(data, LookupError):
                         self.log.debug("swarm: item {index} of {stream} vanished", index=item.index, stream=str(batch.req.stream))
                     else:
                         self.log.warn("swarm: item {index} of {stream} unreadable: {error}", index=item.index, stream=str(batch.req.stream), error=repr(data))

@@ -31,6 +31,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from protocols import tcp_internals
 from protocols.swarm import codec
 from protocols.swarm.codec import (
     ID,
@@ -485,12 +486,9 @@ class SyncProtocol(Protocol):
         self.paused = False
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
+        tcp_internals.set_no_delay(self.transport)
         # fewer, bigger reads: one dataReceived per MiB of a delivery rather than per 64 KiB
-        self.transport.bufferSize = RECV_BYTES
+        tcp_internals.set_read_size(self.transport, RECV_BYTES)
         self.last_rx = self.svc.clock.seconds()
         self.svc.connected(self)
         self.ticker = task.LoopingCall(self.tick)

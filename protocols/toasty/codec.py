@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
+from protocols import framing
+
 VERSION = 1
 HEADER = struct.Struct("<HHI")
 HEADER_LEN = HEADER.size
@@ -614,6 +616,20 @@ def check_header(version: int, mtype: int, length: int, allowed) -> None:
         raise CodecError("length %d is outside 8..16 MiB" % length)
     if mtype not in allowed:
         raise CodecError("message type %d is not accepted here" % mtype)
+
+
+class Layout(framing.Layout):
+    """Toasty framing for ``protocols/framing.Framer``: the 8-byte header is checked (version,
+    length, a type of ``allowed``) before the body is buffered; ``length`` is the whole message."""
+
+    def __init__(self, allowed):
+        super().__init__(HEADER, 4, 0, HEADER_LEN, MAX_MESSAGE, HEADER_LEN)
+        self.allowed = allowed
+
+    def frame_size(self, buf, pos, peek):
+        version, mtype, length = HEADER.unpack_from(buf, pos)
+        check_header(version, mtype, length, self.allowed)
+        return length
 
 
 def decode_message(data: bytes, allowed, reply: bool = False):

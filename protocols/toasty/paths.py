@@ -7,12 +7,19 @@ are NUL bytes (NUL is LIST's continuation separator) and components longer than 
 
 from typing import Optional, Tuple
 
+from protocols.toasty.errors import ErrorCode
+
 MAX_COMPONENT = 255
 MAX_DEPTH = 256
 
 
 class InvalidPath(ValueError):
-    pass
+    """``str(e)`` is the reply text (``ErrorCode.INVALID_PATH`` and the reason)."""
+
+    code = ErrorCode.INVALID_PATH
+
+    def __init__(self, reason):
+        super().__init__(ErrorCode.INVALID_PATH.message(reason))
 
 
 def normalize(path) -> Tuple[bytes, ...]:
@@ -27,16 +34,16 @@ def normalize(path) -> Tuple[bytes, ...]:
         inner = inner[:-1]
     parts = tuple(inner.split(b"/"))
     if len(parts) > MAX_DEPTH:
-        raise InvalidPath("Invalid path: more than %d components" % MAX_DEPTH)
+        raise InvalidPath("more than %d components" % MAX_DEPTH)
     for part in parts:
         if part == b"":
-            raise InvalidPath("Invalid path: empty component in %r" % _show(path))
+            raise InvalidPath("empty component in %r" % _show(path))
         if part in (b".", b".."):
-            raise InvalidPath("Invalid path: %r component in %r" % (part.decode(), _show(path)))
+            raise InvalidPath("%r component in %r" % (part.decode(), _show(path)))
         if b"\x00" in part:
-            raise InvalidPath("Invalid path: NUL byte in %r" % _show(path))
+            raise InvalidPath("NUL byte in %r" % _show(path))
         if len(part) > MAX_COMPONENT:
-            raise InvalidPath("Invalid path: a component is longer than %d bytes" % MAX_COMPONENT)
+            raise InvalidPath("a component is longer than %d bytes" % MAX_COMPONENT)
     return parts
 
 

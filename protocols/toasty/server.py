@@ -1,12 +1,12 @@
 """Toasty metadata server (``--meta``) and chunk server (``--chunks``), CONTRACT §5.
 
-Both frame the same way: a bytearray with a read offset, the 8-byte header checked (version 1,
-8 <= length <= 16 MiB, a request type of *this* listener) before the body is buffered, the body
-decoded to exactly its length. Anything else closes the connection with no reply, logged once at
+Both frame the same way (``protocols/framing.Framer`` with ``codec.Layout``): the 8-byte header
+checked (version 1, 8 <= length <= 16 MiB, a request type of *this* listener) before the body is
+buffered, the body decoded to exactly its length. Anything else closes the connection with no reply, logged once at
 warn. Replies leave in request order (the protocol has no request id): each request owns a slot in
 an ordered queue, and the head is written as soon as it is ready.
 
-Metadata requests run against ``storage.files.FileTree``; pipelined requests take effect in arrival
+Metadata requests run against ``storage.file_tree.FileTree``; pipelined requests take effect in arrival
 order (CONTRACT §5). A read (LIST, READ) with no unacknowledged mutation (CREATE, DELETE, WRITE) of
 its connection ahead of it is answered at once from the committed state. One behind such a mutation
 joins the tree's mutation batch as an entry of its own, so it sees the mutations sent before it and
@@ -19,15 +19,17 @@ import time
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
-from zope.interface import implementer
 
+from protocols import tcp_internals
 from protocols.direct_send import idle_socket, send_parts_now
-from protocols.toasty import codec, paths
+from protocols.framing import Framer
+from protocols.read_gate import BUDGET, ReadGate
+from protocols.toasty import codec, file_tree, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
-from storage import files
+from protocols.toasty.errors import ErrorCode
+from storage import errors
 
 MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
@@ -64,7 +66,6 @@ class _Slot:
         self.ready = False
 
 
-@implementer(IPushProducer)
 class _ToastyServerProtocol(Protocol):
     """Framing, ordered replies and backpressure shared by both listeners."""
 
@@ -73,33 +74,27 @@ class _ToastyServerProtocol(Protocol):
 
     def __init__(self, node):
         self.node = node
-        self._buf = b""  # the received bytes being framed (immutable), from self._pos on
-        self._pos = 0
-        self._more = []  # later reads, not framed yet
-        self._more_len = 0
+        self._frames_in = Framer(codec.Layout(self.allowed))
         self._closed = False
         self._slots = deque()
         self._in_flight = 0
         self._in_flight_bytes = 0
-        self._out_paused = False
-        self._in_paused = False
+        self.gate = None  # the ReadGate, once connected
         self._framing = False
-        self._drain_wait = False
 
     # -- connection ---------------------------------------------------------------------------
 
     def connectionMade(self):
-        try:
-            self.transport.setTcpNoDelay(True)
-        except Exception:
-            pass
-        if hasattr(self.transport, "bufferSize"):
-            # Read (and buffer replies) in 256 KiB steps: a 64 KiB chunk message is one read, not two.
-            self.transport.bufferSize = READ_SIZE
-        self.transport.registerProducer(self, True)
+        tcp_internals.set_no_delay(self.transport)
+        # Read in 1 MiB steps: a 64 KiB chunk message is one read, not two.
+        tcp_internals.set_read_size(self.transport, READ_SIZE)
+        self.gate = ReadGate(self.transport, self._frames_again)
+        self.transport.registerProducer(self.gate, True)
 
     def connectionLost(self, reason):
         self._closed = True
+        if self.gate is not None:
+            self.gate.stop()
         self._slots.clear()
         try:
             self.transport.unregisterProducer()
@@ -120,134 +115,55 @@ class _ToastyServerProtocol(Protocol):
             self._slots.clear()
             self.transport.loseConnection()
 
-    # -- IPushProducer: the transport tells us its send buffer is full ---------------------------
-
-    def pauseProducing(self):
-        self._out_paused = True
-        self._update_reading()
-
-    def resumeProducing(self):
-        self._out_paused = False
-        self._update_reading()
-
-    def stopProducing(self):
-        self._closed = True
+    # -- backpressure ----------------------------------------------------------------------------
 
     def _update_reading(self):
         # Hysteresis: pause at the budget, resume at half of it (not one epoll change per request).
-        div = 2 if self._in_paused else 1
-        want_pause = (
-            self._out_paused
-            or self._in_flight >= MAX_IN_FLIGHT // div
-            or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES // div
-            or self._store_congested()
-        )
-        if want_pause and not self._in_paused:
-            self._in_paused = True
-            self.transport.pauseProducing()
-        elif not want_pause and self._in_paused and not self._closed:
-            self._in_paused = False
-            self.transport.resumeProducing()
-            if not self._framing:  # else the running _frames loop carries on
-                self._frames()
+        gate = self.gate
+        div = 2 if BUDGET in gate.reasons else 1
+        gate.set(BUDGET, self._in_flight >= MAX_IN_FLIGHT // div or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES // div)
+        # The store's write queue is over its high-water mark: stop reading until it drains.
+        gate.watch_store(self.node.store)
 
-    def _store_congested(self):
-        """The store's write queue is over its high-water mark: stop reading until it drains."""
-        store = self.node.store
-        if not getattr(store, "congested", False):
-            return False
-        if not self._drain_wait:
-            self._drain_wait = True
-
-            def drained(_):
-                self._drain_wait = False
-                if not self._closed:
-                    self._update_reading()
-
-            store.when_drained().addBoth(drained)
-        return True
+    def _frames_again(self):
+        """The gate opened: frame what was received meanwhile."""
+        if not self._closed and not self._framing:  # else the running _frames loop carries on
+            self._frames()
 
     # -- framing ------------------------------------------------------------------------------
 
     def dataReceived(self, data):
         if self._closed:
             return
-        self._more.append(data)
-        self._more_len += len(data)
+        self._frames_in.feed(data)
         if not self._framing:
             self._frames()
 
     def _frames(self):
         self._framing = True
         try:
-            while True:
-                self._frame_loop()
-                if self._closed or self._in_paused or not self._advance():
-                    break
+            self._frame_loop()
         finally:
             self._framing = False
-            if self._pos == len(self._buf):
-                self._buf, self._pos = b"", 0
             self.frames_done()
 
-    def _advance(self):
-        """Move on to the next received bytes: the rest of the message cut at the end of the
-        current buffer is completed from the reads that followed (one copy of that one message;
-        nothing is copied before a message is complete, so a big one is not copied over and over),
-        and the rest of those reads is framed in place. False when no more can be framed yet."""
-        more = self._more
-        if not more:
-            return False
-        head = memoryview(self._buf)[self._pos :]
-        if not len(head):
-            self._buf, self._pos = more.pop(0), 0
-            self._more_len -= len(self._buf)
-            return True
-        have = len(head) + self._more_len
-        if len(head) < HEADER_LEN:  # the header itself is cut (rare): join what there is
-            self._buf, self._pos = b"".join([head] + more), 0
-            more.clear()
-            self._more_len = 0
-            return True
-        need = HEADER.unpack_from(head, 0)[2] - len(head)  # the header was checked when it came
-        if have - len(head) < need:
-            return False
-        parts = [head]
-        while need:
-            piece = more[0]
-            if len(piece) <= need:
-                parts.append(more.pop(0))
-                taken = len(piece)
-            else:
-                view = memoryview(piece)
-                parts.append(view[:need])
-                more[0] = view[need:]
-                taken = need
-            self._more_len -= taken
-            need -= taken
-        self._buf, self._pos = b"".join(parts), 0
-        return True
-
     def _frame_loop(self):
-        # ``self._buf`` is immutable (bytes or a view of them), so message data can be handed
-        # on as views of it without a copy.
-        buf = self._buf
-        view = memoryview(buf)
-        pinned = len(buf)  # charged (once) to the first message that keeps a view of buf alive
-        while not self._closed and not self._in_paused:
-            avail = len(buf) - self._pos
-            if avail < HEADER_LEN:
-                break
-            version, mtype, length = HEADER.unpack_from(buf, self._pos)
+        # The framer hands out spans of immutable received bytes, so message data can be handed
+        # on as views of them without a copy.
+        framer = self._frames_in
+        charged = None  # the read already charged for a message holding a view of it
+        gate = self.gate
+        while not self._closed and gate.reading:
             try:
-                codec.check_header(version, mtype, length, self.allowed)
+                span = framer.next()
             except codec.CodecError as e:
                 self._drop(str(e))
                 return
-            if avail < length:
+            if span is None:
                 break
-            pos = self._pos
-            self._pos += length
+            buf, pos, end = span
+            length = end - pos
+            mtype = HEADER.unpack_from(buf, pos)[1]
             msg = None
             extra = 0
             if mtype == codec.CREATE_CHUNK and length >= HEADER_LEN + 12:
@@ -256,10 +172,11 @@ class _ToastyServerProtocol(Protocol):
                 # counts the read's size too (on the first such message of the read).
                 chunk_size, off, n = _CREATE_CHUNK_HEAD.unpack_from(buf, pos + HEADER_LEN)
                 if n == length - HEADER_LEN - 12:
-                    msg = codec.CreateChunk(chunk_size, off, view[pos + HEADER_LEN + 12 : pos + length])
-                    extra, pinned = pinned, 0
+                    msg = codec.CreateChunk(chunk_size, off, memoryview(buf)[pos + HEADER_LEN + 12 : end])
+                    if buf is not charged:
+                        extra, charged = len(buf), buf
             if msg is None:
-                body = view[pos + HEADER_LEN : pos + length].tobytes()
+                body = buf[pos + HEADER_LEN : end]
                 try:
                     msg = codec.decode_request(mtype, body)
                 except codec.CodecError as e:
@@ -292,13 +209,11 @@ class _ToastyServerProtocol(Protocol):
             d.addBoth(_observed, self.node.observe_latency, _LATENCY_NAMES[msg.TYPE], t0)
 
     def _internal_error(self, failure, msg):
-        from storage import errors
-
         if failure.check(errors.StoreError):  # busy, closing, or failed after an I/O error
             self.log.warn("toasty request {type} refused by the store: {error}", type=type(msg).__name__, error=failure.value)
-            return self.error_reply(msg, "I/O error: %s" % (failure.value,))
+            return self.error_reply(msg, ErrorCode.IO_ERROR.message(failure.value))
         self.log.failure("toasty request {type} failed", failure, type=type(msg).__name__)
-        return self.error_reply(msg, "I/O error")
+        return self.error_reply(msg, ErrorCode.IO_ERROR.message())
 
     def _finish(self, reply, slot, size):
         if self._ready(reply, slot, size):
@@ -418,7 +333,7 @@ class MetaServerProtocol(_ToastyServerProtocol):
                     return defer.succeed(self._read_reply(tree.read(*args)))
                 d = tree.read_queued(*args)
                 d.addCallback(self._read_reply)
-        except (paths.InvalidPath, files.FsError) as e:
+        except (paths.InvalidPath, file_tree.FsError) as e:
             return defer.succeed(self.error_reply(msg, str(e)))
         d.addErrback(self._fs_error, msg)
         return d
@@ -455,7 +370,7 @@ class MetaServerProtocol(_ToastyServerProtocol):
         return d
 
     def _fs_error(self, failure, msg):
-        failure.trap(files.FsError)
+        failure.trap(file_tree.FsError)
         return self.error_reply(msg, str(failure.value))
 
 
@@ -464,7 +379,7 @@ class MetaServerFactory(Factory):
 
     def __init__(self, node):
         self.node = node
-        self.tree = files.FileTree(node.store)
+        self.tree = file_tree.FileTree(node.store)
         self.replication_factor = max(1, int(getattr(node.config, "replication_factor", 1) or 1))
         self._locations = None
 
@@ -550,7 +465,7 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         # the batch is stored (no Deferred per chunk).
         if t == codec.CREATE_CHUNK:
             chunk_size, off, n = msg.chunk_size, msg.offset, len(msg.data)
-            if 0 < chunk_size <= files.MAX_CHUNK_SIZE and off + n <= chunk_size:
+            if 0 < chunk_size <= file_tree.MAX_CHUNK_SIZE and off + n <= chunk_size:
                 self._count(t)
                 slot = _Slot()
                 self._slots.append(slot)
@@ -619,8 +534,8 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         t = msg.TYPE
         if t == codec.CREATE_CHUNK:
             size, off, n = msg.chunk_size, msg.offset, len(msg.data)
-            if not 0 < size <= files.MAX_CHUNK_SIZE or off + n > size:
-                return defer.succeed(self.error_reply(msg, "Invalid range"))
+            if not 0 < size <= file_tree.MAX_CHUNK_SIZE or off + n > size:
+                return defer.succeed(self.error_reply(msg, ErrorCode.INVALID_RANGE.message()))
             if off == 0 and n == size:
                 data = msg.data
             else:
@@ -639,7 +554,7 @@ class ChunkServerProtocol(_ToastyServerProtocol):
     def _patch(self, data, msg):
         off, n = msg.offset, len(msg.data)
         if off + n > len(data):
-            return self.error_reply(msg, "Invalid range")
+            return self.error_reply(msg, ErrorCode.INVALID_RANGE.message())
         patched = b"".join((data[:off], msg.data, data[off + n :]))
         d = self._put(patched)
         d.addCallback(codec.UploadChunkSuccess)
@@ -649,14 +564,12 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         if msg.full:
             return codec.DownloadChunkSuccess(data)
         if msg.offset + msg.length > len(data):
-            return self.error_reply(msg, "Invalid range")
+            return self.error_reply(msg, ErrorCode.INVALID_RANGE.message())
         return codec.DownloadChunkSuccess(data[msg.offset : msg.offset + msg.length])
 
     def _chunk_error(self, failure, msg):
-        from storage import errors
-
         failure.trap(errors.ChunkNotFound)
-        return self.error_reply(msg, "Chunk not found")
+        return self.error_reply(msg, ErrorCode.CHUNK_NOT_FOUND.message())
 
 
 class ChunkServerFactory(Factory):

@@ -1,6 +1,7 @@
 """The Toasty file tree: directories and chunked files with generations, kept in ``store.meta``.
 
-It knows no wire format: callers pass paths as tuples of name components (already validated) and get
+It lives beside the Toasty protocol (it is Toasty's data model, not the store's) but knows no wire
+format: callers pass paths as tuples of name components (already validated) and get
 plain values or ``FsError`` back. Every mutation is one ``store.meta.transact`` (atomic and durable
 under the node's fsync policy), so a crash leaves each file at its old or its new content, and
 CREATE_IF_MISSING and TRUNCATE_AFTER are part of the same transaction as the write they belong to.
@@ -20,6 +21,7 @@ import struct
 
 from twisted.internet import defer
 
+from protocols.toasty.errors import ErrorCode
 from storage import errors
 
 ROOT_TABLE = "toasty.root"
@@ -48,52 +50,51 @@ _CHK = struct.Struct(">QI")
 # Entity fields (a short list keeps msgpack small).
 _INODE, _GEN, _IS_DIR, _CHUNK_SIZE, _SIZE = range(5)
 
-# The reference's error strings (research §B.4), so clients written against it match on them.
-E_NOENT = "No such file or directory"
-E_NOTDIR = "Entity is not a directory"
-E_ISDIR = "Entity is a directory"
-E_EXISTS = "File or directory already exists"
-E_BADGEN = "Generation counter mismatch or invalid value"
-E_INVALID = "Invalid operation"
-
-
 class FsError(Exception):
-    """A refused file-tree operation; ``str(e)`` is the text for the *_ERROR reply."""
+    """A refused file-tree operation: its ``code`` (``errors.ErrorCode``, one per subclass) and a
+    detail; ``str(e)`` is the text for the *_ERROR reply."""
 
-    def __init__(self, message, detail=None):
-        self.message = message
+    code = ErrorCode.INVALID_OPERATION
+
+    def __init__(self, detail=None):
         self.detail = detail
-        super().__init__(message if not detail else "%s: %s" % (message, detail))
+        super().__init__(self.code.message(detail))
+
+    @property
+    def message(self) -> str:
+        return self.code.value
 
 
 class NotFound(FsError):
-    def __init__(self, detail=None):
-        super().__init__(E_NOENT, detail)
+    code = ErrorCode.NOT_FOUND
 
 
 class NotADirectory(FsError):
-    def __init__(self, detail=None):
-        super().__init__(E_NOTDIR, detail)
+    code = ErrorCode.NOT_A_DIRECTORY
 
 
 class IsADirectory(FsError):
-    def __init__(self, detail=None):
-        super().__init__(E_ISDIR, detail)
+    code = ErrorCode.IS_A_DIRECTORY
 
 
 class AlreadyExists(FsError):
-    def __init__(self, detail=None):
-        super().__init__(E_EXISTS, detail)
+    code = ErrorCode.ALREADY_EXISTS
 
 
 class BadGeneration(FsError):
-    def __init__(self, detail=None):
-        super().__init__(E_BADGEN, detail)
+    code = ErrorCode.BAD_GENERATION
 
 
 class InvalidOperation(FsError):
-    def __init__(self, detail=None):
-        super().__init__(E_INVALID, detail)
+    code = ErrorCode.INVALID_OPERATION
+
+
+class ChunkNotFound(FsError):
+    code = ErrorCode.CHUNK_NOT_FOUND
+
+
+class ChunkUnreadable(FsError):
+    code = ErrorCode.IO_ERROR
 
 
 class Entity:
@@ -439,7 +440,7 @@ class FileTree:
             )
         missing = [h.hex() for h in set(hashes) if not txn.chunk_has(h)]
         if missing:
-            raise FsError("Chunk not found", "the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
+            raise ChunkNotFound("the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))
         end = offset + length
         size = end if flags & TRUNCATE_AFTER else max(entity.size, end)
         # CONTRACT §5: bytes past the end of file read as zeros if the file grows again, so the
@@ -505,9 +506,9 @@ class FileTree:
         try:
             data = txn.chunk_get(addr)
         except errors.StoreError as e:  # DataCorrupted, or its pack is gone
-            raise FsError("I/O error", str(e))
+            raise ChunkUnreadable(str(e))
         if data is None:
-            raise FsError("Chunk not found", "the chunk store does not hold %s" % bytes(addr).hex())
+            raise ChunkNotFound("the chunk store does not hold %s" % bytes(addr).hex())
         tail = data[keep:]
         if not tail or tail == bytes(len(tail)):
             return None

@@ -1,0 +1,469 @@
+"""The Toasty file protocol over plain sockets: ``BlockingToastyClient`` and its
+``BlockingConnection`` (for sbpctl, scripts, Spark and benchmarks); the planning is in ``planning``.
+
+A reply is read with exact ``recv(n, MSG_WAITALL)`` calls (its header, then its body into one
+allocation, no copy of a chunk's data), so this client keeps no receive buffer and needs no framer.
+"""
+
+import socket
+import time
+from collections import deque
+
+from protocols.toasty import codec
+from protocols.toasty.codec import HEADER, HEADER_LEN
+from protocols.toasty.errors import ErrorCode
+from protocols.toasty.planning import (
+    DEFAULT_CHUNK_SIZE,
+    MAX_ATTEMPTS,
+    MAX_PIECE_CHUNKS,
+    UPLOADS_IN_FLIGHT,
+    HashBatcher,
+    ToastyError,
+    backoff,
+    error_of,
+    file_state_steps,
+    path_bytes,
+    plan_uploads,
+    raise_for,
+    record_upload,
+    run_steps,
+    server_address,
+    sha256,
+    should_retry,
+    verify_chunk,
+    write_message,
+)
+
+
+class BlockingConnection:
+    """One socket to either listener; ``send`` then ``recv`` replies in request order."""
+
+    def __init__(self, host, port, timeout=30.0):
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.pending = deque()
+        self.address = (host, port)
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def send(self, msg):
+        if self.sock.fileno() < 0:
+            raise ConnectionError("toasty connection to %s:%d is closed" % self.address)
+        parts = codec.encode_parts(msg)
+        self.pending.append(msg.TYPE)
+        if len(parts) > 8:  # many small fields: one buffer (sendmsg takes at most IOV_MAX)
+            self.sock.sendall(b"".join(parts))
+            return
+        total = sum(len(p) for p in parts)
+        sent = self.sock.sendmsg(parts)
+        if sent < total:  # a partial send: finish from where it stopped
+            rest = memoryview(b"".join(parts))[sent:]
+            self.sock.sendall(rest)
+
+    def send_many(self, msgs):
+        """Send several messages with as few calls as possible (big data is not copied)."""
+        if self.sock.fileno() < 0:
+            raise ConnectionError("toasty connection to %s:%d is closed" % self.address)
+        parts = []
+        for msg in msgs:
+            parts.extend(codec.encode_parts(msg))
+        self.pending.extend(msg.TYPE for msg in msgs)
+        total = sum(len(p) for p in parts)
+        if total < 65536:
+            self.sock.sendall(b"".join(parts))
+            return
+        views = [memoryview(p) for p in parts]
+        i = 0
+        while i < len(views):
+            sent = self.sock.sendmsg(views[i : i + 512])  # IOV_MAX is 1024
+            while sent:
+                n = len(views[i])
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
+
+    def _exact(self, n):
+        # MSG_WAITALL: one call, one allocation, no zero-fill (headers and bodies alike).
+        data = self.sock.recv(n, socket.MSG_WAITALL)
+        if len(data) == n:
+            return data
+        if not data:
+            raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
+        return data + bytes(self._exact(n - len(data)))
+
+    def recv(self):
+        try:
+            return self._recv()
+        except BaseException:
+            # A reply we could not read leaves the stream out of step: never reuse it.
+            self.close()
+            raise
+
+    def _recv(self):
+        if self.sock.fileno() < 0:
+            raise ConnectionError("toasty connection to %s:%d is closed" % self.address)
+        req_type = self.pending.popleft()
+        version, mtype, length = HEADER.unpack(self._exact(HEADER_LEN))
+        try:
+            codec.check_header(version, mtype, length, codec.REPLIES[req_type])
+            body = self._exact(length - HEADER_LEN)
+            if mtype == codec.DOWNLOAD_CHUNK_SUCCESS and len(body) >= 4 and int.from_bytes(body[:4], "little") == len(body) - 4:
+                return codec.DownloadChunkSuccess(memoryview(body)[4:])  # no copy of the data
+            return codec.decode_reply(mtype, body)
+        except codec.CodecError as e:
+            self.close()
+            raise ConnectionError("bad reply from toasty server %s:%d: %s" % (self.address + (e,)))
+
+    def call(self, msg):
+        self.send(msg)
+        return self.recv()
+
+    def pipeline(self, msgs, window=64):
+        """Send ``msgs`` keeping up to ``window`` outstanding; yield replies in order."""
+        outstanding = 0
+        for msg in msgs:
+            self.send(msg)
+            outstanding += 1
+            if outstanding >= window:
+                yield self.recv()
+                outstanding -= 1
+        for _ in range(outstanding):
+            yield self.recv()
+
+
+class BlockingToastyClient:
+    """The file protocol over plain sockets (for sbpctl, scripts and benchmarks)."""
+
+    def __init__(self, host, port, timeout=30.0, parallel=UPLOADS_IN_FLIGHT):
+        self.meta = BlockingConnection(host, port, timeout)
+        self._pool = None
+        self.timeout = timeout
+        self.parallel = parallel
+        self._chunk_conns = {}
+
+    def close(self):
+        self.meta.close()
+        for c in self._chunk_conns.values():
+            c.close()
+        self._chunk_conns.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def _hasher(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # One helper: hashing runs beside this thread's sends and receives (a second one
+            # measured no faster on 2 cores and cost more CPU in thread switches).
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toasty-verify")
+        return HashBatcher(self._pool)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def chunk_conn(self, address):
+        c = self._chunk_conns.get(address)
+        if c is None or c.sock.fileno() < 0:
+            c = self._chunk_conns[address] = BlockingConnection(address[0], address[1], self.timeout)
+        return c
+
+    # -- metadata operations --
+
+    def create(self, path, is_dir=False, chunk_size=DEFAULT_CHUNK_SIZE):
+        return raise_for(self.meta.call(codec.Create(path_bytes(path), is_dir, 0 if is_dir else chunk_size))).gen
+
+    def mkdir(self, path):
+        return self.create(path, True)
+
+    def delete(self, path, expect_gen=0):
+        raise_for(self.meta.call(codec.Delete(expect_gen, path_bytes(path))))
+
+    def list(self, path, expect_gen=0):
+        base = path_bytes(path)
+        items, after = [], None
+        while True:
+            wire = base if after is None else base.rstrip(b"/") + b"/\x00" + after
+            reply = raise_for(self.meta.call(codec.List_(expect_gen, wire)))
+            items.extend(reply.items)
+            if not reply.truncated or not reply.items:
+                return reply.gen, items
+            after = reply.items[-1].name
+
+    def read_raw(self, path, offset, length, expect_gen=0):
+        return raise_for(self.meta.call(codec.Read(expect_gen, path_bytes(path), offset, length)))
+
+    def stat(self, path):
+        """-> dict(gen, chunk_size, size) for a file; dict(gen, is_dir=True) for a directory."""
+        path = path_bytes(path)
+        reply = self.meta.call(codec.Read(0, path, 0, 0))
+        if isinstance(reply, codec.ReadError):
+            if ErrorCode.of(reply.message) is ErrorCode.IS_A_DIRECTORY:
+                gen, items = self.list(path)
+                return {"is_dir": True, "gen": gen, "entries": len(items)}
+            raise error_of(reply)
+        gen, cs = reply.gen, reply.chunk_size
+        size, span = 0, MAX_PIECE_CHUNKS * cs
+        while True:
+            rs = self.read_raw(path, size, span, expect_gen=gen)
+            size += rs.file_length
+            if rs.file_length < span:
+                return {"is_dir": False, "gen": gen, "chunk_size": cs, "size": size}
+
+    # -- file data --
+
+    def write(self, path, data, offset=0, truncate=False, create=True, chunk_size=None, progress=None):
+        """Write ``data`` (bytes, or a file object with ``size``) at ``offset`` -> new generation."""
+        path = path_bytes(path)
+        return self.write_stream(path, _BytesSource(data), len(data), offset, truncate, create, chunk_size, progress)
+
+    def write_stream(self, path, source, size, offset=0, truncate=False, create=True, chunk_size=None, progress=None):
+        """``source.read(n)`` supplies ``size`` bytes, written piece by piece (<= 1024 chunks each)
+        and read chunk by chunk as the uploads go (memory stays bounded). A retried piece is read
+        again after ``source.seek``."""
+        path = path_bytes(path)
+        if size == 0:
+            return self._write_piece(path, None, offset, 0, truncate, create, chunk_size)
+        probe = self.meta.call(codec.Read(0, path, offset, 0))
+        if isinstance(probe, codec.ReadSuccess):
+            cs, probe = probe.chunk_size, None
+        elif ErrorCode.of(probe.message) is ErrorCode.NOT_FOUND:
+            cs = chunk_size or DEFAULT_CHUNK_SIZE  # the probe doubles as the first piece's READ
+        else:
+            raise error_of(probe)
+        base = source.tell() if hasattr(source, "tell") else 0
+        pos, gen, first_piece = 0, None, True
+        while pos < size:
+            piece_len = min(size - pos, MAX_PIECE_CHUNKS * cs - (offset + pos) % cs)
+            last = pos + piece_len == size
+            # TRUNCATE_AFTER on the first piece drops old bytes past it; later pieces extend.
+            reported = [0]
+
+            def report(n, reported=reported, piece_len=piece_len):
+                n = min(n, piece_len - reported[0])  # a retried piece is not counted twice
+                if n > 0 and progress is not None:
+                    reported[0] += n
+                    progress(n)
+
+            gen = self._write_piece(path, _SourceReader(source, base + pos, offset + pos), offset + pos, piece_len,
+                                    truncate and (first_piece or last), create, chunk_size, cs, probe, report)
+            report(piece_len)
+            first_piece, probe = False, None
+            pos += piece_len
+        return gen
+
+    def _state(self, path, offset, length, create, chunk_size, cs_hint=None, probe=None):
+        return run_steps(file_state_steps(path, offset, length, create, chunk_size, cs_hint, probe), self.meta.call)
+
+    def _write_piece(self, path, reader, offset, length, truncate, create, chunk_size, cs_hint=None, probe=None, report=None):
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                time.sleep(backoff(attempt))
+            state = self._state(path, offset, length, create, chunk_size, cs_hint, probe if not attempt else None)
+            if state is None:
+                continue
+            flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
+            uploads = []
+            if length:
+                reader.rewind()
+                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate, self._hasher().submit), uploads, report if not attempt else None)
+            reply = self.meta.call(write_message(state, path, offset, length, flags, uploads))
+            if isinstance(reply, codec.WriteSuccess):
+                return reply.gen
+            if not should_retry(reply):
+                raise error_of(reply)
+        raise ToastyError("WRITE of %r kept conflicting after %d attempts" % (path, MAX_ATTEMPTS))
+
+    def _run_pipelined(self, jobs, on_reply):
+        """``jobs``: iterable of (address, msg or (type, raw bytes), context). Keeps up to
+        ``parallel`` outstanding across connections; replies are handled in send order."""
+        try:
+            self._pipelined(jobs, on_reply)
+        except BaseException:
+            # Replies still on the wire would be read as answers to later requests: start afresh.
+            for c in self._chunk_conns.values():
+                c.close()
+            self._chunk_conns.clear()
+            raise
+
+    def _pipelined(self, jobs, on_reply):
+        # Requests go out a quarter window at a time, several per send call.
+        window = self.parallel
+        refill = max(1, window // 4)
+        outstanding = deque()
+        jobs = iter(jobs)
+        more = True
+        while True:
+            if more and len(outstanding) <= window - refill:
+                sends = {}
+                while len(outstanding) < window:
+                    job = next(jobs, None)
+                    if job is None:
+                        more = False
+                        break
+                    address, msg, ctx = job
+                    conn = self.chunk_conn(address)
+                    sends.setdefault(conn, []).append(msg)
+                    outstanding.append((conn, ctx))
+                for conn, msgs in sends.items():
+                    conn.send_many(msgs)
+            if not outstanding:
+                return
+            conn0, ctx0 = outstanding.popleft()
+            on_reply(ctx0, conn0.recv())
+
+    def _upload_all(self, planned, uploads, report=None):
+        def jobs():
+            for up in planned:
+                uploads.append(up)
+                for target in up.targets:
+                    yield target, up.msg, (up, target)
+
+        def done(ctx, reply):
+            up = ctx[0]
+            record_upload(up, ctx[1], reply)
+            if report is not None and up.msg is not None:
+                report(len(up.msg.data))
+            up.msg = None  # the data may go
+
+        self._run_pipelined(jobs(), done)
+
+    def read(self, path, offset=0, length=None, verify=True):
+        out = []
+        self.read_into(path, out.append, offset, length, verify)
+        return b"".join(out)
+
+    def read_into(self, path, sink, offset=0, length=None, verify=True, progress=None):
+        """Stream [offset, offset+length) into ``sink(bytes)`` -> bytes read. Pieces after the
+        first are pinned to the first READ's generation (a concurrent write fails the read)."""
+        path = path_bytes(path)
+        first = self.read_raw(path, offset, 0)
+        gen, cs = first.gen, first.chunk_size
+        end = offset + length if length is not None else None
+        pos = offset
+        while end is None or pos < end:
+            want = MAX_PIECE_CHUNKS * cs - pos % cs
+            if end is not None:
+                want = min(want, end - pos)
+            rs = self.read_raw(path, pos, want, expect_gen=gen)
+            if rs.file_length == 0:
+                break
+            self._download_piece(rs, pos, sink, verify, progress)
+            pos += rs.file_length
+            if rs.file_length < want:
+                break
+        return pos - offset
+
+    def _download_piece(self, rs, offset, sink, verify, progress=None):
+        cs = rs.chunk_size
+        out = [None] * len(rs.chunks)
+        jobs = []
+        holder_lists = {}  # the decoder shares AddrList objects: resolve each distinct list once
+        for i, c in enumerate(rs.chunks):
+            index = offset // cs + i
+            start = index * cs
+            lo = max(offset, start) - start
+            hi = min(offset + rs.file_length, start + cs) - start
+            if c.hash == codec.ZERO_HASH:
+                out[i] = bytes(hi - lo)
+                continue
+            key = tuple(map(id, c.holders))
+            holders = holder_lists.get(key)
+            if holders is None:
+                holders = holder_lists[key] = [a for a in (server_address(h) for h in c.holders) if a]
+            if not holders:
+                raise ToastyError("no chunk server holds chunk %s" % c.hash.hex())
+            jobs.append((holders[0], codec.DownloadChunk(c.hash, True), (i, c.hash, lo, hi, holders)))
+
+        checks = []
+        hasher = self._hasher() if verify else None
+
+        def got(ctx, reply):
+            i, h, lo, hi, holders = ctx
+            if isinstance(reply, codec.ErrorReply):
+                data = self._download_fallback(h, holders[1:], reply)
+            else:
+                data = reply.data
+                if verify:
+                    # SHA-256 releases the GIL: hash on a helper thread while we keep receiving.
+                    checks.append((h, hasher.submit(sha256, data)))
+            piece = data[lo:hi]
+            out[i] = bytes(piece) + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
+            if progress is not None:
+                progress(hi - lo)
+
+        self._run_pipelined(jobs, got)
+        if hasher is not None:
+            hasher.flush()
+        for h, digest in checks:
+            if digest.result() != h:
+                raise ToastyError("chunk %s failed its hash check" % h.hex())
+        if progress is not None:
+            progress(sum(len(p) for p, c in zip(out, rs.chunks) if c.hash == codec.ZERO_HASH))
+        for piece in out:
+            sink(piece)
+
+    def _download_fallback(self, h, holders, first_error):
+        for address in holders:
+            # A connection of its own: the pooled ones have pipelined requests outstanding.
+            conn = BlockingConnection(address[0], address[1], self.timeout)
+            try:
+                reply = conn.call(codec.DownloadChunk(h, True))
+            finally:
+                conn.close()
+            if isinstance(reply, codec.DownloadChunkSuccess):
+                verify_chunk(h, reply.data)
+                return reply.data
+        raise error_of(first_error)
+
+
+class _BytesSource:
+    def __init__(self, data):
+        self.view = memoryview(data)
+        self.pos = 0
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos):
+        self.pos = pos
+
+    def read(self, n):
+        out = self.view[self.pos : self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+class _SourceReader:
+    """``read(lo, hi)`` for plan_uploads over a sequential source, from source position ``start``
+    (file offset ``offset``); ``rewind`` seeks back for a retried piece."""
+
+    def __init__(self, source, start, offset):
+        self.source, self.start, self.offset = source, start, offset
+        self.next = None
+
+    def rewind(self):
+        if self.next is not None and self.next != self.offset:
+            if not hasattr(self.source, "seek"):
+                raise ToastyError("the source cannot be re-read for a retried WRITE")
+            self.source.seek(self.start)
+        self.next = self.offset
+
+    def read(self, lo, hi):
+        if lo != self.next:
+            raise AssertionError("chunks are read in order")
+        data = self.source.read(hi - lo)
+        if len(data) != hi - lo:
+            raise ToastyError("source ended early (%d bytes short)" % (hi - lo - len(data)))
+        self.next = hi
+        return data

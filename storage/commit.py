@@ -1,0 +1,541 @@
+"""The commit core: how a write becomes durable.
+
+Every write of every facade (``log``, ``kv``, ``chunks``, ``meta``) is one named operation handed
+to ``CommitCore.submit`` on the reactor thread:
+
+- ``AppendBatch``: a record batch for a stream; the offset was assigned by the log at call time.
+- ``Transact``: ``fn(RawTxn)`` run inside the group's LMDB transaction (a nested one: a raising
+  ``fn`` writes nothing); every raw write it makes is recorded for the WAL.
+- ``Direct``: ``fn(txn)`` run on the group's transaction itself (no nesting, no RawTxn), returning
+  ``(result, raw ops for the WAL or None)``; it must not raise for a caller's error. kv's batched
+  writes use it.
+- ``Sync``: make everything written so far durable, whatever the policy.
+
+The path of a write:
+
+1. ``check_writable(nbytes)`` refuses it at once if the store is closed, failed, or its queue is
+   over ``QUEUE_HARD`` (``StoreBusy``); ``submit`` queues it (a deque) and wakes the writer.
+2. The writer thread (``_writer_loop``) takes a *group*: every queued operation, up to
+   ``MAX_GROUP_BYTES``. One group = one LMDB write transaction (``_commit_group``): batches are
+   framed into the WAL (``wal.add``) and indexed; raw operations are applied to LMDB and framed
+   into the WAL as ``T_OPS`` entries; the WAL checkpoint is stored in the same transaction.
+3. Durability, in this order (LevelDB's habit: the log before the index that names it): chunk packs
+   are synced before the WAL entry naming them; under ``--fsync always`` the group's WAL bytes are
+   fdatasync'ed before the LMDB commit; then LMDB commits. Under ``interval:MS`` the writer syncs
+   packs, WAL and LMDB together at most every MS ms (``interval_sync_wait``; the ``PreSync``
+   thread writes the WAL and packs back early so that sync is short). Under ``never`` only close
+   syncs.
+4. A failed write or sync *poisons* the core: ``failed`` is set, the group's operations fail, and
+   every later ``check_writable`` refuses (a disk that lost a write is never trusted again).
+5. The group goes back to the reactor thread (``_deliver``): the reused read snapshot is dropped
+   (so every acknowledged write is visible to reads), each ``AppendBatch``'s durability is passed
+   to the ``on_batch_durable`` hook (the log advances its stream's visible ``next_offset``, in log
+   order), each ``Transact``'s ``on_reactor`` steps run, then its Deferred fires.
+
+Recovery (``recover``, at open): the WAL entries past the checkpoint are replayed into LMDB; the
+tail is CRC-checked and cut at the first torn or corrupt entry. So a write acknowledged under
+``always`` survives a power cut: its WAL bytes were synced before the ack.
+
+Threads: the reactor thread calls everything public here and owns ``_queued_bytes`` and the
+snapshot; the writer thread owns the WAL, the packs and the group's LMDB transaction; a small
+thread pool (``in_pool``) serves blocking reads. See docs/storage.md.
+"""
+
+import collections
+import struct
+import threading
+import time
+
+import msgpack
+from twisted.internet import defer
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
+
+from storage import errors, index
+from storage.index import INDEX_KEY, INDEX_VAL, U64, RawTxn, apply_ops
+from storage.presync import PreSync
+from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS
+
+BATCH_PREFIX = struct.Struct(">QQ")  # a T_BATCH entry's payload starts: stream_id, append_ms
+_BASE = struct.Struct(">q")
+
+MAX_GROUP_BYTES = 16 << 20
+QUEUE_HIGH = 64 << 20  # above this many queued bytes the store reports congestion
+QUEUE_HARD = 512 << 20  # above this, writes fail with StoreBusy instead of growing memory
+
+POSTPONED_POLL_S = 0.002
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def interval_sync_wait(now: float, last_sync: float, interval: float, presync_busy: bool) -> float:
+    """Seconds until the ``interval`` policy's sync is due; 0.0: sync now.
+
+    It is due ``interval`` after the last one. While a pre-sync is writing (storage/presync.py:
+    the disk is slow or stalled) it waits for it, but never past twice the interval, as Redis's
+    ``everysec`` postpones its fsync: groups keep committing meanwhile instead of queueing behind
+    a sync that would wait for the same disk, and the pre-sync leaves it less to write."""
+    due = last_sync + interval - now
+    if due > 0:
+        return due
+    late = now - last_sync
+    if presync_busy and late < 2 * interval:
+        return min(POSTPONED_POLL_S, 2 * interval - late)
+    return 0.0
+
+
+# -- the operations ---------------------------------------------------------------------------------
+
+
+class Operation:
+    """One queued write. ``done`` fires on the reactor thread with ``value`` (or fails with it)."""
+
+    __slots__ = ("nbytes", "done", "ok", "value")
+
+    def __init__(self, nbytes):
+        self.nbytes = nbytes  # counted against QUEUE_HIGH / QUEUE_HARD and MAX_GROUP_BYTES
+        self.done = defer.Deferred()
+        self.ok = False
+        self.value = None  # the result, or a Failure
+
+
+class AppendBatch(Operation):
+    """Store ``batch`` for ``stream_id`` at ``base_offset`` (written into the batch's bytes 1..8);
+    ``base_offset`` None: a replica batch kept exactly as it is. Fires with the base offset."""
+
+    __slots__ = ("stream_id", "batch", "base_offset", "record_count")
+
+    def __init__(self, stream_id, batch, base_offset, record_count):
+        super().__init__(len(batch) + 64)
+        self.stream_id = stream_id
+        self.batch = batch
+        self.base_offset = base_offset
+        self.record_count = record_count
+
+
+class Transact(Operation):
+    """Run ``fn(RawTxn)`` in the group's transaction (nested: a raise writes nothing and fails only
+    this operation). Fires with ``fn``'s result once the group is durable."""
+
+    __slots__ = ("fn", "raw")
+
+    def __init__(self, fn, nbytes=256):
+        super().__init__(nbytes)
+        self.fn = fn
+        self.raw = None  # the RawTxn, once run (its on_reactor steps run at delivery)
+
+
+class Direct(Operation):
+    """Run ``fn(txn) -> (result, raw ops or None)`` on the group's LMDB transaction itself. ``fn``
+    must not raise for a caller's error: a raise fails the whole group, as an I/O error does."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn, nbytes=64):
+        super().__init__(nbytes)
+        self.fn = fn
+
+
+class Sync(Operation):
+    """Make everything written so far durable (packs, WAL, LMDB), whatever the policy."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        super().__init__(64)
+
+
+class _Stop(Operation):
+    __slots__ = ()
+
+    def __init__(self):
+        super().__init__(0)
+
+
+# -- recovery ---------------------------------------------------------------------------------------
+
+
+def recover(env, dbs, wal) -> (int, int):
+    """Replay WAL entries past the checkpoint into LMDB; returns ``(entries replayed, checkpoint)``.
+    Blocking, at open, before the writer starts."""
+    with env.begin(write=True) as txn:
+        raw = txn.get(index.CHECKPOINT, db=dbs[index.SYS])
+        checkpoint = U64.unpack(raw)[0] if raw else 0
+        n = 0
+        live = index.LiveBytes(wal)
+        for pos, etype, payload in wal.scan(checkpoint):
+            _replay_entry(txn, dbs, pos, etype, payload, live)
+            n += 1
+        live.flush(txn, dbs)
+        end = max(wal.end, checkpoint)
+        wal.ensure_at(end)
+        txn.put(index.CHECKPOINT, U64.pack(end), db=dbs[index.SYS])
+    if n:
+        env.sync(True)
+    return n, end
+
+
+def _replay_entry(txn, dbs, pos, etype, payload, live):
+    if etype == T_BATCH:
+        sid, append_ms = BATCH_PREFIX.unpack_from(payload, 0)
+        base = _BASE.unpack_from(payload, 17)[0]
+        count = int.from_bytes(payload[25:29], "big", signed=True)
+        total = ENTRY_SIZE + len(payload)
+        index.put_batch_index(txn, dbs, INDEX_KEY.pack(sid, base), INDEX_VAL.pack(pos, total, count, append_ms),
+                              live, pos, total)
+    else:
+        apply_ops(txn, dbs, msgpack.unpackb(payload, raw=True, use_list=True), live)
+
+
+def _daemon_thread(*args, **kwargs):
+    t = threading.Thread(*args, **kwargs)
+    t.daemon = True
+    return t
+
+
+# -- the core ---------------------------------------------------------------------------------------
+
+
+class CommitCore:
+    """The writer thread, group commit and the read side's snapshot and pool, over an open LMDB
+    environment, WAL and chunk packs (``recover`` has run). Built by ``store.Store.open``."""
+
+    logger = Logger()
+
+    def __init__(self, env, dbs, wal, packs, policy, reactor, checkpoint):
+        self.env = env  # LMDB; the writer thread owns its write transactions
+        self.dbs = dbs
+        self.wal = wal  # writer thread (appends); readers pread from any thread
+        self.packs = packs  # writer thread (appends); readers pread from any thread
+        self.policy = policy
+        self.reactor = reactor
+        self.closed = False  # reactor thread
+        self.failed = None  # set after an I/O error in the writer: every later write is refused
+        # Hooks the assembly (store.py) sets, all called on the reactor thread:
+        self.on_batch_durable = None  # (stream_id, base_offset, record_count), in log order
+        self.on_close = []  # callables run once the writer stopped, before the files close
+        self._checkpoint = checkpoint  # writer thread
+        self._env_dirty = False  # writer thread: an LMDB commit not yet synced
+        self._reactor_thread = threading.get_ident()  # built on the reactor's thread
+        self._queue = collections.deque()  # appended by the reactor, taken by the writer
+        self._cond = threading.Condition()
+        self._writer_idle = False
+        self._queued_bytes = 0  # reactor thread
+        self._drain_waiters = []  # reactor thread
+        self._rtxn = None  # reactor thread: the reused read snapshot
+        self._pool = ThreadPool(minthreads=1, maxthreads=4, name="storage-read")
+        # daemon workers: a node that fails start-up after opening the store must still exit
+        self._pool.threadFactory = _daemon_thread
+        self._pool.start()
+        self.presync = None
+        if policy.mode == "interval":
+            self.presync = PreSync(wal, packs, policy.interval_ms / 1000.0)
+            self.presync.start()
+        self._writer = threading.Thread(target=self._run_writer, name="storage-writer", daemon=True)
+        self._writer.start()
+
+    # -- the write queue (reactor thread) ---------------------------------------------------------
+
+    def check_writable(self, nbytes=0):
+        """Raise the StoreError a write of ``nbytes`` would meet now (closed, failed, full)."""
+        if self.closed:
+            raise errors.StoreClosed("the store is closed")
+        if self.failed is not None:
+            raise errors.StoreError("the store stopped accepting writes after an I/O error: %s" % self.failed)
+        if self._queued_bytes + nbytes > QUEUE_HARD:
+            raise errors.StoreBusy("the store's write queue is full")
+
+    def submit(self, op: Operation) -> defer.Deferred:
+        """Queue ``op`` for the next group; its Deferred. The caller ran ``check_writable``."""
+        self._queued_bytes += op.nbytes
+        self._queue.append(op)  # deque.append is atomic; the lock is taken only to wake the writer
+        if self._writer_idle:
+            with self._cond:
+                self._cond.notify()
+        return op.done
+
+    def transact(self, fn, nbytes=256) -> defer.Deferred:
+        """``check_writable`` then ``submit(Transact(fn, nbytes))``, as a Deferred either way."""
+        try:
+            self.check_writable(nbytes)
+        except errors.StoreError:
+            return defer.fail()
+        return self.submit(Transact(fn, nbytes))
+
+    def sync(self) -> defer.Deferred:
+        """Make everything written so far durable, whatever the policy."""
+        return self.submit(Sync())
+
+    @property
+    def congested(self) -> bool:
+        """True while more than QUEUE_HIGH bytes wait for the writer (protocols should pause)."""
+        return self._queued_bytes > QUEUE_HIGH
+
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def when_drained(self) -> defer.Deferred:
+        """Fires once the queue is back below half of QUEUE_HIGH."""
+        if self._queued_bytes <= QUEUE_HIGH // 2:
+            return defer.succeed(None)
+        d = defer.Deferred(lambda d: self._drain_waiters.remove(d))
+        self._drain_waiters.append(d)
+        return d
+
+    # -- the writer thread ------------------------------------------------------------------------
+
+    def _take(self, timeout):
+        with self._cond:
+            if not self._queue:
+                # set under the lock before re-checking: a submitter that sees it notifies after
+                # our wait() released the lock, so no wake-up is lost
+                self._writer_idle = True
+                if not self._queue:
+                    self._cond.wait(timeout)
+                self._writer_idle = False
+            group, size = [], 0
+            q = self._queue
+            while q and (not group or size + q[0].nbytes <= MAX_GROUP_BYTES):
+                op = q.popleft()
+                group.append(op)
+                size += op.nbytes
+                if type(op) is _Stop:
+                    break
+            return group
+
+    def _run_writer(self):
+        try:
+            self._writer_loop()
+        except BaseException as e:  # a bug, not an I/O error: refuse writes rather than hang them
+            self.failed = "writer thread died: %s: %s" % (type(e).__name__, e)
+            self.logger.failure("the store's writer thread died")
+            failure = Failure()
+            with self._cond:
+                rest = list(self._queue)
+                self._queue.clear()
+            for op in rest:
+                op.ok, op.value = False, failure
+            self.reactor.callFromThread(self._deliver, rest)
+
+    def _writer_loop(self):
+        policy = self.policy
+        interval = policy.interval_ms / 1000.0 if policy.mode == "interval" else None
+        last_sync = time.monotonic()
+        stopping = None
+        presync = self.presync
+
+        def sync_wait():  # seconds until the interval sync is due, with last_sync as it is now
+            return interval_sync_wait(time.monotonic(), last_sync, interval, presync is not None and presync.busy)
+
+        while stopping is None:
+            timeout = None
+            if interval is not None and self.unsynced():
+                timeout = sync_wait()
+            group = self._take(timeout)
+            force_sync = False
+            work = []
+            for op in group:
+                kind = type(op)
+                if kind is _Stop:
+                    stopping = op
+                elif kind is Sync:
+                    force_sync = True
+                else:
+                    work.append(op)
+            try:
+                if work:
+                    self._commit_group(work, policy.always or force_sync)
+                if force_sync or stopping is not None or (
+                    interval is not None and self.unsynced() and not sync_wait()
+                ):
+                    self._sync_all()
+                    last_sync = time.monotonic()
+            except Exception as e:  # an I/O error: fail this group and refuse later writes
+                self.failed = "%s: %s" % (type(e).__name__, e)
+                failure = Failure()
+                for op in work:
+                    op.ok, op.value = False, failure
+            if group:
+                self.reactor.callFromThread(self._deliver, group)
+
+    def unsynced(self) -> bool:
+        """Written but not yet synced (the interval policy syncs it when due)."""
+        return self.wal.dirty or self.packs.dirty or self._env_dirty
+
+    def _sync_all(self):
+        self.packs.sync()
+        self.wal.sync()
+        self.env.sync(True)
+        self._env_dirty = False
+
+    def _commit_group(self, work, durable):
+        wal = self.wal
+        dbs = self.dbs
+        txn = self.env.begin(write=True)
+        try:
+            raw_txns = []
+            live = index.LiveBytes(wal)
+            merged = []  # consecutive Direct ops share one WAL entry (one msgpack call)
+            for op in work:
+                kind = type(op)
+                if kind is Direct:
+                    op.value, ops = op.fn(txn)
+                    op.ok = True
+                    if ops:
+                        merged.extend(ops)
+                    continue
+                if merged:
+                    wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
+                    merged = []
+                if kind is AppendBatch:
+                    sid, batch, base = op.stream_id, op.batch, op.base_offset
+                    append_ms = now_ms()
+                    if base is None:  # a replica batch keeps its base_offset
+                        parts = (BATCH_PREFIX.pack(sid, append_ms), batch)
+                        base = _BASE.unpack_from(batch, 1)[0]
+                    else:
+                        parts = (BATCH_PREFIX.pack(sid, append_ms), batch[:1], _BASE.pack(base), memoryview(batch)[9:])
+                    pos = wal.add(T_BATCH, parts)
+                    total = ENTRY_SIZE + 16 + len(batch)
+                    index.put_batch_index(txn, dbs, INDEX_KEY.pack(sid, base),
+                                          INDEX_VAL.pack(pos, total, op.record_count, append_ms), live, pos, total,
+                                          wal.active)
+                    op.ok, op.value = True, base
+                else:  # Transact
+                    live.flush(txn, dbs)  # so the function reads current segment counts
+                    sub = self.env.begin(write=True, parent=txn)
+                    raw = RawTxn(sub, dbs, wal)
+                    try:
+                        result = op.fn(raw)
+                    except Exception:
+                        sub.abort()
+                        op.ok, op.value = False, Failure()
+                        continue
+                    sub.commit()
+                    live.merge(raw.live)
+                    op.ok, op.value, op.raw = True, result, raw
+                    if raw.ops:
+                        wal.add(T_OPS, (msgpack.packb(raw.ops, use_bin_type=True),))
+                    raw_txns.append(raw)
+            if merged:
+                wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
+            if self.packs.dirty and durable:
+                self.packs.sync()  # chunk bytes are durable before the WAL entry naming them
+            wal.flush()
+            # Under --fsync always every group's WAL bytes are synced before the LMDB commit names
+            # them: batch bytes live only in the WAL, and LMDB's commit (metasync=False) syncs its
+            # data pages but not its meta page, so after a power cut it may fall back to the
+            # previous commit. Recovery then replays this group from the synced WAL. A group of
+            # metadata/kv/chunk-index changes alone is not durable through the commit by itself.
+            if durable:
+                wal.sync()
+            live.flush(txn, dbs)
+            if wal.end != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
+                txn.put(index.CHECKPOINT, U64.pack(wal.end), db=dbs[index.SYS])
+            txn.commit()
+            self._checkpoint = wal.end
+            if not durable:
+                self._env_dirty = True
+        except BaseException:
+            txn.abort()
+            wal.discard()
+            raise
+        for raw in raw_txns:
+            for fn in raw.after_commit:
+                try:
+                    fn()
+                except Exception as e:
+                    self.logger.error("post-commit step failed: {error}", error=e)
+
+    # -- completion (reactor thread) --------------------------------------------------------------
+
+    def _deliver(self, group):
+        self._drop_snapshot()
+        batch_durable = self.on_batch_durable
+        for op in group:
+            self._queued_bytes -= op.nbytes
+            if op.ok:
+                try:
+                    kind = type(op)
+                    if kind is AppendBatch:
+                        if batch_durable is not None:
+                            batch_durable(op.stream_id, op.value, op.record_count)
+                    elif kind is Transact:
+                        for fn in op.raw.on_reactor:
+                            fn()
+                except Exception:  # never leave the rest of the group unanswered
+                    self.logger.failure("store completion step failed")
+                op.done.callback(op.value)
+            elif op.value is not None:
+                op.done.errback(op.value)
+            else:
+                op.done.callback(None)
+        if self._drain_waiters and self._queued_bytes <= QUEUE_HIGH // 2:
+            waiters, self._drain_waiters = self._drain_waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def in_pool(self, fn, *args):
+        """Run the blocking read ``fn(*args)`` in the read pool; its Deferred."""
+        if self.closed:
+            return defer.fail(errors.StoreClosed("the store is closed"))
+        return deferToThreadPool(self.reactor, self._pool, fn, *args)
+
+    def snapshot(self):
+        """A read-only LMDB transaction for the synchronous reads of the reactor thread. One is
+        reused until the next group is delivered (a begin per read costs more than the read), so
+        every acknowledged write is visible and no snapshot outlives one group commit."""
+        if threading.get_ident() != self._reactor_thread:
+            return self.env.begin()  # another thread: its own snapshot, released when dropped
+        txn = self._rtxn
+        if txn is None:
+            if self.closed and not self._writer.is_alive():
+                raise errors.StoreClosed("the store is closed")
+            txn = self._rtxn = self.env.begin()
+        return txn
+
+    def _drop_snapshot(self):
+        txn, self._rtxn = self._rtxn, None
+        if txn is not None:
+            txn.abort()
+
+    # -- close ------------------------------------------------------------------------------------
+
+    def close(self) -> defer.Deferred:
+        """Finish queued writes, sync everything, stop the threads, run the ``on_close`` hooks,
+        close the files; fires when done."""
+        if self.closed:
+            return defer.succeed(None)
+        self.closed = True
+        stop = _Stop()
+        self._queue.append(stop)
+        with self._cond:
+            self._cond.notify()
+        done = defer.Deferred()
+
+        def finish(_):
+            self._writer.join()
+            if self.presync is not None:
+                self.presync.stop()
+            for fn in self.on_close:
+                fn()
+            self._pool.stop()
+            self._drop_snapshot()
+            self.wal.close()
+            self.packs.close()
+            self.env.close()
+            self.logger.info("store closed")
+            done.callback(None)
+
+        stop.done.addBoth(finish)
+        if not self._writer.is_alive():  # it died (logged then): nobody will take the stop
+            with self._cond:
+                self._queue.clear()
+            stop.done.callback(None)
+        return done

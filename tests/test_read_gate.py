@@ -1,0 +1,76 @@
+"""The read gate every server connection reads through (protocols/read_gate.py)."""
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor
+from twisted.internet.testing import StringTransport
+
+from protocols import read_gate
+from protocols.read_gate import BUDGET, CLOSING, SEND_BUFFER, STORE, ReadGate
+from storage import Store, record_batch
+
+
+def gate():
+    tr = StringTransport()
+    opened = []
+    g = ReadGate(tr, lambda: opened.append(True))
+    tr.registerProducer(g, True)
+    return g, tr, opened
+
+
+def test_reading_stops_while_any_reason_holds_and_resumes_once_none_does():
+    g, tr, opened = gate()
+    g.hold(BUDGET)
+    g.pauseProducing()  # the transport's send buffer is full
+    assert tr.producerState == "paused" and g.reasons == {BUDGET, SEND_BUFFER}
+    g.release(BUDGET)
+    assert tr.producerState == "paused" and not opened
+    g.resumeProducing()
+    assert tr.producerState == "producing" and g.reading and opened == [True]
+
+
+def test_the_transport_is_driven_only_when_the_answer_changes():
+    g, tr, opened = gate()
+    g.release(BUDGET)  # not held: nothing happens
+    g.hold(BUDGET)
+    g.hold(BUDGET)
+    g.set(SEND_BUFFER, True)
+    g.set(SEND_BUFFER, False)
+    assert tr.producerState == "paused" and not opened
+    g.set(BUDGET, False)
+    assert opened == [True]
+
+
+def test_closing_holds_for_good_and_a_stopped_gate_leaves_the_transport_alone():
+    g, tr, opened = gate()
+    g.hold(CLOSING)
+    g.stop()
+    g.release(CLOSING)
+    assert tr.producerState == "paused" and not opened
+
+
+def test_reason_names():
+    assert {read_gate.SEND_BUFFER, read_gate.SEND_QUEUE, read_gate.BUDGET, read_gate.STORE, read_gate.CLOSING} == {
+        "send buffer", "send queue", "budget", "store congestion", "closing"}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store.open(str(tmp_path / "store"), fsync="never", reactor=reactor)
+    yield s
+    pytest_twisted.blockon(s.close())
+
+
+@pytest_twisted.ensureDeferred
+async def test_watch_store_holds_until_the_real_store_drains(store):
+    g, tr, opened = gate()
+    assert not g.watch_store(store)  # not congested: nothing held
+    sid = (await store.log.create_stream()).stream_id
+    big = record_batch.encode([(1, [], b"x" * (1 << 20))])
+    queued = [store.log.append(sid, big) for _ in range(80)]  # one reactor turn: 80 MiB queued
+    assert store.congested
+    assert g.watch_store(store) and g.watch_store(store)  # one wait, however often asked
+    assert g.reasons == {STORE} and tr.producerState == "paused"
+    await defer.gatherResults(queued)
+    await store.when_drained()
+    assert g.reading and tr.producerState == "producing" and opened == [True]
