@@ -330,7 +330,7 @@ class PlacementDriver:
             if self._id_next >= self._id_end:
                 # never below the local counter: streams this node made before --cluster keep
                 # their ids
-                floor = getattr(self.store.log, "_counter", 0)
+                floor = self.store.log.last_stream_number()
                 end = yield self._advance(self.prefix + "counters/streams/%d" % self.node_id, floor, STREAM_ID_BLOCK)
                 self._id_next, self._id_end = end - STREAM_ID_BLOCK + 1, end + 1
             n = self._id_next
