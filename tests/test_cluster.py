@@ -439,3 +439,22 @@ def test_sbpctl_cluster_on_a_single_node(node):
     out = sbpctl("cluster", "--endpoint", node.endpoint("sbp"))
     assert "mode      single node" in out and "leader    %d" % node.node_id in out
     assert "single node" in sbpctl("status", "--endpoint", node.endpoint("sbp"))
+
+
+def test_a_single_node_turned_cluster_member_keeps_its_streams_and_ids(tmp_path, etcd):
+    n = NodeProcess(tmp_path, name="solo", fsync="never", node_id=9).start()
+    try:
+        with client(n) as c:
+            old = [c.create_stream()["stream_id"] for _ in range(2)]
+            assert c.append(old[0], batch(2)) == 0
+        assert n.terminate() == 0
+        n.options["cluster"] = etcd.client_urls
+        n.start(timeout=60)
+        with client(n) as c:
+            new = c.create_stream(replica_nums=1)["stream_id"]
+            assert new >> 32 == 9 and new & 0xFFFFFFFF > max(s & 0xFFFFFFFF for s in old)
+            # the streams from before --cluster stay this node's, served here
+            assert c.append(old[0], batch(1)) == 2
+            assert c.fetch(old[1], 0, max_wait_ms=0) == b""
+    finally:
+        n.kill9()
