@@ -44,7 +44,7 @@ class NodeContext:
         self.observe_latency = ignore_latency
         self.node_metrics = None  # node.metrics.NodeMetrics with --metrics on
         self.http_pages = None  # fn(responder) -> bool: /metrics and the status page (node/status_page.py)
-        self.cluster = None  # cluster mode's view (node/cluster_view.py); None: single node
+        self.cluster = None  # node.cluster.service.ClusterNode with --cluster (CONTRACT §9; its status() is node/cluster_view.py's view); None: single node
         self.started = time.time()
         self._shutdown_hooks = []
         self.warm_ups = []  # (what, Deferred) to finish before the ready file is written
@@ -77,7 +77,9 @@ class NodeContext:
             return None
         addr = port.getHost()
         host = getattr(addr, "host", None)
-        if host in (None, "", "0.0.0.0", "::"):
+        if self.config.advertise:
+            host = self.config.advertise  # CONTRACT §9 --advertise
+        elif host in (None, "", "0.0.0.0", "::"):
             host = "127.0.0.1"
         return "%s:%d" % (host, addr.port) if ":" not in host else "[%s]:%d" % (host, addr.port)
 
@@ -149,6 +151,10 @@ class NodeService(service.MultiService):
         )
         if self.config.metrics:
             self._start_metrics()
+        if self.config.cluster:
+            from node.cluster.service import ClusterNode
+
+            node.cluster = ClusterNode(node)
         for name in LISTENERS:
             description = self.config.endpoint(name)
             if description is None:
@@ -233,6 +239,17 @@ class NodeService(service.MultiService):
         # p99.9 spikes). Collect once now, then move what survived out of the collector's sight.
         gc.collect()
         gc.freeze()
+        self._warm_seconds = time.monotonic() - started
+        if node.cluster is None:
+            self._ready()
+            return
+        # CONTRACT §9: the ready file appears only after registration (and registration only
+        # once the node serves at full speed)
+        d = node.cluster.start()
+        d.addCallbacks(lambda _: self._ready(), self._cluster_start_failed)
+
+    def _ready(self):
+        node = self.node
         try:
             self._write_ready_file()
         except OSError as e:  # a supervisor waiting for the file would wait forever: stop instead
@@ -243,9 +260,40 @@ class NodeService(service.MultiService):
         node._now_ready()
         self.log.info(
             "node {node_id} ready in {seconds:.2f}s since process start (warm-up {warm:.2f}s; data dir {data_dir})",
-            node_id=node.node_id, seconds=process_age(), warm=time.monotonic() - started,
+            node_id=node.node_id, seconds=process_age(), warm=getattr(self, "_warm_seconds", 0.0),
             data_dir=self.config.data_dir,
         )
+
+    def _cluster_start_failed(self, failure):
+        from node.cluster.etcd import EtcdError
+        from node.cluster.membership import StartRefused
+
+        if failure.check(StartRefused, EtcdError):
+            message = str(failure.value)
+        else:
+            self.log.failure("cluster start failed", failure)
+            message = "%s: %s" % (type(failure.value).__name__, failure.value)
+        self._exit_after_stop("cannot join the cluster: " + message)
+
+    def _exit_after_stop(self, message):
+        """A start-up failure found once the reactor runs: one line on stderr, a clean stop,
+        exit status 1 (twistd itself would exit 0 after reactor.stop())."""
+        self.log.critical("{message}", message=message)
+        stderr = sys.__stderr__
+        stderr.write("sbpnode: %s\n" % message)
+        stderr.flush()
+        self.node.cluster = None  # nothing to leave: start() undid its registration
+
+        def exit_1():
+            for f in (sys.stdout, sys.__stdout__, stderr):
+                try:
+                    f.flush()
+                except Exception:
+                    pass
+            os._exit(1)
+
+        self.node.reactor.addSystemEventTrigger("after", "shutdown", exit_1)
+        self.node.reactor.stop()
 
     def _install_signal_handlers(self):
         # CONTRACT §1: SIGTERM/SIGINT mean a clean shutdown that exits 0. twistd's own handlers
@@ -291,6 +339,9 @@ class NodeService(service.MultiService):
         finally:
             if timeout.active():
                 timeout.cancel()
+        if node.cluster is not None:
+            # leave at once (lease revoked) rather than after the TTL
+            yield node.cluster.stop()
         yield super().stopService()
         if node.store is not None:
             yield node.store.close()

@@ -11,6 +11,7 @@ import sys
 
 GROUPS = [
     ("status", "node.cli.status"),
+    ("cluster", "node.cli.cluster"),
     ("stream", "node.cli.stream"),
     ("kv", "node.cli.kv"),
     ("fs", "node.cli.fs"),

@@ -24,6 +24,11 @@ def run(args):
         raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
     finally:
         client.close()
+    # CONTRACT §9: say whether this node runs in a cluster
+    cl = info.get("cluster")
+    info["mode"] = ("cluster: %d live member(s), leader %s, etcd %s%s" % (
+        len(cl.get("live_members", [])), cl.get("leader"), cl.get("etcd"), "" if cl.get("etcd_reachable", True) else " (UNREACHABLE)")
+        if cl else "single node")
     if args.json:
         print(json.dumps(info, sort_keys=True))
     else:

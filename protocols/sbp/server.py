@@ -76,6 +76,14 @@ class SbpServerFactory(Factory):
             node.before_ready(block_check.start_loading(self.reactor), "compiled APPEND check")
         else:
             block_check.start_loading()
+        # CONTRACT §9: with --cluster, the placement driver answers from etcd and APPEND / FETCH
+        # are routed to the stream's node (protocols/sbp/cluster.py)
+        self.router = None
+        if getattr(node, "cluster", None) is not None:
+            from protocols.sbp.cluster import ClusterAdmin, ClusterRouter
+
+            self.admin_class = ClusterAdmin
+            self.router = ClusterRouter(node.cluster, self)
         if hasattr(node, "on_shutdown"):
             node.on_shutdown(self.shutdown)
 
@@ -135,6 +143,7 @@ class SbpServerProtocol(Protocol):
         self.appends = AppendHandler(self)
         self.fetches = FetchHandler(self)
         self.admin = factory.admin_class(self)
+        self.cluster_gate = None  # cluster mode: a Deferred while a frame waits on etcd (cluster.py)
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -309,8 +318,11 @@ class SbpServerProtocol(Protocol):
             return
         self.out.write(codec.encode_frame(frame.opcode, codec.RESPONSE_LAST, frame.stream_id, codec.encode_table(table_name, obj)))
 
-    def _dispatch(self, frame):
+    def _dispatch(self, frame, routed=False):
         op = frame.opcode
+        if (op == codec.APPEND or op == codec.FETCH) and self.factory.router is not None and not routed:
+            if self.factory.router.route(self, frame):
+                return
         if op == codec.APPEND:
             return self.appends.handle(frame)
         if op == codec.FETCH:
