@@ -24,6 +24,10 @@ DEFAULT_BACKLOG = 1024
 _BACKLOG_TYPES = ("tcp", "tcp6", "ssl", "unix")
 
 DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
+# Seconds without data either way before a connection is closed (node/guard.py); 0: never. Swarm
+# peers hold subscriptions that may see no data for long in a quiet cluster (they reconnect).
+DEFAULT_MAX_UNSENT_BYTES = 256 * 1024 * 1024
+DEFAULT_IDLE_TIMEOUTS = {"sbp": 300, "kv": 300, "meta": 300, "chunks": 300, "swarm": 3600, "http": 300}
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 
 
@@ -47,6 +51,9 @@ class NodeConfig:
     log_level: str = "info"
     replication_factor: int = 1
     shutdown_timeout: float = 10.0
+    max_connections: int = 0  # 0: derived from RLIMIT_NOFILE at start (node/guard.py)
+    max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES
+    idle_timeouts: dict = field(default_factory=lambda: dict(DEFAULT_IDLE_TIMEOUTS))
     # CONTRACT §9 (cluster mode); cluster None: a cluster of one, as before
     cluster: Optional[str] = None
     cluster_prefix: str = DEFAULT_CLUSTER_PREFIX
@@ -107,6 +114,23 @@ def parse_positive_int(option: str, value, upper: int = None) -> int:
     return n
 
 
+def parse_idle_timeouts(values) -> dict:
+    """``--idle-timeout S`` (every listener) or ``--idle-timeout LISTENER=S``, repeatable, later
+    ones winning; S in seconds, 0 for never."""
+    out = dict(DEFAULT_IDLE_TIMEOUTS)
+    for value in values:
+        name, _, seconds = value.rpartition("=")
+        if name and name not in LISTENERS:
+            raise usage.UsageError("--idle-timeout: %r: %r is not a listener (%s)" % (value, name, ", ".join(LISTENERS)))
+        try:
+            s = float(seconds)
+        except ValueError:
+            s = -1.0
+        if not s >= 0 or s == float("inf"):
+            raise usage.UsageError("--idle-timeout: %r: expected SECONDS or LISTENER=SECONDS (0: never)" % value)
+        for n in [name] if name else LISTENERS:
+            out[n] = s
+    return out
 def parse_cluster_urls(value: str) -> str:
     from urllib.parse import urlsplit
 
@@ -201,6 +225,9 @@ def from_options(opts) -> NodeConfig:
         log_level=level,
         replication_factor=rf,
         shutdown_timeout=float(opts["shutdown-timeout"]),
+        max_connections=0 if opts["max-connections"] in (None, "0") else parse_positive_int("max-connections", opts["max-connections"]),
+        idle_timeouts=parse_idle_timeouts(opts["idle-timeouts"]),
+        max_unsent_bytes=0 if opts["max-unsent-bytes"] == "0" else parse_positive_int("max-unsent-bytes", opts["max-unsent-bytes"]),
         metrics=parse_on_off("metrics", opts["metrics"]),
         metrics_token=opts["metrics-token"],
         metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),

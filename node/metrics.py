@@ -287,6 +287,18 @@ class NodeCollector:
             conns.add_metric([name], count)
         yield conns
 
+        guard = m.get("connections") or {}  # node/guard.py
+        for key, kind, name, text in (
+            ("refused", _counter, "sbpnode_connections_refused", "Connections closed at once past --max-connections."),
+            ("closed_idle", _counter, "sbpnode_connections_closed_idle", "Connections closed after their listener's --idle-timeout."),
+            ("closed_stalled", _counter, "sbpnode_connections_closed_stalled", "Connections not reading their replies, aborted over --max-unsent-bytes."),
+            ("unsent_bytes", _gauge, "sbpnode_unsent_reply_bytes", "Reply bytes held for clients, not yet taken by the kernel."),
+        ):
+            if key in guard:
+                metric = kind(name, text)
+                metric.add_metric([], guard[key])
+                yield metric
+
     def _connections(self):
         out = {}
         for name, port in (getattr(self.node, "ports", None) or {}).items():

@@ -37,6 +37,8 @@ class Options(usage.Options):
         ["cluster-tls-key", None, None, "PEM private key for --cluster-tls-cert."],
         ["cluster-tls-ca", None, None, "PEM CA certificate: node-to-node peers must present a certificate it signed."],
         ["shutdown-timeout", None, "10", "Seconds to let in-flight work finish on SIGTERM/SIGINT."],
+        ["max-unsent-bytes", None, str(nodeconfig.DEFAULT_MAX_UNSENT_BYTES), "Reply bytes held for all clients together past which stalled readers are cut off; 0: no cap."],
+        ["max-connections", None, "0", "Open client connections (all listeners) past which new ones are closed at once; 0: the fd limit less 256."],
         ["metrics", None, "on", "on: Prometheus metrics at GET /metrics and the status page at GET / on the --http listener; off: neither, and no latency timing."],
         ["metrics-token", None, None, "Require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on /metrics and the status page (default: open)."],
         ["metrics-streams", None, "100", "Streams given their own `stream` label in the metrics (the biggest by records); the rest are summed as stream=\"_other\"."],
@@ -45,6 +47,7 @@ class Options(usage.Options):
     def __init__(self):
         super().__init__()
         self["peers"] = []
+        self["idle-timeouts"] = []
 
     def opt_peer(self, endpoint):
         """Another node's swarm listener (client endpoint string, e.g.
@@ -56,6 +59,11 @@ class Options(usage.Options):
         except Exception as e:
             raise usage.UsageError("--peer: %r is not a client endpoint string (%s)" % (endpoint, e))
         self["peers"].append(endpoint)
+
+    def opt_idle_timeout(self, value):
+        """Close a connection after SECONDS without data either way: `--idle-timeout S` for every
+        listener or `--idle-timeout LISTENER=S`, repeatable; 0: never. Default 300, swarm 3600."""
+        self["idle-timeouts"].append(value)
 
     def postOptions(self):
         self.config = nodeconfig.from_options(self)

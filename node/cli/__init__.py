@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sbpctl",
         description="Talk to an sbpnode: streams (SBP), key-value, files (Toasty), peers, S2.",
     )
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="PEM",
+        help="the node's listeners speak TLS (ssl: endpoints): verify them against this CA file",
+    )
     sub = parser.add_subparsers(dest="group", metavar="COMMAND")
     for name, module_name in GROUPS:
         try:

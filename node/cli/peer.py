@@ -54,7 +54,7 @@ def _from_endpoint(args) -> dict:
         raise CliError("this build cannot query a node over SBP; use --data-dir")
     if not hasattr(BlockingSbpClient, "status"):
         raise CliError("this build cannot query a node over SBP; use --data-dir")
-    client = BlockingSbpClient(host, port, timeout=args.timeout)
+    client = BlockingSbpClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
     try:
         info = client.status()
     finally:

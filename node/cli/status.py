@@ -17,7 +17,7 @@ def register(sub):
 def run(args):
     host, port = split_endpoint(args.endpoint, 7700)
     # The client connects lazily: an unreachable node surfaces at the first request.
-    client = BlockingSbpClient(host, port, timeout=args.timeout)
+    client = BlockingSbpClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
     try:
         info = client.status()
     except OSError as e:  # SbpConnectionError is a ConnectionError

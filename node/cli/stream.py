@@ -70,7 +70,7 @@ def _guarded(fn):
 
         host, port = split_endpoint(args.endpoint, 7700)
         # follow_cluster: in a cluster, data calls go to the stream's node (CONTRACT §9)
-        client = BlockingSbpClient(host, port, timeout=args.timeout, follow_cluster=True)
+        client = BlockingSbpClient(host, port, timeout=args.timeout, follow_cluster=True, tls_ca=getattr(args, "tls_ca", None))
         try:
             return fn(client, args)
         except SbpConnectionError as e:

@@ -84,6 +84,7 @@ END = _Position("END")
 # Elements of one scan reply stay under this many bytes so a reply is never larger than the
 # largest request (32 MiB); the first element always fits (a key <= 64 KiB, a value <= 16 MiB).
 SCAN_REPLY_BUDGET = MAX_MESSAGE - 70 * 1024
+SEND_BIG_REPLY_AT = 256 * 1024
 # The first store fetch of a value scan is small so a page of huge values is not materialised
 # 1025 at a time; the following fetch is sized from the bytes seen.
 FIRST_VALUE_FETCH = 16
@@ -418,7 +419,8 @@ class KvServerProtocol(Protocol):
         nbytes = 0
         while blocked:
             req = blocked[0]
-            if req.__class__ is bytes or not req.key:
+            # only writes join the run (a scan or cursor request behind them has no key)
+            if req.__class__ is bytes or req.cmd not in (SET, REMOVE) or not req.key:
                 break
             if req.cmd == SET:
                 if len(req.value) > MAX_VALUE:
@@ -508,7 +510,13 @@ class KvServerProtocol(Protocol):
         elif cmd == SET or cmd == REMOVE:
             self._write(req)
         elif cmd in codec.SCAN_COMMANDS:
-            self._push(self._scan(req))
+            reply = self._scan(req)
+            self._push(reply)
+            if len(reply) >= SEND_BIG_REPLY_AT and not self._slots:
+                # A page of values (up to 32 MiB) goes out now rather than with the read's other
+                # replies: a client not reading it pauses this connection (we are the transport's
+                # producer) before its next request runs, so it holds one such page, not eight.
+                self._send_out()
         elif cmd == CREATE_CURSOR:
             self._push(self._create_cursor(req))
         elif cmd == DELETE_CURSOR:
@@ -615,11 +623,14 @@ class KvServerProtocol(Protocol):
             ):
                 self.gate.release(BUDGET)
 
-    def _flush(self):
+    def _send_out(self):
         out = self._out
         if out and not self._lost:
             send_now(self.transport, out[0] if len(out) == 1 else b"".join(out))
         out.clear()
+
+    def _flush(self):
+        self._send_out()
         if self._closing and not self._slots and not self._blocked and not self._lost:
             self.transport.unregisterProducer()
             self.transport.loseConnection()

@@ -10,6 +10,7 @@ import select
 import socket
 import time
 
+from protocols import client_socket
 from protocols.sbp import codec
 from protocols.sbp.codec import T
 
@@ -342,10 +343,11 @@ class BlockingSbpClient:
     """A small synchronous SBP client over one socket; one request at a time (except
     ``append_pipelined``). Pickles as its configuration only; connects on first use."""
 
-    def __init__(self, host, port, timeout=30.0, follow_cluster=False):
+    def __init__(self, host, port, timeout=30.0, follow_cluster=False, tls_ca=None):
         self.host = host
         self.port = int(port)
         self.timeout = timeout
+        self.tls_ca = tls_ca  # PEM CA file: the listener is TLS (protocols.client_socket)
         # follow_cluster=True: a data call on one stream answered PD_NOT_LEADER naming another node of
         # the cluster goes there (CONTRACT §9), at most MAX_HOPS times; the stream's node is
         # remembered for the next calls
@@ -359,10 +361,11 @@ class BlockingSbpClient:
         self._ids = itertools.count(1)
 
     def __getstate__(self):
-        return {"host": self.host, "port": self.port, "timeout": self.timeout, "follow_cluster": self.follow_cluster}
+        return {"host": self.host, "port": self.port, "timeout": self.timeout, "follow_cluster": self.follow_cluster,
+                "tls_ca": self.tls_ca}
 
     def __setstate__(self, state):
-        self.__init__(state["host"], state["port"], state["timeout"], state.get("follow_cluster", False))
+        self.__init__(state["host"], state["port"], state["timeout"], state.get("follow_cluster", False), state.get("tls_ca"))
 
     def __enter__(self):
         return self
@@ -373,10 +376,9 @@ class BlockingSbpClient:
     def connect(self):
         if self._sock is None:
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+                sock = client_socket.connect(self.host, self.port, self.timeout, self.tls_ca)
             except OSError as e:
                 raise SbpConnectionError("cannot connect to %s:%d: %s" % (self.host, self.port, e.strerror or e)) from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
             self._frames = codec.FrameBuffer()
             self._goaway = False
@@ -462,7 +464,10 @@ class BlockingSbpClient:
             readable, _, _ = select.select([self._sock], [], [], 0)
             if not readable:
                 return
-            data = self._sock.recv(65536, socket.MSG_DONTWAIT)
+            if client_socket.is_tls(self._sock):
+                data = self._sock.recv(65536)  # select said readable (a TLS record may be whole)
+            else:
+                data = self._sock.recv(65536, socket.MSG_DONTWAIT)
         except (OSError, ValueError):
             self.close()
             return
@@ -514,7 +519,7 @@ class BlockingSbpClient:
         peer = self._peers.get(address)
         if peer is None:
             host, port = _split_address(address)
-            peer = self._peers[address] = BlockingSbpClient(host, port, self.timeout)
+            peer = self._peers[address] = BlockingSbpClient(host, port, self.timeout, tls_ca=self.tls_ca)
         return peer
 
     def _is_member(self, address, via):

@@ -72,7 +72,10 @@ class SbpServerFactory(Factory):
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
         self.observe_latency = getattr(node, "observe_latency", _ignore_latency)  # node/metrics.py
-        block_check.start_loading()
+        if hasattr(node, "before_ready"):  # the node writes its ready file once it has loaded
+            node.before_ready(block_check.start_loading(self.reactor), "compiled APPEND check")
+        else:
+            block_check.start_loading()
         # CONTRACT §9: with --cluster, the placement driver answers from etcd and APPEND / FETCH
         # are routed to the stream's node (protocols/sbp/cluster.py)
         self.router = None
