@@ -86,5 +86,21 @@ def split_endpoint(value: str, default_port: int):
         raise CliError("bad endpoint %r: expected HOST:PORT" % value)
 
 
+def node_status(args) -> dict:
+    """The status dict of the node at ``args.endpoint`` (DESCRIBE_PD_CLUSTER's detail), or a
+    one-line CliError when it cannot be reached. The client connects lazily, so an unreachable
+    node surfaces at this first request."""
+    from protocols.sbp.client import BlockingSbpClient
+
+    host, port = split_endpoint(args.endpoint, 7700)
+    client = BlockingSbpClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
+    try:
+        return client.status()
+    except OSError as e:  # SbpConnectionError is a ConnectionError
+        raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
+    finally:
+        client.close()
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,8 +3,7 @@ leader, ranges per node."""
 
 import json
 
-from node.cli import CliError, split_endpoint
-from protocols.sbp.client import BlockingSbpClient
+from node.cli import node_status
 
 
 def register(sub):
@@ -16,14 +15,7 @@ def register(sub):
 
 
 def run(args):
-    host, port = split_endpoint(args.endpoint, 7700)
-    client = BlockingSbpClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
-    try:
-        info = client.status()
-    except OSError as e:  # SbpConnectionError is a ConnectionError
-        raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
-    finally:
-        client.close()
+    info = node_status(args)
     cluster = info.get("cluster")
     if cluster is None:
         # a node without --cluster is a cluster of one (CONTRACT §9)
