@@ -575,3 +575,27 @@ def test_metrics_and_status_json_over_h2c(node):
     assert "sbpnode_requests" in families and "sbpnode_request_duration_seconds" in families
     assert json.loads(r["/ui/status.json"]["data"])["node"]["node_id"] == node.node_id
     assert b'id="chart-throughput"' in r["/"]["data"]
+
+
+def test_response_labels_stay_bounded():
+    from protocols.partition import codec as kv_codec
+    from protocols.partition import server as kv_server
+    from protocols.s2.api import route_group
+    from protocols.sbp import codec as sbp_codec
+    from protocols.sbp import server as sbp_server
+    from protocols.toasty import codec as toasty_codec
+    from protocols.toasty import server as toasty_server
+
+    assert sbp_server.response_labels(sbp_codec.FETCH << 16 | sbp_codec.NO_NEW_RECORD) == ("fetch", "NO_NEW_RECORD", True)
+    assert sbp_server.response_labels(0 << 16 | sbp_codec.INVALID_REQUEST) == ("unknown", "INVALID_REQUEST", False)
+    assert kv_server.response_labels(kv_codec.GET << 8 | kv_codec.DATA_NOT_FOUND) == ("get", "DATA_NOT_FOUND", True)
+    assert kv_server.response_labels(0 << 8 | kv_server.ERR_STATUS + kv_codec.E_MSG_TOO_SHORT) == ("unknown", "ERR_MSG_TOO_SHORT", False)
+    assert toasty_server.response_labels(toasty_codec.WRITE_ERROR << 8 | toasty_server._error_status(
+        "Generation counter mismatch or invalid value: 3")) == ("write", "BAD_GENERATION", False)
+    assert toasty_server.response_labels(toasty_codec.LIST_ERROR << 8 | toasty_server._error_status("?")) == ("list", "other", False)
+    # S2: a fixed route group whatever the path
+    assert route_group(["v1", "streams", "a%2Fb", "records"]) == "records"
+    assert route_group(["v1", "streams", "x"]) == "streams"
+    assert route_group(["v1", "no-such-kind", "x"]) == "other"
+    assert route_group(["wp-admin", "x.php"]) == "other"
+    assert route_group([]) == route_group(["metrics"]) == route_group(["ui", "app.js"]) == "node_pages"

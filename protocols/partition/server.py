@@ -358,16 +358,13 @@ class KvServerProtocol(Protocol):
             self._count(GET, ERR_STATUS + E_UNKNOWN, len(cids))
             out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
             return pos
-        responses = self.responses
-        missing = values.count(None)
-        responses[_GET_OK] = responses.get(_GET_OK, 0) + len(keys) - missing
-        if missing:
-            responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
         heads = _GET_REPLY_HEADS
         append = out.append
+        missing = 0
         for cid, key, value in zip(cids, keys, values):
             if value is None:
                 append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+                missing += 1
                 continue
             klen = len(key)
             vlen = len(value)
@@ -377,6 +374,10 @@ class KvServerProtocol(Protocol):
             # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
             append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
             append(value)
+        responses = self.responses
+        responses[_GET_OK] = responses.get(_GET_OK, 0) + len(keys) - missing
+        if missing:
+            responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
         self.observe_latency("kv.get", time.perf_counter() - t0)
         return pos
 

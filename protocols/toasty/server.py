@@ -63,9 +63,15 @@ _ERROR_REPLIES = frozenset((codec.CREATE_ERROR, codec.DELETE_ERROR, codec.LIST_E
                             codec.DOWNLOAD_CHUNK_ERROR))
 
 
+_ERROR_TEXTS = tuple((code.value, 1 + i) for i, code in enumerate(ERROR_CODES))
+
+
 def _error_status(message):
-    code = ErrorCode.of(message or "")
-    return ERROR_STATUS_OTHER if code is None else 1 + ERROR_CODES.index(code)
+    """ErrorCode.of's match without its walk over the enum (10x slower)."""
+    for text, status in _ERROR_TEXTS:
+        if message.startswith(text):
+            return status
+    return ERROR_STATUS_OTHER
 
 
 _REPLY_OPERATIONS = {
