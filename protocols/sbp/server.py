@@ -282,7 +282,7 @@ class SbpServerProtocol(Protocol):
                     self.warn("frame discarded: {error}", e)
                 else:
                     self.warn("bad frame: {error}", e)
-                    self.count_reply(e.opcode if e.opcode in codec.OPCODES else 0, e.status)
+                    self.count_reply(e.opcode, e.status)
                     self.out.write(codec.system_error_frame(e.opcode, e.stream_id, e.status, str(e)))
                 continue
             if frame is None:
@@ -309,9 +309,10 @@ class SbpServerProtocol(Protocol):
 
     def count_reply(self, opcode, code):
         """One reply (or one APPEND/FETCH entry's result) with this status, for
-        sbpnode_responses_total; ``opcode`` 0: one the server does not know."""
+        sbpnode_responses_total; an opcode the server does not know counts as 0 (the labels stay
+        bounded whatever a peer sends)."""
         responses = self.factory.responses
-        key = opcode << 16 | code
+        key = (opcode if opcode in codec.OPCODES else 0) << 16 | code
         responses[key] = responses.get(key, 0) + 1
 
     def _reply(self, frame, table_name, obj):
