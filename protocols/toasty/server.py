@@ -280,7 +280,7 @@ class _ToastyServerProtocol(Protocol):
         if self._closed:
             return False
         kind = reply.TYPE
-        key = kind << 8 | _error_status(reply.message) if kind in _ERROR_REPLIES else kind << 8
+        key = (kind << 8 | _error_status(reply.message)) if kind in _ERROR_REPLIES else kind << 8
         responses = self.stats["responses"]
         responses[key] = responses.get(key, 0) + 1
         slot.data = codec.encode_parts(reply)
