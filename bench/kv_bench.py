@@ -9,9 +9,14 @@ pipelined load generator on one connection (``--depth`` requests in flight):
   SET   every key once (100-byte values)       ops/s and latency percentiles
   GET   every key once                          ops/s and latency percentiles
   SCAN  a full scan: GET_FF pages of 1024 vs Redis SCAN COUNT 1024 + MGET; keys/s
+  MEM   the server's resident size (VmRSS, and its anonymous and file-backed parts) with every key
+        loaded (measured after GET)
+  SETGET  ``SET k; GET k`` pairs pipelined on one connection (``--pairs`` new keys; issue 19's
+        stall): pairs/s and latency percentiles per pair
 
 and prints both sides and the ratios (sbpnode / Redis). ``--durable`` runs the node with
-``--fsync always`` and Redis with ``appendonly yes, appendfsync always``. ``--metrics off`` starts
+``--fsync always`` and Redis with ``appendonly yes, appendfsync always``; ``--redis-fsync
+everysec`` with ``--fsync interval:1000`` is the "interval vs everysec" comparison. ``--metrics off`` starts
 the node without its metrics (with ``--only kv``: the A/B of their cost).
 
 Keys are 8 bytes, a bijective scramble of the index, so they spread over all 8 partitions.
@@ -318,11 +323,11 @@ def redis_full_scan(port, page):
     return n, elapsed, pages
 
 
-def start_redis(workdir, durable):
+def start_redis(workdir, appendfsync):
     port = free_port()
     args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "", "--daemonize", "no", "--protected-mode", "no"]
-    if durable:
-        args += ["--appendonly", "yes", "--appendfsync", "always"]
+    if appendfsync != "none":
+        args += ["--appendonly", "yes", "--appendfsync", appendfsync]
     else:
         args += ["--appendonly", "no"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -342,6 +347,25 @@ def start_redis(workdir, durable):
         time.sleep(0.05)
 
 
+def rss(pid):
+    """(VmRSS, RssAnon, RssFile) of ``pid`` in MiB."""
+    fields = {}
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile"):
+                fields[name] = int(rest.split()[0]) / 1024.0
+    return fields.get("VmRSS", 0.0), fields.get("RssAnon", 0.0), fields.get("RssFile", 0.0)
+
+
+def fmt_rss(m):
+    return "RSS %.0f MiB (anonymous %.0f, file-backed %.0f)" % m
+
+
+def pair_keys(n):
+    return [b"p" + k for k in make_keys(n)]
+
+
 def fmt_lat(samples):
     return "p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms" % tuple(percentile(samples, q) * 1000 for q in (0.5, 0.99, 0.999))
 
@@ -354,15 +378,27 @@ def main(argv=None):
     ap.add_argument("--page", type=int, default=1024)
     ap.add_argument("--durable", action="store_true", help="node --fsync always vs redis appendfsync always")
     ap.add_argument("--fsync", default=None, help="node fsync policy (default: never, or always with --durable)")
+    ap.add_argument("--redis-fsync", choices=["none", "everysec", "always"], default=None,
+                    help="redis persistence (default: always with --durable, else none)")
+    ap.add_argument("--pairs", type=int, default=100_000, help="SET k; GET k pairs of the SETGET phase (0: skip)")
     ap.add_argument("--only", choices=["kv", "redis"], default=None, help="run one side only")
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="the node's --metrics (A/B of their cost, docs/benchmarks.md)")
     args = ap.parse_args(argv)
     fsync = args.fsync or ("always" if args.durable else "never")
+    redis_fsync = args.redis_fsync or ("always" if args.durable else "none")
 
     value = os.urandom(args.value_size)
     keys = make_keys(args.keys)
     print("kv_bench: %d keys, %d-byte values, depth %d, page %d, node fsync=%s, redis %s"
-          % (args.keys, args.value_size, args.depth, args.page, fsync, "appendfsync always" if args.durable else "no persistence"))
+          % (args.keys, args.value_size, args.depth, args.page, fsync,
+             "appendfsync " + redis_fsync if redis_fsync != "none" else "no persistence"))
+    try:
+        print("load average at start: %.2f %.2f %.2f" % os.getloadavg())
+    except OSError:
+        pass
+    pkeys = pair_keys(args.pairs)
+    set_reply = codec.HEADER_LEN
+    get_reply = codec.HEADER_LEN + 6 + 9 + args.value_size  # pair keys are 9 bytes
     results = {}
     tmp = tempfile.mkdtemp(prefix="kv-bench-")
     node = redis = None
@@ -390,6 +426,8 @@ def main(argv=None):
             sock.close()
             results[("kv", "get")] = (args.keys / el, cpu)
             print("sbpnode GET  %10.0f ops/s  %s  %s" % (args.keys / el, fmt_lat(lat), fmt_cpu(cpu)))
+            results[("kv", "mem")] = rss(pid)
+            print("sbpnode MEM  %d keys of %d B: %s" % (args.keys, args.value_size, fmt_rss(results[("kv", "mem")])))
             cpu = CpuMeter(pid)
             n, el, pages, jumps = kv_full_scan(port, args.page)
             cpu = cpu.us_per(n)
@@ -397,10 +435,22 @@ def main(argv=None):
             results[("kv", "scan")] = (n / el, cpu)
             print("sbpnode SCAN %10.0f keys/s (%d keys, %d GET_FF pages, %d with the jump bit, %.2f s)  %s"
                   % (n / el, n, pages, jumps, el, fmt_cpu(cpu).replace("/op", "/key")))
+            if args.pairs:
+                enc_set, enc_get = codec.encode_set, codec.encode_get
+                pairs = [enc_set(2 * i, k, value) + enc_get(2 * i + 1, k) for i, k in enumerate(pkeys)]
+                sock = connect(port)
+                cpu = CpuMeter(pid)
+                el, lat, tail = pipelined(sock, pairs, set_reply + get_reply, max(1, args.depth // 2), chunk=8)
+                cpu = cpu.us_per(args.pairs)
+                assert tail.endswith(codec.encode_get_reply(2 * args.pairs - 1, pkeys[-1], value)), tail
+                del pairs
+                sock.close()
+                results[("kv", "setget")] = (args.pairs / el, cpu)
+                print("sbpnode SETGET %8.0f pairs/s  %s  %s" % (args.pairs / el, fmt_lat(lat), fmt_cpu(cpu).replace("/op", "/pair")))
             node.terminate()
             node = None
         if args.only != "kv":
-            redis, rport = start_redis(tmp, args.durable)
+            redis, rport = start_redis(tmp, redis_fsync)
             pid = redis.pid
             sets = [resp(b"SET", k, value) for k in keys]
             sock = connect(rport)
@@ -420,6 +470,8 @@ def main(argv=None):
             sock.close()
             results[("redis", "get")] = (args.keys / el, cpu)
             print("redis   GET  %10.0f ops/s  %s  %s" % (args.keys / el, fmt_lat(lat), fmt_cpu(cpu)))
+            results[("redis", "mem")] = rss(pid)
+            print("redis   MEM  %d keys of %d B: %s" % (args.keys, args.value_size, fmt_rss(results[("redis", "mem")])))
             cpu = CpuMeter(pid)
             n, el, pages = redis_full_scan(rport, args.page)
             cpu = cpu.us_per(n)
@@ -427,6 +479,18 @@ def main(argv=None):
             results[("redis", "scan")] = (n / el, cpu)
             print("redis   SCAN %10.0f keys/s (%d keys, %d SCAN+MGET pages, %.2f s)  %s"
                   % (n / el, n, pages, el, fmt_cpu(cpu).replace("/op", "/key")))
+            if args.pairs:
+                pairs = [resp(b"SET", k, value) + resp(b"GET", k) for k in pkeys]
+                sock = connect(rport)
+                cpu = CpuMeter(pid)
+                rlen = 5 + len(b"$%d\r\n" % args.value_size) + args.value_size + 2
+                el, lat, tail = pipelined(sock, pairs, rlen, max(1, args.depth // 2), chunk=8)
+                cpu = cpu.us_per(args.pairs)
+                assert tail.endswith(value + b"\r\n")
+                del pairs
+                sock.close()
+                results[("redis", "setget")] = (args.pairs / el, cpu)
+                print("redis   SETGET %8.0f pairs/s  %s  %s" % (args.pairs / el, fmt_lat(lat), fmt_cpu(cpu).replace("/op", "/pair")))
     finally:
         if node is not None:
             node.kill9()
@@ -443,6 +507,12 @@ def main(argv=None):
             ratio["scan"], "met" if ratio["scan"] >= 1 else "missed"))
         print("server CPU per op, sbpnode/redis:  SET %.2fx  GET %.2fx  SCAN %.2fx" % tuple(
             results[("kv", op)][1][0] / max(1e-9, results[("redis", op)][1][0]) for op in ("set", "get", "scan")))
+        if args.pairs:
+            r = results[("kv", "setget")][0] / results[("redis", "setget")][0]
+            print("SET-then-GET pipeline sbpnode/redis: %.2fx (target >= 0.5: %s)" % (r, "met" if r >= 0.5 else "missed"))
+        print("resident size with %d keys, sbpnode/redis: %.2fx (%.0f MiB vs %.0f MiB)" % (
+            args.keys, results[("kv", "mem")][0] / max(1e-9, results[("redis", "mem")][0]),
+            results[("kv", "mem")][0], results[("redis", "mem")][0]))
     return 0
 
 

@@ -6,11 +6,12 @@ from typing import List, Optional
 
 from twisted.python import usage
 
-LISTENERS = ("sbp", "kv", "meta", "chunks", "swarm", "http")
+LISTENERS = ("sbp", "kv", "kv_client", "meta", "chunks", "swarm", "http")
 
 DEFAULT_ENDPOINTS = {
     "sbp": "tcp:7700:interface=127.0.0.1",
     "kv": "tcp:7701:interface=127.0.0.1",
+    "kv_client": "tcp:7705:interface=127.0.0.1",  # CONTRACT §4.1
     "meta": "tcp:7702:interface=127.0.0.1",
     "chunks": "tcp:7703:interface=127.0.0.1",
     "swarm": "tcp:7704:interface=127.0.0.1",
@@ -27,7 +28,7 @@ DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
 # Seconds without data either way before a connection is closed (node/guard.py); 0: never. Swarm
 # peers hold subscriptions that may see no data for long in a quiet cluster (they reconnect).
 DEFAULT_MAX_UNSENT_BYTES = 256 * 1024 * 1024
-DEFAULT_IDLE_TIMEOUTS = {"sbp": 300, "kv": 300, "meta": 300, "chunks": 300, "swarm": 3600, "http": 300}
+DEFAULT_IDLE_TIMEOUTS = {"sbp": 300, "kv": 300, "kv_client": 300, "meta": 300, "chunks": 300, "swarm": 3600, "http": 300}
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 
 
@@ -37,6 +38,7 @@ class NodeConfig:
     node_id: Optional[int] = None  # None: random on first start, then persisted
     sbp: Optional[str] = DEFAULT_ENDPOINTS["sbp"]
     kv: Optional[str] = DEFAULT_ENDPOINTS["kv"]
+    kv_client: Optional[str] = DEFAULT_ENDPOINTS["kv_client"]
     meta: Optional[str] = DEFAULT_ENDPOINTS["meta"]
     chunks: Optional[str] = DEFAULT_ENDPOINTS["chunks"]
     swarm: Optional[str] = DEFAULT_ENDPOINTS["swarm"]
@@ -67,6 +69,11 @@ class NodeConfig:
 
     def endpoint(self, name: str) -> Optional[str]:
         return with_backlog(getattr(self, name))
+
+
+def option_name(listener: str) -> str:
+    """The command-line option of a listener (``kv_client`` -> ``kv-client``)."""
+    return listener.replace("_", "-")
 
 
 def with_backlog(description: Optional[str]) -> Optional[str]:
@@ -231,5 +238,5 @@ def from_options(opts) -> NodeConfig:
         metrics=parse_on_off("metrics", opts["metrics"]),
         metrics_token=opts["metrics-token"],
         metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),
-        **{name: parse_endpoint(name, opts[name]) for name in LISTENERS},
+        **{name: parse_endpoint(option_name(name), opts[option_name(name)]) for name in LISTENERS},
     )

@@ -12,6 +12,7 @@ from twisted.internet.protocol import Factory
 FACTORY_BUILDERS = {
     "sbp": "protocols.sbp.server:build_factory",
     "kv": "protocols.partition.server:build_factory",
+    "kv_client": "protocols.partition.client_server:build_factory",
     "meta": "protocols.toasty.server:build_meta_factory",
     "chunks": "protocols.toasty.server:build_chunk_factory",
     "swarm": "protocols.swarm.server:build_factory",

@@ -18,6 +18,7 @@ class Options(usage.Options):
         ["node-id", None, None, "This node's numeric id (positive int32). Default: random on first start, then persisted."],
         ["sbp", None, nodeconfig.DEFAULT_ENDPOINTS["sbp"], "SBP listener (range server + placement driver)."],
         ["kv", None, nodeconfig.DEFAULT_ENDPOINTS["kv"], "Primary_Partition key-value listener."],
+        ["kv-client", None, nodeconfig.DEFAULT_ENDPOINTS["kv_client"], "The same key-value store in yesSQL's client framing (its cli.py, cli.go, HTTP bridge)."],
         ["meta", None, nodeconfig.DEFAULT_ENDPOINTS["meta"], "Toasty metadata-server listener."],
         ["chunks", None, nodeconfig.DEFAULT_ENDPOINTS["chunks"], "Toasty chunk-server listener."],
         ["swarm", None, nodeconfig.DEFAULT_ENDPOINTS["swarm"], "swarm stream! peer-sync listener."],

@@ -8,7 +8,10 @@ to ``CommitCore.submit`` on the reactor thread:
   ``fn`` writes nothing); every raw write it makes is recorded for the WAL.
 - ``Direct``: ``fn(txn)`` run on the group's transaction itself (no nesting, no RawTxn), returning
   ``(result, raw ops for the WAL or None)``; it must not raise for a caller's error. kv's batched
-  writes use it.
+  writes use it with ``memtable=True``: their ops go to the WAL only (LMDB gets them when the kv
+  memtable is merged, storage/kv.py), so the checkpoint stays at or before the first such WAL
+  entry not yet merged (``kv_floor``, which the merge moves), and a group that changed nothing
+  in LMDB does not commit it.
 - ``Sync``: make everything written so far durable, whatever the policy.
 
 The path of a write:
@@ -133,11 +136,12 @@ class Direct(Operation):
     """Run ``fn(txn) -> (result, raw ops or None)`` on the group's LMDB transaction itself. ``fn``
     must not raise for a caller's error: a raise fails the whole group, as an I/O error does."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "memtable")
 
-    def __init__(self, fn, nbytes=64):
+    def __init__(self, fn, nbytes=64, memtable=False):
         super().__init__(nbytes)
         self.fn = fn
+        self.memtable = memtable  # its ops are in the WAL only until the kv memtable is merged
 
 
 class Sync(Operation):
@@ -219,6 +223,11 @@ class CommitCore:
         self.on_batch_durable = None  # (stream_id, base_offset, record_count), in log order
         self.on_close = []  # callables run once the writer stopped, before the files close
         self._checkpoint = checkpoint  # writer thread
+        # Writer thread: the WAL position of the oldest entry holding kv memtable writes not yet
+        # merged into LMDB (None: none); the checkpoint never passes it. Set by the first such
+        # group, moved by the merge (storage/kv.py).
+        self.kv_floor = None
+        self.delivered_wal_end = checkpoint  # reactor thread: the WAL end after the last delivered group
         self._env_dirty = False  # writer thread: an LMDB commit not yet synced
         self._reactor_thread = threading.get_ident()  # built on the reactor's thread
         self._queue = collections.deque()  # appended by the reactor, taken by the writer
@@ -319,7 +328,7 @@ class CommitCore:
                 self._queue.clear()
             for op in rest:
                 op.ok, op.value = False, failure
-            self.reactor.callFromThread(self._deliver, rest)
+            self.reactor.callFromThread(self._deliver, rest, None)
 
     def _writer_loop(self):
         policy = self.policy
@@ -360,7 +369,7 @@ class CommitCore:
                 for op in work:
                     op.ok, op.value = False, failure
             if group:
-                self.reactor.callFromThread(self._deliver, group)
+                self.reactor.callFromThread(self._deliver, group, self.wal.end)
 
     def unsynced(self) -> bool:
         """Written but not yet synced (the interval policy syncs it when due)."""
@@ -372,10 +381,18 @@ class CommitCore:
         self.env.sync(True)
         self._env_dirty = False
 
+    @property
+    def replay_from(self) -> int:
+        """Writer thread: the WAL position recovery would replay from now (the checkpoint); no
+        WAL segment at or past it may be deleted."""
+        return self._checkpoint
+
     def _commit_group(self, work, durable):
         wal = self.wal
         dbs = self.dbs
         txn = self.env.begin(write=True)
+        group_start = wal.end
+        lmdb_changed = False  # a group of memtable writes alone leaves LMDB as it is
         try:
             raw_txns = []
             live = index.LiveBytes(wal)
@@ -385,9 +402,15 @@ class CommitCore:
                 if kind is Direct:
                     op.value, ops = op.fn(txn)
                     op.ok = True
+                    if op.memtable:
+                        if ops and self.kv_floor is None:
+                            self.kv_floor = group_start
+                    else:
+                        lmdb_changed = True
                     if ops:
                         merged.extend(ops)
                     continue
+                lmdb_changed = True
                 if merged:
                     wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
                     merged = []
@@ -434,12 +457,17 @@ class CommitCore:
             if durable:
                 wal.sync()
             live.flush(txn, dbs)
-            if wal.end != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
-                txn.put(index.CHECKPOINT, U64.pack(wal.end), db=dbs[index.SYS])
-            txn.commit()
-            self._checkpoint = wal.end
-            if not durable:
-                self._env_dirty = True
+            checkpoint = wal.end if self.kv_floor is None else min(wal.end, self.kv_floor)
+            if checkpoint != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
+                txn.put(index.CHECKPOINT, U64.pack(checkpoint), db=dbs[index.SYS])
+                lmdb_changed = True
+            if lmdb_changed:
+                txn.commit()
+                if not durable:
+                    self._env_dirty = True
+            else:
+                txn.abort()  # nothing to commit: the group lives in the WAL (replayed past the checkpoint)
+            self._checkpoint = checkpoint
         except BaseException:
             txn.abort()
             wal.discard()
@@ -453,7 +481,9 @@ class CommitCore:
 
     # -- completion (reactor thread) --------------------------------------------------------------
 
-    def _deliver(self, group):
+    def _deliver(self, group, wal_end):
+        if wal_end is not None:
+            self.delivered_wal_end = wal_end
         self._drop_snapshot()
         batch_durable = self.on_batch_durable
         for op in group:

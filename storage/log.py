@@ -628,7 +628,10 @@ class RecordLog:
         live = {}
         for key, value in raw.cursor(index.SEGLIVE):
             live[U64.unpack(key)[0]] = U64.unpack(value)[0]
-        old = [b for b in wal.bases if b != wal.active]
+        # never a segment recovery would still replay (past the checkpoint: the kv memtable's
+        # unmerged writes live only there, storage/kv.py)
+        replay_from = core.replay_from
+        old = [b for b in wal.bases if b != wal.active and b + wal.segment_size(b) <= replay_from]
         victims = [b for b in old if live.get(b, 0) <= 0]
         relocated = 0
         candidates = [b for b in old if 0 < live.get(b, 0) <= wal.segment_bytes * CLEAN_BELOW

@@ -111,14 +111,18 @@ class Store:
 
     @property
     def congested(self) -> bool:
-        """True while more than QUEUE_HIGH bytes wait for the writer (protocols should pause)."""
-        return self.core.congested
+        """True while more than QUEUE_HIGH bytes wait for the writer, or the kv memtable is well
+        past its flush size (protocols should pause)."""
+        return self.core.congested or self.kv.congested
 
     def queued_bytes(self) -> int:
         return self.core.queued_bytes()
 
     def when_drained(self) -> defer.Deferred:
-        """Fires once the write queue is back below half of QUEUE_HIGH."""
+        """Fires once the write queue is back below half of QUEUE_HIGH (and the kv memtable's
+        running merge, if it was congested, landed)."""
+        if self.kv.congested:
+            return self.kv.flush().addCallback(lambda _: self.core.when_drained())
         return self.core.when_drained()
 
     def sync(self) -> defer.Deferred:
@@ -151,7 +155,8 @@ class Store:
             "chunks": entries["chunks"],
             "chunk_packs": len(self.packs.fds),
             "chunk_last_seq": self.chunks.last_seq(),
-            "kv_keys": entries["kv"],
+            "kv_keys": entries["kv"] + self.kv.memtable_keys(),  # memtable: puts, counted once merged
+            "kv_memtable_bytes": self.kv.memtable_bytes(),
             "meta_keys": entries["meta"],
             "queued_bytes": self.core.queued_bytes(),
             "failed": self.core.failed,
@@ -167,4 +172,7 @@ class Store:
         for loop in self._timers:
             if loop.running:
                 loop.stop()
-        return self.core.close()
+        # a clean close leaves LMDB complete: the kv memtable merged (a running merge, then the rest)
+        d = self.kv.flush().addCallback(lambda _: self.kv.flush())
+        d.addErrback(lambda f: self.logger.failure("kv memtable merge at close failed", f))
+        return d.addCallback(lambda _: self.core.close())

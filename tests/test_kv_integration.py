@@ -222,3 +222,27 @@ def test_pipelined_reads_see_the_connections_own_writes(node_factory):
             assert results[:4] == [None, b"one", None, b"two"]
             assert isinstance(results[4], KvError) and results[4].code == c.E_CURSOR_NOT_FOUND
             assert results[5:] == [True, None, False]
+
+
+def test_pipelined_set_get_pairs_commit_in_groups_under_fsync_always(node_factory):
+    """Issue 19's stall: ``SET k, GET k`` pairs pipelined on one connection under --fsync always
+    must share group commits (each GET reads the connection's pending write, its reply waits
+    behind the SET's). Counted from the store's group-commit counter, not timed: on the old code
+    every GET waited for the SET before it, so every SET was a group commit of its own."""
+    from tests.test_metrics import scrape, value
+
+    node = node_factory(fsync="always", sbp="none", meta="none", chunks="none", swarm="none")
+    pairs = 2000
+    with BlockingKvClient(*node.address("kv")) as kv:
+        kv.set(b"warm", b"up")
+        before = value(scrape(node), "sbpnode_store_group_commits_total")
+        requests = []
+        for i in range(pairs):
+            key = b"k%05d" % i
+            requests.append((c.SET, lambda cid, k=key: c.encode_set(cid, k, b"v" * 40 + k)))
+            requests.append((c.GET, lambda cid, k=key: c.encode_get(cid, k)))
+        results = kv.pipeline(requests)
+        assert results[0::2] == [None] * pairs
+        assert results[1::2] == [b"v" * 40 + b"k%05d" % i for i in range(pairs)]
+        groups = value(scrape(node), "sbpnode_store_group_commits_total") - before
+    assert 1 <= groups <= pairs // 20, groups

@@ -175,14 +175,12 @@ def test_replies_in_order_when_acks_arrive_out_of_order():
         + c.encode_get(5, b"b")
     )
     assert tr.value() == b""
-    kv.complete_all_reversed()  # the two SETs, acked in reverse
-    # the GET ran once both were durable; the REMOVE went out after it
-    assert len(kv.pending) == 1
-    r = replies(tr, [c.SET, c.SET, c.GET])
-    assert [x.client_id for x in r] == [1, 2, 3] and r[2].items == [(b"a", b"1")]
-    kv.complete()
-    r = replies(tr, [c.REMOVE, c.GET])
-    assert [(x.client_id, x.cmd) for x in r] == [(4, c.OK), (5, c.OK)]
+    # issue 19: the GETs read the pending writes at once; nothing waits for the disk but replies
+    assert len(kv.pending) == 3
+    kv.complete_all_reversed()  # the three writes, acked in reverse
+    r = replies(tr, [c.SET, c.SET, c.GET, c.REMOVE, c.GET])
+    assert [(x.client_id, x.cmd) for x in r] == [(1, c.OK), (2, c.OK), (3, c.OK), (4, c.OK), (5, c.OK)]
+    assert r[2].items == [(b"a", b"1")] and r[4].items == [(b"b", b"2")]
 
 
 def test_sync_replies_before_a_pending_write_are_sent_at_once():
@@ -257,9 +255,21 @@ def test_total_len_below_8_closes_after_earlier_replies():
     kv = MemoryKv(manual=True)
     proto, tr = connect(kv)
     proto.dataReceived(c.encode_set(1, b"a", b"1") + struct.pack(">Q", 3) + b"zzzzz")
-    assert not tr.disconnecting
+    assert not tr.disconnecting and tr.value() == b""
     kv.complete()
-    assert replies(tr, [c.SET])[0].client_id == 1
+    # CONTRACT §4: total_len < 8 gets ERR 3 with client_id 0, after the replies before it, then the close
+    assert tr.value() == (
+        struct.pack(">QQQH", 26, 1, 0, c.OK)
+        + bytes.fromhex("000000000000001c" "0000000000000000" "0000000000000000" "0001" "0003")
+    )
+    assert tr.disconnecting
+
+
+@pytest.mark.parametrize("total", [0, 1, 7])
+def test_total_len_below_8_alone_is_err3_with_client_id_0(total):
+    proto, tr = connect(MemoryKv())
+    proto.dataReceived(struct.pack(">Q", total) + b"\x00" * 30)
+    assert tr.value() == bytes.fromhex("000000000000001c" + "00" * 16 + "0001" + "0003")
     assert tr.disconnecting
 
 
@@ -609,7 +619,7 @@ def test_a_pipelined_run_of_writes_is_one_store_call(step):
         assert len(kv.runs) == 1
 
 
-def test_reads_split_runs_and_see_the_writes_before_them():
+def test_reads_between_writes_see_them_pending_and_do_not_split_the_run():
     kv = BatchedMemoryKv(manual=True)
     proto, tr = connect(kv)
     proto.dataReceived(
@@ -621,16 +631,109 @@ def test_reads_split_runs_and_see_the_writes_before_them():
         + c.encode_get(6, b"a")
         + c.encode_get(7, b"c")
     )
-    assert kv.runs == [[(b"a", b"1"), (b"b", b"2")]] and tr.value() == b""
+    # issue 19: one pass's writes are one store write, whatever reads lie between them
+    assert kv.runs == [[(b"a", b"1"), (b"b", b"2"), (b"a", None), (b"c", b"3")]] and tr.value() == b""
+    assert kv.data == {}  # nothing is in the store yet: the GETs read the connection's pending writes
     kv.complete()
-    # the GET ran once the run was durable; the next run went out behind it
-    assert kv.runs[1:] == [[(b"a", None), (b"c", b"3")]]
-    r = replies(tr, [c.SET, c.SET, c.GET])
-    assert [x.client_id for x in r] == [1, 2, 3] and r[2].items == [(b"a", b"1")]
+    r = replies(tr, [c.SET, c.SET, c.GET, c.REMOVE, c.SET, c.GET, c.GET])
+    assert [(x.client_id, x.cmd) for x in r] == [
+        (1, c.OK), (2, c.OK), (3, c.OK), (4, c.OK), (5, c.OK), (6, c.DATA_NOT_FOUND), (7, c.OK)]
+    assert r[2].items == [(b"a", b"1")] and r[6].items == [(b"c", b"3")]
+
+
+def test_another_connection_never_reads_an_unacked_write():
+    kv = BatchedMemoryKv(manual=True)
+    kv._apply_put(b"k", b"old")
+    a, ta = connect(kv)
+    b, tb = connect(kv)
+    a.dataReceived(c.encode_set(1, b"k", b"new") + c.encode_get(2, b"k"))
+    b.dataReceived(c.encode_get(3, b"k") + c.encode_get(4, b"gone"))
+    r = replies(tb, [c.GET, c.GET])
+    assert r[0].items == [(b"k", b"old")] and r[1].cmd == c.DATA_NOT_FOUND
+    assert ta.value() == b""
     kv.complete()
-    r = replies(tr, [c.REMOVE, c.SET, c.GET, c.GET])
-    assert [(x.client_id, x.cmd) for x in r] == [(4, c.OK), (5, c.OK), (6, c.DATA_NOT_FOUND), (7, c.OK)]
-    assert r[3].items == [(b"c", b"3")]
+    assert replies(ta, [c.SET, c.GET])[1].items == [(b"k", b"new")]
+    b.dataReceived(c.encode_get(5, b"k"))
+    assert replies(tb, [c.GET])[0].items == [(b"k", b"new")]
+
+
+def test_scans_and_cursor_commands_read_the_connections_pending_writes_without_waiting():
+    kv = BatchedMemoryKv(manual=True)
+    kv._apply_put(b"gone", b"g")
+    kv._apply_put(b"old", b"o")
+    proto, tr = connect(kv)
+    proto.dataReceived(
+        c.encode_create_cursor(1, b"x")
+        + c.encode_set(2, b"a", b"1")
+        + c.encode_remove(3, b"gone")
+        + c.encode_scan(c.GET_FF, 4, 10, b"x")
+        + c.encode_set(5, b"b", b"2")
+        + c.encode_create_cursor(6, b"y")
+        + c.encode_scan(c.GET_KEYS, 7, 10, b"y")
+    )
+    # one store write for the pass; the CREATE_CURSOR before it answered at once
+    assert kv.runs == [[(b"a", b"1"), (b"gone", None), (b"b", b"2")]]
+    assert replies(tr, [c.CREATE_CURSOR])[0].cmd == c.OK
+    kv.complete()
+    r = replies(tr, [c.SET, c.REMOVE, c.GET_FF, c.SET, c.CREATE_CURSOR, c.GET_KEYS])
+    assert r[2].items == [(b"a", b"1"), (b"old", b"o")]
+    assert [k for k, _ in r[5].items] == [b"a", b"b", b"old"]
+
+
+def _run_alone(requests, preload):
+    """The replies of executing each request on its own (its reply read before the next is sent)."""
+    kv = BatchedMemoryKv()
+    for k, v in preload:
+        kv._apply_put(k, v)
+    proto, tr = connect(kv)
+    out = b""
+    for req in requests:
+        proto.dataReceived(req)
+        out += tr.value()
+        tr.clear()
+    return out, kv.data
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c", b"d", b"\xf0"]), st.binary(max_size=2)), max_size=4),
+    st.lists(
+        st.one_of(
+            st.tuples(st.just(c.SET), st.sampled_from([b"a", b"b", b"c", b"d", b"\xf0"])),
+            st.tuples(st.just(c.REMOVE), st.sampled_from([b"a", b"b", b"c", b"d", b"\xf0"])),
+            st.tuples(st.just(c.GET), st.sampled_from([b"a", b"b", b"\xf0"])),
+            st.tuples(st.sampled_from([c.GET_FF, c.GET_FB, c.GET_KEYS]), st.integers(1, 3)),
+            st.tuples(st.just(c.CREATE_CURSOR), st.sampled_from([b"", b"b", b"\xff"])),
+        ),
+        max_size=25,
+    ),
+    st.integers(1, 60),
+)
+def test_pipelined_scans_and_writes_match_one_at_a_time_execution(preload, ops, step):
+    """Whatever the mix of writes, GETs and scans, their framing and the acks' timing, the reply
+    bytes equal those of executing each request alone (scans merge the pending writes)."""
+    requests = [c.encode_create_cursor(0, b"s")]
+    for i, (cmd, arg) in enumerate(ops, 1):
+        if cmd == c.SET:
+            requests.append(c.encode_set(i, arg, b"v%d" % i))
+        elif cmd == c.REMOVE:
+            requests.append(c.encode_remove(i, arg))
+        elif cmd == c.GET:
+            requests.append(c.encode_get(i, arg))
+        elif cmd == c.CREATE_CURSOR:
+            requests.append(c.encode_create_cursor(i, b"s", arg))
+        else:
+            requests.append(c.encode_scan(cmd, i, arg, b"s"))
+    expected, data = _run_alone(requests, preload)
+    kv = BatchedMemoryKv(manual=True)
+    for k, v in preload:
+        kv._apply_put(k, v)
+    proto, tr = connect(kv)
+    feed(proto, b"".join(requests), step)
+    while kv.pending:
+        kv.complete_all_reversed()
+    assert tr.value() == expected
+    assert kv.data == data
 
 
 def test_writes_behind_an_unacked_run_are_issued_at_once_in_order():
@@ -670,8 +773,8 @@ def test_an_oversized_value_behind_a_waiting_read_is_err0_alone():
     big = b"v" * (16 * 1024 * 1024 + 1)
     proto.dataReceived(c.encode_set(1, b"a", b"1") + c.encode_get(2, b"a") + c.encode_set(3, b"big", big)
                        + c.encode_set(4, b"b", b"2"))
-    kv.complete()
-    kv.complete()
+    while kv.pending:
+        kv.complete()
     r = replies(tr, [c.SET, c.GET, c.SET, c.SET])
     assert [(x.client_id, x.cmd, x.error_code) for x in r] == [
         (1, c.OK, None), (2, c.OK, None), (3, c.ERR, c.E_UNKNOWN), (4, c.OK, None)]

@@ -82,7 +82,7 @@ def test_node_id_option_is_used_and_a_mismatch_is_refused(tmp_path):
 
 def test_second_node_on_the_same_data_dir_refuses_to_start(node, tmp_path):
     result = run_twistd(
-        ["--data-dir", node.data_dir] + [a for name in LISTENERS for a in ("--" + name, "tcp:0:interface=127.0.0.1")],
+        ["--data-dir", node.data_dir] + [a for name in LISTENERS for a in ("--" + name.replace("_", "-"), "tcp:0:interface=127.0.0.1")],
         cwd=tmp_path,
     )
     assert result.returncode != 0
@@ -116,7 +116,7 @@ def test_bad_options_give_a_clear_error_and_a_non_zero_exit(tmp_path, args, mess
 
 def test_an_unwritable_ready_file_fails_start_up_cleanly(tmp_path):
     result = run_twistd(["--data-dir", str(tmp_path / "d"), "--ready-file", str(tmp_path / "no" / "such" / "ready")]
-                        + [a for name in LISTENERS for a in ("--" + name, "none")], cwd=tmp_path)
+                        + [a for name in LISTENERS for a in ("--" + name.replace("_", "-"), "none")], cwd=tmp_path)
     assert result.returncode != 0
     assert "--ready-file" in result.stderr + result.stdout
     assert "Traceback" not in result.stderr + result.stdout
@@ -130,7 +130,7 @@ def test_a_port_in_use_fails_start_up_cleanly(tmp_path):
     try:
         result = run_twistd(
             ["--data-dir", str(tmp_path / "d"), "--sbp", "tcp:%d:interface=127.0.0.1" % port]
-            + [a for name in LISTENERS if name != "sbp" for a in ("--" + name, "none")],
+            + [a for name in LISTENERS if name != "sbp" for a in ("--" + name.replace("_", "-"), "none")],
             cwd=tmp_path,
         )
     finally:
@@ -143,7 +143,7 @@ def test_help_documents_every_option(tmp_path):
     result = run_twistd(["--help"], cwd=tmp_path)
     assert result.returncode == 0
     for option in ["data-dir", "node-id", "peer", "fsync", "http-token", "max-batch-bytes", "ready-file", "log-level",
-                   "idle-timeout", "max-connections", "max-unsent-bytes"] + list(LISTENERS):
+                   "idle-timeout", "max-connections", "max-unsent-bytes"] + [n.replace("_", "-") for n in LISTENERS]:
         assert "--%s=" % option in result.stdout, option
 
 

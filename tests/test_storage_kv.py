@@ -142,20 +142,27 @@ async def test_write_many_refuses_a_bad_op_before_anything_is_queued():
 
 @pytest.mark.parametrize("fsync", ["never", "interval:1000", "always"])
 @pytest_twisted.ensureDeferred
-async def test_kv_writes_use_the_wal_only_under_fsync_always(fsync):
-    """Under interval/never the LMDB commit before the ack is the kv write (docs/storage.md); under
-    always the run's operations are framed into the WAL like every other LMDB change. Either way
-    a reopen (and a WAL replay past the checkpoint) keeps them."""
+async def test_kv_writes_go_to_the_wal_and_the_memtable_then_to_lmdb_on_flush(fsync):
+    """Under every policy a kv write is a WAL entry and a memtable entry (LMDB untouched: the
+    checkpoint stays before it); the merge puts it in LMDB and moves the checkpoint. Either way a
+    reopen (and a WAL replay past the checkpoint) keeps them."""
+    from storage import index
+
     d = tempfile.mkdtemp(prefix="storage-kv-")
     st = open_kv_store(d, fsync)
     try:
         start = st.wal.end
         await st.kv.write_many([(b"k%d" % i, b"v%d" % i) for i in range(50)] + [(b"k0", None)])
-        assert (st.wal.end > start) == (fsync == "always")
+        assert st.wal.end > start
+        assert st.snapshot().stat(st.dbs[index.KV])["entries"] == 0 and st.kv.memtable_keys() == 50
+        assert st.kv.get_many([b"k0", b"k1", b"k49"]) == [None, b"v1", b"v49"]
+        await st.kv.flush()
+        assert st.snapshot().stat(st.dbs[index.KV])["entries"] == 49 and st.kv.memtable_keys() == 0
+        await st.kv.write_many([(b"k1", None), (b"late", b"x")])  # unmerged at close: replayed at open
         await st.meta.transact(lambda t: t.put("t", b"m", 1))  # a later WAL entry, replayed on open
         await st.close()
         st = open_kv_store(d, fsync)
-        assert st.kv.get_many([b"k0", b"k1", b"k49"]) == [None, b"v1", b"v49"]
+        assert st.kv.get_many([b"k0", b"k1", b"k2", b"k49", b"late"]) == [None, None, b"v2", b"v49", b"x"]
         assert st.meta.read(lambda t: t.get("t", b"m")) == 1
     finally:
         await st.close()

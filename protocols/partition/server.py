@@ -10,9 +10,13 @@ The hot commands skip the codec's request objects: a run of consecutive GETs in 
 group commit, one Deferred, one slot for the whole run). Everything written in one pass over the
 buffer leaves in one ``send``.
 
-Per-connection sequential consistency: a read (GET, a scan, a cursor command) that arrives behind
-an un-acked write of the same connection waits until that write is durable, and a write behind such
-a waiting read waits too, so a pipelined ``SET k; GET k`` always sees its own write.
+Per-connection sequential consistency without waiting for the disk (issue 19): the writes of one
+processing pass (every SET/REMOVE of the bytes read, whatever GETs lie between them) are one
+``write_many`` (one group commit), and each is entered in the connection's *pending* table until
+durable. A GET reads that table first, so a pipelined ``SET k; GET k`` sees its own write at once;
+its reply waits in the ordered queue behind the SET's. Another connection never reads the table:
+it sees a write only once acknowledged. A scan reads the store merged with the table
+(``with_pending``). So no request waits for the disk; only the replies of writes do.
 """
 
 import struct
@@ -164,8 +168,59 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
         limit = max(2, min(remaining + 2, (SCAN_REPLY_BUDGET - nbytes) // avg + 2))
 
 
+def with_pending(fetch, pending, descending=False, keys_only=False):
+    """``fetch(start, limit)`` (a store scan: ``start`` inclusive, None = from the open end) as
+    this connection sees it: merged with ``pending`` ({key: value, or None for a remove}: its own
+    writes not yet durable), in the same order and with the same signature.
+
+    Each call asks the store for ``limit`` plus the number of pending removes, so after the removes
+    at least ``limit`` entries remain unless the store ran out; the pending writes inside the range
+    that store answer covers are merged in, and the first ``limit`` are returned (a prefix of the
+    merged order, so ``collect_page`` goes on from its last key as it does over the store)."""
+    removes = sum(1 for v in pending.values() if v is None)
+    keys = sorted(pending, reverse=descending)
+
+    def fetch_merged(start, limit):
+        batch = fetch(start, limit + removes)
+        exhausted = len(batch) < limit + removes
+        merged = {}
+        for e in batch:
+            if keys_only:
+                merged[e] = None
+            else:
+                merged[e[0]] = e[1]
+        bound = None if exhausted or not batch else (batch[-1] if keys_only else batch[-1][0])
+        for k in keys:
+            if start is not None and (k > start if descending else k < start):
+                continue
+            if bound is not None and (k < bound if descending else k > bound):
+                break
+            v = pending[k]
+            if v is None:
+                merged.pop(k, None)
+            else:
+                merged[k] = v
+        out = sorted(merged, reverse=descending)[:limit]
+        return out if keys_only else [(k, merged[k]) for k in out]
+
+    return fetch_merged
+
+
 def _ignore_latency(operation, seconds):
     """A node without the latency hook (--metrics off, test doubles)."""
+
+
+class _Run:
+    """The writes of one processing pass: one ``write_many`` (one group commit), answered in
+    ``segments`` (a reply slot and its client ids each) split by the replies queued between them."""
+
+    __slots__ = ("ops", "keys", "segments", "nbytes")
+
+    def __init__(self):
+        self.ops = []  # [(key, value or None)]
+        self.keys = []  # [(key, seq)]: the pending-table entries these writes made
+        self.segments = []  # [(slot, [client_id])]
+        self.nbytes = 0
 
 
 class KvServerProtocol(Protocol):
@@ -181,13 +236,15 @@ class KvServerProtocol(Protocol):
         self.store = store  # for its congestion signal (None: not checked)
         self.metrics = metrics if metrics is not None else {}
         self.responses = self.metrics.setdefault("responses", {})
-        self._frames = Framer(codec.Layout())
+        self._frames = Framer(self.layout())
         self._cursors = {}
-        self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
         self._slots = deque()  # executed requests whose replies are not yet written: [bytes|None, count]
-        self._waiting = 0  # requests those slots answer (a run of writes is one slot)
-        self._unacked = 0  # writes issued to the store and not yet durable
+        self._waiting = 0  # requests those slots answer (a segment of writes is one slot)
+        self._unacked = 0  # writes taken (in the open run or issued) and not yet durable
         self._inflight_bytes = 0  # value bytes of those writes
+        self._pending = {}  # key -> (value or None for a remove, seq): this connection's writes not yet durable
+        self._seq = 0
+        self._run = None  # the open _Run of this pass, issued at its end
         self._out = []  # replies ready to write at the end of this turn
         self._busy = False  # inside _process/_drain: writes are batched until it ends
         self._closing = False  # stop reading; close once every queued reply is written
@@ -196,6 +253,10 @@ class KvServerProtocol(Protocol):
         self._idle_waiters = []
         self._peer_errors = 0
         self.peer = "?"
+
+    @staticmethod
+    def layout():
+        return codec.Layout()
 
     # -- connection --------------------------------------------------------------------------
 
@@ -213,7 +274,6 @@ class KvServerProtocol(Protocol):
             self.gate.stop()
         # CONTRACT §4: cursors belong to the connection and vanish with it.
         self._cursors.clear()
-        self._blocked.clear()
         self._frames.clear()
         self.metrics["connections"] = self.metrics.get("connections", 1) - 1
         if self._peer_errors > 1:
@@ -262,6 +322,7 @@ class KvServerProtocol(Protocol):
             self.transport.abortConnection()
             return
         finally:
+            self._issue_run()
             self._busy = False
         self._flush()
         if self._unacked and not self._lost:
@@ -271,12 +332,11 @@ class KvServerProtocol(Protocol):
     def _process_frames(self):
         frames = self._frames
         self._handled = handled = 0
-        slots = self._slots
         gate = self.gate
         while not self._closing:
             if not gate.reading:
                 break
-            if self._waiting + len(self._blocked) >= self.max_pending or self._inflight_bytes >= self.max_inflight_bytes:
+            if self._waiting >= self.max_pending or self._inflight_bytes >= self.max_inflight_bytes:
                 gate.hold(BUDGET)
                 break
             try:
@@ -286,10 +346,12 @@ class KvServerProtocol(Protocol):
                     # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
                     self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=e.length)
                     self._count(0, ERR_STATUS + E_MSG_TOO_SHORT)
-                    self._submit(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
+                    self._execute(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
                 else:
-                    # CONTRACT §4: total_len < 8 closes the connection.
+                    # CONTRACT §4: total_len < 8 gets ERR 3 (client_id 0), then the close.
                     self._peer_error("kv peer {peer} sent total_len {total} < 8; closing", total=e.length)
+                    self._count(0, ERR_STATUS + E_MSG_TOO_SHORT)
+                    self._execute(codec.encode_error(0, E_MSG_TOO_SHORT))
                 self._close_when_flushed()
                 frames.clear()
                 break
@@ -302,12 +364,12 @@ class KvServerProtocol(Protocol):
                 # Fast paths for the hot commands (same rules as the codec, no request object).
                 # A run goes on in place over the whole frames after this one in the same read.
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
-                if cmd == GET and klen and 28 + klen <= total and not self._unacked and not self._blocked and not slots:
+                if cmd == GET and klen and 28 + klen <= total:
                     after = self._get_run(buf, pos, len(buf), total, cid, klen)
                     if after > end:
                         frames.skip_to(after)
                     continue
-                if (cmd == SET or cmd == REMOVE) and not self._blocked:
+                if cmd == SET or cmd == REMOVE:
                     after = self._write_run(buf, pos, len(buf))
                     if after != pos:
                         if after > end:
@@ -317,7 +379,7 @@ class KvServerProtocol(Protocol):
                 cid = _U64.unpack_from(buf, pos + 8)[0] if total >= 16 else 0
                 self._peer_error("kv peer {peer} sent a {total}-byte message (header is 26)", total=total)
                 self._count(0, ERR_STATUS + E_MSG_TOO_SHORT)
-                self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
+                self._execute(codec.encode_error(cid, E_MSG_TOO_SHORT))
             else:
                 try:
                     req = codec.decode_request(buf, pos)
@@ -326,15 +388,16 @@ class KvServerProtocol(Protocol):
                     self._peer_error("kv peer {peer}: {reason}; ERR {code}", reason=e.reason, code=e.code)
                     cmd = _U16.unpack_from(buf, pos + 24)[0]
                     self._count(cmd if cmd in codec.COMMAND_NAMES else 0, ERR_STATUS + e.code)
-                    self._submit(codec.encode_error(cid, e.code))
+                    self._execute(codec.encode_error(cid, e.code))
                 else:
-                    self._submit(req)
+                    self._execute(req)
         self.metrics["requests"] = self.metrics.get("requests", 0) + handled + self._handled
 
     def _get_run(self, buf, pos, n, total, cid, klen):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
-        store read; returns the position after the run. Only called with nothing queued ahead,
-        so the replies go straight to the output. One latency observation per run."""
+        store read (and the pending table); returns the position after the run. The replies go
+        straight out, or into one slot behind the writes still waiting. One latency observation
+        per run."""
         t0 = time.perf_counter()
         keys = []
         cids = []
@@ -351,51 +414,52 @@ class KvServerProtocol(Protocol):
             if cmd != GET or not klen or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
                 break
         self._handled += len(keys) - 1
-        out = self._out
+        slots = self._slots
+        out = [] if slots else self._out
         try:
             values = self._get_many(keys)
         except Exception as e:
             self._store_error(cids[0], e)
             self._count(GET, ERR_STATUS + E_UNKNOWN, len(cids))
             out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
-            return pos
-        heads = _GET_REPLY_HEADS
-        append = out.append
-        missing = 0
-        for cid, key, value in zip(cids, keys, values):
-            if value is None:
-                append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
-                missing += 1
-                continue
-            klen = len(key)
-            vlen = len(value)
-            head = heads.get(klen)
-            if head is None:
-                head = _get_reply_head(klen)
-            # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
-            append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
-            append(value)
-        responses = self.responses
-        responses[_GET_OK] = responses.get(_GET_OK, 0) + len(keys) - missing
-        if missing:
-            responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
-        self.observe_latency("kv.get", time.perf_counter() - t0)
+        else:
+            heads = _GET_REPLY_HEADS
+            append = out.append
+            missing = 0
+            for cid, key, value in zip(cids, keys, values):
+                if value is None:
+                    append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+                    missing += 1
+                    continue
+                klen = len(key)
+                vlen = len(value)
+                head = heads.get(klen)
+                if head is None:
+                    head = _get_reply_head(klen)
+                # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
+                append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
+                append(value)
+            responses = self.responses
+            responses[_GET_OK] = responses.get(_GET_OK, 0) + len(keys) - missing
+            if missing:
+                responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
+            self.observe_latency("kv.get", time.perf_counter() - t0)
+        if slots:
+            slots.append([b"".join(out), len(cids)])
+            self._waiting += len(cids)
         return pos
 
     def _write_run(self, buf, pos, n):
-        """Issue the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
-        ``pos`` as one store write (one Deferred, one reply slot); returns the position after the
-        run (``pos`` itself if the first message is not such a write, for the general path).
-        Writes are issued in arrival order whatever is still un-acked, so this is only called
-        with no read waiting ahead (``_blocked`` empty)."""
-        room = self.max_pending - self._waiting - len(self._blocked)
+        """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
+        ``pos`` into this pass's write run; returns the position after the run (``pos`` itself if
+        the first message is not such a write, for the general path)."""
+        room = self.max_pending - self._waiting
         room_bytes = self.max_inflight_bytes - self._inflight_bytes
         unpack = _HEADER_KEYLEN
         u32 = _U32_FROM
-        ops = []
-        cids = []
+        add = self._add_write
+        taken = 0
         nbytes = 0
-        removes = 0
         while n - pos >= 28:
             total, cid, _n, cmd, klen = unpack(buf, pos)
             if not klen or total > n - pos or total > MAX_MESSAGE:
@@ -408,65 +472,57 @@ class KvServerProtocol(Protocol):
                 (vlen,) = u32(buf, kend)
                 if vlen > MAX_VALUE or kend + 4 + vlen > pos + total:
                     break
-                ops.append((buf[kstart:kend], buf[kend + 4 : kend + 4 + vlen]))
+                add(cid, buf[kstart:kend], buf[kend + 4 : kend + 4 + vlen])
                 nbytes += vlen
             elif cmd == REMOVE and kend <= pos + total:
-                ops.append((buf[kstart:kend], None))
-                removes += 1
+                add(cid, buf[kstart:kend], None)
             else:
                 break
-            cids.append(cid)
+            taken += 1
             pos += total
-            if len(ops) >= room or nbytes >= room_bytes:
+            if taken >= room or nbytes >= room_bytes:
                 break
-        if not ops:
-            return pos
-        self._handled += len(ops) - 1
-        self._issue_run(ops, cids, nbytes, removes)
+        if taken:
+            self._handled += taken - 1
         return pos
 
-    def _issue_run(self, ops, cids, nbytes, removes):
-        """One store write for ``ops`` ([(key, value or None)], keys non-empty, values within the
-        limit) with one reply slot for all of them."""
-        count = len(ops)
-        slot = [None, count]
-        self._slots.append(slot)
-        self._waiting += count
-        self._unacked += count
-        self._inflight_bytes += nbytes
+    def _add_write(self, cid, key, value):
+        """Take one write (key non-empty bytes, value bytes within the limit or None to remove)
+        into this pass's run, enter it in the pending table, and give it its place in the replies."""
+        run = self._run
+        if run is None:
+            run = self._run = _Run()
+        run.ops.append((key, value))
+        self._seq = seq = self._seq + 1
+        self._pending[key] = (value, seq)
+        run.keys.append((key, seq))
+        slots = self._slots
+        segments = run.segments
+        if segments and slots and slots[-1] is segments[-1][0]:
+            slot, cids = segments[-1]
+            slot[1] += 1
+            cids.append(cid)
+        else:
+            slot = [None, 1]
+            slots.append(slot)
+            segments.append((slot, [cid]))
+        self._waiting += 1
+        self._unacked += 1
+        if value is not None:
+            run.nbytes += len(value)
+            self._inflight_bytes += len(value)
+
+    def _issue_run(self):
+        """Hand this pass's writes to the store as one write (one Deferred, one group commit)."""
+        run = self._run
+        if run is None:
+            return
+        self._run = None
         try:
-            d = self._write_many(ops)
+            d = self._write_many(run.ops)
         except Exception:
             d = defer.fail()
-        d.addBoth(self._run_done, slot, cids, nbytes, time.perf_counter(), ops, removes)
-
-    def _issue_blocked_writes(self, blocked):
-        """Issue the consecutive valid SETs/REMOVEs at the head of ``blocked`` as one run."""
-        ops = []
-        cids = []
-        nbytes = 0
-        removes = 0
-        while blocked:
-            req = blocked[0]
-            # only writes join the run (a scan or cursor request behind them has no key)
-            if req.__class__ is bytes or req.cmd not in (SET, REMOVE) or not req.key:
-                break
-            if req.cmd == SET:
-                if len(req.value) > MAX_VALUE:
-                    break
-                ops.append((req.key, req.value))
-                nbytes += len(req.value)
-            elif req.cmd == REMOVE:
-                ops.append((req.key, None))
-                removes += 1
-            else:
-                break
-            cids.append(req.client_id)
-            blocked.popleft()
-        if ops:
-            self._issue_run(ops, cids, nbytes, removes)
-        else:  # a SET whose value is over the limit: answered on its own
-            self._execute(blocked.popleft())
+        d.addBoth(self._run_done, run, time.perf_counter())
 
     def _write_many(self, ops):
         write_many = getattr(self.kv, "write_many", None)
@@ -483,31 +539,40 @@ class KvServerProtocol(Protocol):
             lambda rs: [(bool(r) if op[1] is None else True) if ok else r for (ok, r), op in zip(rs, ops)]
         )
 
-    def _run_done(self, result, slot, cids, nbytes, t0, ops, removes):
+    def _run_done(self, result, run, t0):
         self.observe_latency("kv.set", time.perf_counter() - t0)  # one observation per run
-        self._inflight_bytes -= nbytes
-        count = len(cids)
+        self._inflight_bytes -= run.nbytes
+        pending = self._pending
+        for key, seq in run.keys:
+            entry = pending.get(key)
+            if entry is not None and entry[1] == seq:  # no later write of this key is pending
+                del pending[key]
+        count = len(run.ops)
         pack = _HEADER.pack
-        if isinstance(result, Failure):
-            self._store_error(cids[0], result.value)
+        failed = isinstance(result, Failure)
+        ops = run.ops
+        responses = self.responses
+        if failed:
+            self._store_error(run.segments[0][1][0], result.value)
+            removes = sum(1 for op in ops if op[1] is None)
             if count - removes:
                 self._count(SET, ERR_STATUS + E_UNKNOWN, count - removes)
             if removes:
                 self._count(REMOVE, ERR_STATUS + E_UNKNOWN, removes)
-            slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
-        elif result.count(True) == count:
-            responses = self.responses
-            responses[_SET_OK] = responses.get(_SET_OK, 0) + count - removes
-            if removes:
-                responses[_REMOVE_OK] = responses.get(_REMOVE_OK, 0) + removes
-            slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) for cid in cids])
-        else:
-            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+        i = 0
+        for slot, cids in run.segments:
+            if failed:
+                slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
+                continue
             parts = []
-            for cid, r, op in zip(cids, result, ops):
-                cmd = SET if op[1] is not None else REMOVE
+            for cid in cids:
+                r = result[i]
+                cmd = SET if ops[i][1] is not None else REMOVE
+                i += 1
                 if r is True or r is False:
-                    self._count(cmd, OK if r else DATA_NOT_FOUND)
+                    # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+                    key = cmd << 8 | (OK if r else DATA_NOT_FOUND)
+                    responses[key] = responses.get(key, 0) + 1
                     parts.append(pack(HEADER_LEN, cid, 0, OK if r else DATA_NOT_FOUND))
                 else:
                     parts.append(self._store_error(cid, r.value, cmd))
@@ -516,22 +581,21 @@ class KvServerProtocol(Protocol):
         self._drain()
 
     def _get_many(self, keys):
+        pending = self._pending
         get_many = getattr(self.kv, "get_many", None)
         if get_many is not None:
-            return get_many(keys)
-        get = self.kv.get
-        return [get(bytes(k)) for k in keys]
+            values = get_many(keys)
+        else:
+            get = self.kv.get
+            values = [get(bytes(k)) for k in keys]
+        if pending:
+            for i, key in enumerate(keys):
+                entry = pending.get(key)
+                if entry is not None:
+                    values[i] = entry[0]
+        return values
 
     # -- ordering ----------------------------------------------------------------------------
-
-    def _submit(self, req):
-        """Execute ``req`` now if nothing it must follow is outstanding, else queue it."""
-        if self._blocked:
-            self._blocked.append(req)
-        elif self._unacked and not (req.__class__ is bytes or req.cmd in (SET, REMOVE)):
-            self._blocked.append(req)
-        else:
-            self._execute(req)
 
     def _push(self, reply: bytes):
         if self._slots:
@@ -562,7 +626,7 @@ class KvServerProtocol(Protocol):
         elif cmd == DELETE_CURSOR:
             if self._cursors.pop(req.name, None) is None:
                 self._count(cmd, ERR_STATUS + E_CURSOR_NOT_FOUND)
-                self._push(codec.encode_error(req.client_id, E_CURSOR_NOT_FOUND))
+                self._push(self.cursor_not_found(req.client_id))
             else:
                 self._count(cmd, OK)
                 self._push(codec.encode_status(req.client_id, OK))
@@ -571,64 +635,23 @@ class KvServerProtocol(Protocol):
             self._count(cmd if cmd in codec.COMMAND_NAMES else 0, INVALID_COMMAND)
             self._push(codec.encode_status(req.client_id, INVALID_COMMAND))
 
+    @staticmethod
+    def cursor_not_found(cid):
+        return codec.encode_error(cid, E_CURSOR_NOT_FOUND)
+
     def _write(self, req):
         cid = req.client_id
-        if req.cmd == SET:
-            self._put(cid, req.key, req.value)
-            return
         if not req.key:
-            # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
-            self._count(REMOVE, DATA_NOT_FOUND)
-            self._push(codec.encode_status(cid, DATA_NOT_FOUND))
+            if req.cmd == SET:
+                # CONTRACT §4: SET with an empty key -> ERR 0.
+                self._count(SET, ERR_STATUS + E_UNKNOWN)
+                self._push(codec.encode_error(cid, E_UNKNOWN))
+            else:
+                # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
+                self._count(REMOVE, DATA_NOT_FOUND)
+                self._push(codec.encode_status(cid, DATA_NOT_FOUND))
             return
-        try:
-            d = self.kv.delete(req.key)
-        except Exception as e:
-            self._push(self._store_error(cid, e, REMOVE))
-            return
-        slot = [None, 1]
-        self._slots.append(slot)
-        self._waiting += 1
-        self._unacked += 1
-        d.addBoth(self._remove_done, slot, cid)
-
-    def _put(self, cid, key, value):
-        if not key:
-            # CONTRACT §4: SET with an empty key -> ERR 0.
-            self._count(SET, ERR_STATUS + E_UNKNOWN)
-            self._push(codec.encode_error(cid, E_UNKNOWN))
-            return
-        try:
-            d = self.kv.put(key, value)
-        except Exception as e:
-            self._push(self._store_error(cid, e, SET))
-            return
-        slot = [None, 1]
-        self._slots.append(slot)
-        self._waiting += 1
-        self._unacked += 1
-        self._inflight_bytes += len(value)
-        d.addBoth(self._set_done, slot, cid, len(value))
-
-    def _set_done(self, result, slot, cid, nbytes):
-        self._inflight_bytes -= nbytes
-        if isinstance(result, Failure):
-            slot[0] = self._store_error(cid, result.value, SET)
-        else:
-            self._count(SET, OK)
-            slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK)
-        self._unacked -= 1
-        self._drain()
-
-    def _remove_done(self, result, slot, cid):
-        if isinstance(result, Failure):
-            slot[0] = self._store_error(cid, result.value, REMOVE)
-        else:
-            # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
-            self._count(REMOVE, OK if result else DATA_NOT_FOUND)
-            slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK if result else DATA_NOT_FOUND)
-        self._unacked -= 1
-        self._drain()
+        self._add_write(cid, req.key, req.value if req.cmd == SET else None)
 
     def _store_error(self, cid, exc, cmd=0):
         self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
@@ -644,16 +667,6 @@ class KvServerProtocol(Protocol):
         was_busy = self._busy
         self._busy = True
         try:
-            blocked = self._blocked
-            while blocked:
-                head = blocked[0]
-                if head.__class__ is not bytes and head.cmd in (SET, REMOVE) and head.key:
-                    self._issue_blocked_writes(blocked)
-                    continue
-                if self._unacked and not (head.__class__ is bytes or head.cmd in (SET, REMOVE)):
-                    break
-                blocked.popleft()
-                self._execute(head)
             slots = self._slots
             while slots and slots[0][0] is not None:
                 reply, count = slots.popleft()
@@ -667,7 +680,7 @@ class KvServerProtocol(Protocol):
             self._flush()
             if (
                 BUDGET in self.gate.reasons
-                and self._waiting + len(self._blocked) < self.max_pending // 2
+                and self._waiting < self.max_pending // 2
                 and self._inflight_bytes < self.max_inflight_bytes // 2
             ):
                 self.gate.release(BUDGET)
@@ -675,16 +688,21 @@ class KvServerProtocol(Protocol):
     def _send_out(self):
         out = self._out
         if out and not self._lost:
-            data = out[0] if len(out) == 1 else b"".join(out)
+            data = self.outgoing(out[0] if len(out) == 1 else b"".join(out))
             self.metrics["bytes_out"] = self.metrics.get("bytes_out", 0) + len(data)
             send_now(self.transport, data)
         out.clear()
 
     def _flush(self):
         self._send_out()
-        if self._closing and not self._slots and not self._blocked and not self._lost:
+        if self._closing and not self._slots and not self._lost:
             self.transport.unregisterProducer()
             self.transport.loseConnection()
+
+    @staticmethod
+    def outgoing(data):
+        """The bytes to send for ``data`` (whole replies): the listener's framing of them."""
+        return data
 
     def _close_when_flushed(self):
         self._closing = True
@@ -705,10 +723,14 @@ class KvServerProtocol(Protocol):
         if not req.key:
             self._count(GET, DATA_NOT_FOUND)
             return codec.encode_status(cid, DATA_NOT_FOUND)
-        try:
-            value = self.kv.get(req.key)
-        except Exception as e:
-            return self._store_error(cid, e, GET)
+        entry = self._pending.get(req.key)
+        if entry is not None:
+            value = entry[0]  # this connection's own write, not yet durable
+        else:
+            try:
+                value = self.kv.get(req.key)
+            except Exception as e:
+                return self._store_error(cid, e, GET)
         if value is None:
             self._count(GET, DATA_NOT_FOUND)
             return codec.encode_status(cid, DATA_NOT_FOUND)
@@ -731,18 +753,24 @@ class KvServerProtocol(Protocol):
         position = self._cursors.get(name)
         if position is None:
             self._count(req.cmd, ERR_STATUS + E_CURSOR_NOT_FOUND)
-            return codec.encode_error(cid, E_CURSOR_NOT_FOUND)
+            return self.cursor_not_found(cid)
         if req.next_key:
             position = req.next_key  # CONTRACT §4: a non-empty NextKey says where to start
         cmd = req.cmd
-        kv = self.kv
+        scan_forward, scan_backward, scan_keys = self.kv.scan_forward, self.kv.scan_backward, self.kv.scan_keys
+        if self._pending:
+            # this connection's writes not yet durable are part of what it reads (issue 19)
+            pending = {k: v for k, (v, _seq) in self._pending.items()}
+            scan_forward = with_pending(scan_forward, pending)
+            scan_backward = with_pending(scan_backward, pending, descending=True)
+            scan_keys = with_pending(scan_keys, pending, keys_only=True)
         try:
             if cmd == GET_FB:
                 if position is BEGIN:
                     entries, nxt = [], None
                 else:
                     entries, nxt = collect_page(
-                        kv.scan_backward, None if position is END else position, req.count,
+                        scan_backward, None if position is END else position, req.count,
                         _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH, descending=True,
                     )
                     entries.reverse()  # each page is returned in ascending order
@@ -754,7 +782,7 @@ class KvServerProtocol(Protocol):
                 start = None if position is BEGIN else position
                 if cmd == GET_FF:
                     items, nxt = collect_page(
-                        kv.scan_forward, start, req.count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH
+                        scan_forward, start, req.count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH
                     )
                     new_position = END if nxt is None else nxt[0]
                 else:
@@ -764,7 +792,7 @@ class KvServerProtocol(Protocol):
                         # CONTRACT §4: forward from max(position, prefix).
                         if start is None or start < prefix:
                             start = prefix or None
-                    keys, nxt = collect_page(kv.scan_keys, start, req.count, _key_key, _key_size, prefix=prefix or None)
+                    keys, nxt = collect_page(scan_keys, start, req.count, _key_key, _key_size, prefix=prefix or None)
                     new_position = END if nxt is None else nxt
                     items = [(k, None) for k in keys]
         except Exception as e:

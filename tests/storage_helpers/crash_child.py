@@ -9,7 +9,7 @@ stdin (answering the child's pid), so 50+ kills fit in a few seconds of start-up
 
 Batch number i of a run has deterministic content (``expected_batch(seed, i)``); appends are kept
 ``INFLIGHT`` deep so group commit coalesces them. Each acked append prints ``B sid base i``; each
-acked kv put prints ``K key``; each acked chunk put prints ``C addrhex``. The parent SIGKILLs the
+acked kv put prints ``K key`` (the kv memtable is merged every few puts); each acked chunk put prints ``C addrhex``. The parent SIGKILLs the
 child at a random moment and checks the store after reopening.
 """
 
@@ -39,6 +39,11 @@ def kv_value(seed: int, key: bytes) -> bytes:
 def main(path, seed, out=None):
     from twisted.internet import reactor
 
+    import storage.kv
+
+    # the kv memtable is merged into LMDB all the time (issue 19): kills land during merges
+    storage.kv.FLUSH_BYTES = 2048
+    storage.kv.FLUSH_IDLE_S = 0.002
     seed = int(seed)
     out = out or sys.stdout
     store = Store.open(path, fsync="always", reactor=reactor, node_id=1, segment_bytes=256 << 10,
