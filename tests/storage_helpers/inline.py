@@ -8,8 +8,6 @@ write queue congested. Nothing here stands in for the store: the group commit, t
 their files are the node's own.
 """
 
-import time
-
 from storage import Store
 from storage.commit import QUEUE_HIGH, CommitCore
 
@@ -59,16 +57,3 @@ def close(store):
     d = store.close()
     assert d.called
     return d
-
-
-def wait_until(predicate, timeout=10.0, interval=0.02, what=None):
-    """Block until ``predicate()`` is true (for tests driving real node processes); fails after
-    ``timeout`` seconds. Returns the predicate's value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out after %.1f s waiting for %s" % (timeout, what or predicate))
-        time.sleep(interval)
