@@ -137,14 +137,23 @@ def test_body_size_limit(node):
     assert reply.startswith(b"HTTP/1.1 413") and b'"code":"invalid"' in reply
 
 
-def sse(node, path, headers=None, timeout=30):
+def sse(node, path, headers=None, timeout=30, on_event=None):
+    """The events of an SSE read, once it ends; ``on_event(name)`` is called as each arrives."""
     conn = http.client.HTTPConnection("127.0.0.1", node.ports["http"], timeout=timeout)
     hdrs = {"accept": "text/event-stream"}
     hdrs.update(headers or {})
     conn.request("GET", path, headers=hdrs)
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("content-type") == "text/event-stream"
-    body = resp.read().decode()
+    if on_event is None:
+        body = resp.read().decode()
+    else:
+        lines = []
+        for raw in resp:
+            lines.append(raw.decode())
+            if lines[-1].startswith("event: "):
+                on_event(lines[-1][7:].strip())
+        body = "".join(lines)
     conn.close()
     events = []
     for block in body.split("\n\n"):
@@ -349,7 +358,7 @@ def test_restart_keeps_basins_streams_fence_and_timestamps(tmp_path):
                                {"records": [{"headers": [["", fence]], "body": base64.b64encode(b"tok").decode(),
                                              "timestamp": 5000}]}, {"s2-basin": "kept-basin-1", "s2-format": "base64"})
         assert status == 200, body
-        time.sleep(0.3)  # the fencing token is persisted in the stream attrs after the ack
+        # the token's stream-attrs write was queued before the ack went out; a clean stop drains it
         assert n.terminate() == 0
         n.start()
         _, _, body = call(n, "GET", "/v1/basins")
@@ -443,9 +452,15 @@ def test_sse_error_event_when_the_stream_is_deleted(node):
     name = new_stream(node)
     call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "x"}]})
     out = {}
-    t = threading.Thread(target=lambda: out.update(events=sse(node, "/v1/streams/%s/records?seq_num=0" % name)))
+    at_tail = threading.Event()  # the reader got the record and its first ping: it waits at the tail
+
+    def read():
+        out.update(events=sse(node, "/v1/streams/%s/records?seq_num=0" % name,
+                              on_event=lambda e: e == "ping" and at_tail.set()))
+
+    t = threading.Thread(target=read)
     t.start()
-    time.sleep(0.5)
+    assert at_tail.wait(20)
     status, _, _ = call(node, "DELETE", "/v1/streams/%s" % name)
     assert status == 202
     t.join(20)
