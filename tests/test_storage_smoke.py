@@ -7,6 +7,7 @@ from twisted.internet import defer, reactor
 from storage import FsyncPolicy, Store, errors
 from storage import record_batch as rb
 from tests.storage_helpers.util import base_of, batch, same_except_base
+from tests.waiting import reactor_until
 
 
 def open_store(path, fsync="always", **kw):
@@ -260,6 +261,7 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
     assert presync._seen["wal"] == (st.wal.active, st.wal.end)
     assert st.core.unsynced()  # the writer's 60 s sync has not come: the dirty marks stay
     passes = presync.passes
+    # a negative check needs a window: three pre-sync periods in which nothing grew
     await task.deferLater(reactor, 0.3, lambda: None)
     assert presync.passes == passes  # nothing grew: no further syncs
     await st.close()
@@ -280,15 +282,16 @@ async def test_interval_presync_across_segment_rolls_and_deletes(tmp_path):
     kept = (await st.log.create_stream()).stream_id
     for i in range(60):
         await defer.gatherResults([st.log.append(doomed, batch(8, 1000, tag=i)), st.log.append(kept, batch(2, 100, tag=i))])
-        if i % 10 == 0:
-            await task.deferLater(reactor, 0.015, lambda: None)  # let pre-sync passes run
+        if i % 10 == 0:  # let a pre-sync pass run over what grew
+            passes = st.presync.passes
+            await reactor_until(lambda: st.presync.passes > passes, what="a pre-sync pass")
     assert len(st.wal.bases) > 4
     await st.log.delete_stream(doomed)
     deleted, _ = await st.log.gc_now()
     assert deleted > 0
     for i in range(10):
         await st.log.append(kept, batch(2, 100, tag=100 + i))
-    await task.deferLater(reactor, 0.05, lambda: None)
+    await reactor_until(lambda: st.presync.passes > 0, what="a pre-sync pass")
     assert st.presync.passes > 0 and st.failed is None
     await st.close()
     st = open_store(tmp_path, fsync="interval:80", segment_bytes=64 << 10)
