@@ -39,10 +39,6 @@ def complete(store, n=1, reverse=False) -> int:
     return store.core.run_queued(n, reverse)
 
 
-def complete_all(store, reverse=False) -> int:
-    return store.core.run_queued(None, reverse)
-
-
 def congest(store):
     """Make the real write queue congested: one held operation declaring more than QUEUE_HIGH bytes
     (a no-op transaction, so draining it costs nothing). ``complete`` drains it."""
