@@ -17,6 +17,7 @@ import pytest
 
 from protocols.s2 import codec
 from tests.nodeproc import NodeProcess
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -290,15 +291,11 @@ def test_replica_streams_refuse_appends(tmp_path, node):
     follower = NodeProcess(tmp_path, name="follower", fsync="never", peer=[node.peer_endpoint()])
     follower.start()
     try:
-        deadline = time.monotonic() + 30
-        found = None
-        while time.monotonic() < deadline and found is None:
+        def replicated():
             _, _, body = call(follower, "GET", "/v1/streams?limit=1000")
-            for s in json.loads(body)["streams"]:
-                if s["name"] in (name, str(sid)):
-                    found = s["name"]
-            time.sleep(0.2)
-        assert found is not None, "the stream did not replicate"
+            return next((s["name"] for s in json.loads(body)["streams"] if s["name"] in (name, str(sid))), None)
+
+        found = wait_until(replicated, timeout=30, interval=0.2, what="the stream to replicate")
         path = "/v1/streams/%s/records" % found
         status, _, body = call(follower, "POST", path, {"records": [{"body": "y"}]})
         assert status == 403 and json.loads(body)["code"] == "permission_denied"
@@ -306,12 +303,8 @@ def test_replica_streams_refuse_appends(tmp_path, node):
         status, _, body = call(follower, "POST", path, {"records": [{"headers": [["", "dHJpbQ=="]], "body": trim}]},
                                {"s2-format": "base64"})
         assert status == 403
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            status, _, body = call(follower, "GET", path + "?seq_num=0")
-            if status == 200:
-                break
-            time.sleep(0.2)
+        status, _, body = wait_until(lambda: (lambda got: got if got[0] == 200 else None)(call(follower, "GET", path + "?seq_num=0")),
+                                     timeout=10, interval=0.2, what="the replica to be readable")
         assert [r["body"] for r in json.loads(body)["records"]] == ["x"]
     finally:
         follower.terminate()
@@ -381,12 +374,11 @@ def test_retention_by_age(node):
     call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "old", "timestamp": 1000}]})
     status, _, body = call(node, "PATCH", "/v1/streams/%s" % name, {"retention_policy": {"age": 1}})
     assert status == 200 and json.loads(body)["retention_policy"] == {"age": 1}
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        status, _, body = call(node, "GET", "/v1/streams/%s/records?seq_num=0&wait=1" % name)
-        if status == 200 and not json.loads(body)["records"]:
-            break
-        time.sleep(0.5)
+    def trimmed():
+        got = call(node, "GET", "/v1/streams/%s/records?seq_num=0&wait=1" % name)
+        return got if got[0] == 200 and not json.loads(got[2])["records"] else None
+
+    status, _, body = wait_until(trimmed, timeout=20, interval=0.5, what="retention to trim the old record")
     assert status == 200 and json.loads(body)["records"] == [], body
 
 

@@ -234,10 +234,8 @@ async def test_fsync_policies_sync_when_they_say(tmp_path):
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
     assert st.core.unsynced()
-    deadline = reactor.seconds() + 10
-    while st.core.unsynced():  # synced by the writer within ~50 ms (polled: the machine may be busy)
-        assert reactor.seconds() < deadline
-        await task.deferLater(reactor, 0.02, lambda: None)
+    # synced by the writer within ~50 ms (waited for: the machine may be busy)
+    await reactor_until(lambda: not st.core.unsynced(), timeout=10, what="the interval sync")
     await st.close()
 
 
@@ -254,10 +252,7 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
     await st.chunks.put(b"chunk" * 100)
-    deadline = reactor.seconds() + 10
-    while set(presync._seen) != {"wal", "packs"}:  # polled: the machine may be busy
-        assert reactor.seconds() < deadline
-        await task.deferLater(reactor, 0.02, lambda: None)
+    await reactor_until(lambda: set(presync._seen) == {"wal", "packs"}, timeout=10, what="pre-sync of the WAL and packs")
     assert presync._seen["wal"] == (st.wal.active, st.wal.end)
     assert st.core.unsynced()  # the writer's 60 s sync has not come: the dirty marks stay
     passes = presync.passes
