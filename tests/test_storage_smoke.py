@@ -206,8 +206,6 @@ async def test_congestion_signal_and_closed_store(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_fsync_policies_sync_when_they_say(tmp_path):
-    from twisted.internet import task
-
     st = open_store(tmp_path / "always", fsync="always")
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
@@ -270,8 +268,6 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
 async def test_interval_presync_across_segment_rolls_and_deletes(tmp_path):
     """Segments roll and are deleted while the pre-sync thread syncs every 10 ms: nothing fails,
     and every acknowledged batch is there after a reopen."""
-    from twisted.internet import task
-
     st = open_store(tmp_path, fsync="interval:80", segment_bytes=64 << 10)
     doomed = (await st.log.create_stream()).stream_id
     kept = (await st.log.create_stream()).stream_id
