@@ -17,12 +17,17 @@ DEFAULT_ENDPOINTS = {
     "http": "tcp:7780:interface=127.0.0.1",
 }
 
+DEFAULT_CLUSTER_PREFIX = "/sbpnode/"
 # Listen backlog for bursts of connects (Twisted's default is 50); a `backlog=` in the user's
 # endpoint string wins. The kernel caps it at net.core.somaxconn.
 DEFAULT_BACKLOG = 1024
 _BACKLOG_TYPES = ("tcp", "tcp6", "ssl", "unix")
 
 DEFAULT_MAX_BATCH_BYTES = 16 * 1024 * 1024 - 64 * 1024
+# Seconds without data either way before a connection is closed (node/guard.py); 0: never. Swarm
+# peers hold subscriptions that may see no data for long in a quiet cluster (they reconnect).
+DEFAULT_MAX_UNSENT_BYTES = 256 * 1024 * 1024
+DEFAULT_IDLE_TIMEOUTS = {"sbp": 300, "kv": 300, "meta": 300, "chunks": 300, "swarm": 3600, "http": 300}
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 
 
@@ -46,6 +51,16 @@ class NodeConfig:
     log_level: str = "info"
     replication_factor: int = 1
     shutdown_timeout: float = 10.0
+    max_connections: int = 0  # 0: derived from RLIMIT_NOFILE at start (node/guard.py)
+    max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES
+    idle_timeouts: dict = field(default_factory=lambda: dict(DEFAULT_IDLE_TIMEOUTS))
+    # CONTRACT §9 (cluster mode); cluster None: a cluster of one, as before
+    cluster: Optional[str] = None
+    cluster_prefix: str = DEFAULT_CLUSTER_PREFIX
+    advertise: Optional[str] = None
+    cluster_tls_cert: Optional[str] = None
+    cluster_tls_key: Optional[str] = None
+    cluster_tls_ca: Optional[str] = None
     metrics: bool = True  # --metrics on|off: the Prometheus registry, latency hooks and status page
     metrics_token: Optional[str] = None  # --metrics-token: bearer token for /metrics and the status page
     metrics_streams: int = 100  # --metrics-streams: streams that get their own label
@@ -99,6 +114,63 @@ def parse_positive_int(option: str, value, upper: int = None) -> int:
     return n
 
 
+def parse_idle_timeouts(values) -> dict:
+    """``--idle-timeout S`` (every listener) or ``--idle-timeout LISTENER=S``, repeatable, later
+    ones winning; S in seconds, 0 for never."""
+    out = dict(DEFAULT_IDLE_TIMEOUTS)
+    for value in values:
+        name, _, seconds = value.rpartition("=")
+        if name and name not in LISTENERS:
+            raise usage.UsageError("--idle-timeout: %r: %r is not a listener (%s)" % (value, name, ", ".join(LISTENERS)))
+        try:
+            s = float(seconds)
+        except ValueError:
+            s = -1.0
+        if not s >= 0 or s == float("inf"):
+            raise usage.UsageError("--idle-timeout: %r: expected SECONDS or LISTENER=SECONDS (0: never)" % value)
+        for n in [name] if name else LISTENERS:
+            out[n] = s
+    return out
+def parse_cluster_urls(value: str) -> str:
+    from urllib.parse import urlsplit
+
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls:
+        raise usage.UsageError("--cluster: no etcd URL given")
+    for u in urls:
+        parts = urlsplit(u)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+            raise usage.UsageError("--cluster: %r is not an etcd client URL like http://127.0.0.1:2379" % u)
+    return ",".join(urls)
+
+
+def parse_cluster_prefix(value: str) -> str:
+    if not value or not value.startswith("/"):
+        raise usage.UsageError("--cluster-prefix: %r must start with /" % value)
+    return value if value.endswith("/") else value + "/"
+
+
+def cluster_tls(opts):
+    paths = [opts["cluster-tls-cert"], opts["cluster-tls-key"], opts["cluster-tls-ca"]]
+    if not any(paths):
+        return None, None, None
+    if not all(paths):
+        raise usage.UsageError("--cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
+    for name, path in zip(("cert", "key", "ca"), paths):
+        if not os.path.isfile(path):
+            raise usage.UsageError("--cluster-tls-%s: no file %s" % (name, path))
+    from node.cluster.tls import CertificateRefused, check_node_certificate
+
+    try:
+        # CONTRACT §9: a node without a CA-signed certificate takes no part: it does not start
+        check_node_certificate(*paths)
+    except CertificateRefused as e:
+        raise usage.UsageError("--cluster-tls-cert: %s" % e)
+    return tuple(os.path.abspath(p) for p in paths)
 def parse_on_off(option: str, value) -> bool:
     v = str(value).strip().lower()
     if v not in ("on", "off"):
@@ -127,7 +199,20 @@ def from_options(opts) -> NodeConfig:
     cert, key = opts["http-tls-cert"], opts["http-tls-key"]
     if bool(cert) != bool(key):
         raise usage.UsageError("--http-tls-cert and --http-tls-key go together")
+    cluster = parse_cluster_urls(opts["cluster"]) if opts["cluster"] else None
+    tls_cert, tls_key, tls_ca = cluster_tls(opts)
+    if tls_cert and not cluster:
+        raise usage.UsageError("--cluster-tls-* need --cluster")
+    rf = opts["replication-factor"]
+    # CONTRACT §9: 1 for a single node, 3 in a cluster
+    rf = parse_positive_int("replication-factor", rf, 16) if rf is not None else (3 if cluster else 1)
     return NodeConfig(
+        cluster=cluster,
+        cluster_prefix=parse_cluster_prefix(opts["cluster-prefix"]),
+        advertise=opts["advertise"] or None,
+        cluster_tls_cert=tls_cert,
+        cluster_tls_key=tls_key,
+        cluster_tls_ca=tls_ca,
         data_dir=os.path.abspath(opts["data-dir"]),
         node_id=node_id,
         peers=list(opts["peers"]),
@@ -138,8 +223,11 @@ def from_options(opts) -> NodeConfig:
         max_batch_bytes=parse_positive_int("max-batch-bytes", opts["max-batch-bytes"], 16 * 1024 * 1024 - 64),
         ready_file=os.path.abspath(opts["ready-file"]) if opts["ready-file"] else None,
         log_level=level,
-        replication_factor=parse_positive_int("replication-factor", opts["replication-factor"], 16),
+        replication_factor=rf,
         shutdown_timeout=float(opts["shutdown-timeout"]),
+        max_connections=0 if opts["max-connections"] in (None, "0") else parse_positive_int("max-connections", opts["max-connections"]),
+        idle_timeouts=parse_idle_timeouts(opts["idle-timeouts"]),
+        max_unsent_bytes=0 if opts["max-unsent-bytes"] == "0" else parse_positive_int("max-unsent-bytes", opts["max-unsent-bytes"]),
         metrics=parse_on_off("metrics", opts["metrics"]),
         metrics_token=opts["metrics-token"],
         metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),

@@ -32,6 +32,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
 from node import cluster_view
+from protocols.partition import server as kv_server
+from protocols.s2 import api as s2_api
+from protocols.sbp import server as sbp_server
+from protocols.swarm import server as swarm_server
+from protocols.toasty import server as toasty_server
 
 DEFAULT_STREAM_LABELS = 100
 OTHER_STREAMS = "_other"  # the label value that sums the streams past the --metrics-streams limit
@@ -246,6 +251,8 @@ class NodeCollector:
             errors.add_metric(["sbp"], sbp["errors"])
         yield errors
 
+        yield from self._responses(m)
+
         records = _counter("sbpnode_records", "Records appended (in) and read (out), by protocol.",
                            ["protocol", "direction"])
         if "append_records" in sbp:
@@ -282,10 +289,54 @@ class NodeCollector:
             c.add_metric([], sbp["read_ahead_hits"])
             yield c
 
+        wire = _counter("sbpnode_wire_bytes", "Bytes read from (in) and written to (out) the connections, "
+                        "by protocol (KV and Toasty; the other protocols count payload bytes).",
+                        ["protocol", "direction"])
+        for protocol, section in (("kv", kv), ("toasty", m.get("toasty") or {})):
+            if "bytes_in" in section:
+                wire.add_metric([protocol, "in"], section["bytes_in"])
+                wire.add_metric([protocol, "out"], section.get("bytes_out", 0))
+        yield wire
+
         conns = _gauge("sbpnode_connections", "Open client connections, by listener.", ["protocol"])
         for name, count in self._connections().items():
             conns.add_metric([name], count)
         yield conns
+
+        guard = m.get("connections") or {}  # node/guard.py
+        for key, kind, name, text in (
+            ("refused", _counter, "sbpnode_connections_refused", "Connections closed at once past --max-connections."),
+            ("closed_idle", _counter, "sbpnode_connections_closed_idle", "Connections closed after their listener's --idle-timeout."),
+            ("closed_stalled", _counter, "sbpnode_connections_closed_stalled", "Connections not reading their replies, aborted over --max-unsent-bytes."),
+            ("unsent_bytes", _gauge, "sbpnode_unsent_reply_bytes", "Reply bytes held for clients, not yet taken by the kernel."),
+        ):
+            if key in guard:
+                metric = kind(name, text)
+                metric.add_metric([], guard[key])
+                yield metric
+
+    def _responses(self, m):
+        """sbpnode_responses_total from the counts each protocol server keeps by its own compact
+        key (each server's ``response_labels`` turns a key into labels)."""
+        family = _counter("sbpnode_responses", "Replies sent, by protocol, operation (opcode, command, "
+                          "request or message type, route group) and status; result=\"error\" for a refusal "
+                          "or failure.", ["protocol", "operation", "status", "result"])
+        sources = (
+            ("sbp", m.get("sbp_responses"), sbp_server.response_labels),
+            ("kv", (m.get("kv") or {}).get("responses"), kv_server.response_labels),
+            ("toasty", (m.get("toasty") or {}).get("responses"), toasty_server.response_labels),
+            ("s2", m.get("s2_responses"), s2_api.response_labels),
+            ("swarm", (m.get("swarm_server") or {}).get("responses"), swarm_server.response_labels),
+        )
+        for protocol, counts, labels_of in sources:
+            series = {}
+            for key, count in list((counts or {}).items()):
+                operation, status, ok = labels_of(key)
+                labels = (protocol, operation, status, "ok" if ok else "error")
+                series[labels] = series.get(labels, 0) + count
+            for labels, count in sorted(series.items()):
+                family.add_metric(list(labels), count)
+        yield family
 
     def _connections(self):
         out = {}

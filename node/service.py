@@ -1,12 +1,15 @@
 """The node: one MultiService holding the store, one listener per protocol and one syncer per peer.
 
 Start-up order (privilegedStartService, before the reactor runs): lock the data dir, open the store,
-bind every listener (a bind failure exits non-zero with a one-line message). Once running, the
-ready file is written atomically. Shutdown (SIGTERM/SIGINT): stop accepting, run the protocols'
+bind every listener (a bind failure exits non-zero with a one-line message). The ready file is
+written atomically once every warm-up a protocol registered (``NodeContext.before_ready``: the
+compiled APPEND check) has finished, so a client told "ready" gets the node at full speed; the log
+says how long start-up took. Shutdown (SIGTERM/SIGINT): stop accepting, run the protocols'
 shutdown hooks (SBP GOAWAY, parked FETCHes answered) with a bounded wait, stop peer syncers, close
 the store, remove the ready file.
 """
 
+import gc
 import json
 import os
 import signal
@@ -17,7 +20,7 @@ from twisted.application import service
 from twisted.internet import defer, endpoints
 from twisted.logger import Logger
 
-from node import listeners
+from node import guard, listeners
 from node.config import LISTENERS, NodeConfig
 from node.identity import NodeIdMismatch, load_or_create_node_id
 from node.lockfile import DataDirLock, DataDirLocked
@@ -33,15 +36,40 @@ class NodeContext:
         self.node_id = None
         self.store = None
         self.ports = {}  # listener name -> IListeningPort
+        self.guard = None  # node.guard.ConnectionGuard: connection cap and idle timeouts
+        self.metrics = {}
         self.metrics = {}  # the counters the protocols keep (read by node/metrics.py at scrape time)
         # observe_latency(operation, seconds): the protocols' latency hook (node/metrics.py
         # OPERATIONS); a no-op with --metrics off
         self.observe_latency = ignore_latency
         self.node_metrics = None  # node.metrics.NodeMetrics with --metrics on
         self.http_pages = None  # fn(responder) -> bool: /metrics and the status page (node/status_page.py)
-        self.cluster = None  # cluster mode's view (node/cluster_view.py); None: single node
+        self.cluster = None  # node.cluster.service.ClusterNode with --cluster (CONTRACT §9; its status() is node/cluster_view.py's view); None: single node
         self.started = time.time()
         self._shutdown_hooks = []
+        self.warm_ups = []  # (what, Deferred) to finish before the ready file is written
+        self.ready = False
+        self._ready_waiters = []
+
+    def before_ready(self, d, what: str) -> None:
+        """Hold the ready file until ``d`` fires (for work that would slow the first requests)."""
+        self.warm_ups.append((what, d))
+
+    def when_ready(self):
+        """A Deferred fired once the node serves at full speed (the ready file is written then):
+        what announces the node to others (a cluster registration) waits for it."""
+        d = defer.Deferred()
+        if self.ready:
+            d.callback(None)
+        else:
+            self._ready_waiters.append(d)
+        return d
+
+    def _now_ready(self):
+        self.ready = True
+        waiters, self._ready_waiters = self._ready_waiters, []
+        for d in waiters:
+            d.callback(None)
 
     def advertised(self, name: str):
         port = self.ports.get(name)
@@ -49,7 +77,9 @@ class NodeContext:
             return None
         addr = port.getHost()
         host = getattr(addr, "host", None)
-        if host in (None, "", "0.0.0.0", "::"):
+        if self.config.advertise:
+            host = self.config.advertise  # CONTRACT §9 --advertise
+        elif host in (None, "", "0.0.0.0", "::"):
             host = "127.0.0.1"
         return "%s:%d" % (host, addr.port) if ":" not in host else "[%s]:%d" % (host, addr.port)
 
@@ -95,6 +125,11 @@ class NodeService(service.MultiService):
         from storage import Store
 
         node = self.node
+        ready_dir = os.path.dirname(self.config.ready_file or "") or "."
+        if self.config.ready_file and not os.access(ready_dir, os.W_OK):
+            # checked now: the file is written later (after the warm-ups), when a failure could
+            # only stop the node
+            self._abort_start("--ready-file %s: %s is not a writable directory" % (self.config.ready_file, ready_dir))
         try:
             node.store = Store.open(
                 os.path.join(self.config.data_dir, "store"),
@@ -106,16 +141,30 @@ class NodeService(service.MultiService):
             self.log.failure("could not open the store")
             self._lock.release()
             raise SystemExit("sbpnode: could not open the store in %s: %s" % (self.config.data_dir, e))
+        nofile = guard.raise_fd_limit()
+        node.guard = guard.ConnectionGuard(
+            node.reactor,
+            self.config.max_connections or guard.default_max_connections(nofile),
+            self.config.idle_timeouts,
+            node.metrics.setdefault("connections", {}),
+            self.config.max_unsent_bytes,
+        )
         if self.config.metrics:
             self._start_metrics()
+        if self.config.cluster:
+            from node.cluster.service import ClusterNode
+
+            node.cluster = ClusterNode(node)
         for name in LISTENERS:
             description = self.config.endpoint(name)
             if description is None:
                 continue
-            factory = listeners.build_factory(name, node)
+            factory = node.guard.wrap(name, listeners.build_factory(name, node))
             result = endpoints.serverFromString(node.reactor, description).listen(factory)
             failures = []
             result.addCallbacks(lambda port, name=name: node.ports.__setitem__(name, port), failures.append)
+            if name in node.ports:
+                guard.limit_accepts(node.ports[name])
             if failures:
                 self._abort_start("cannot listen on --%s %s: %s" % (name, description, failures[0].value))
             if name not in node.ports:
@@ -147,6 +196,12 @@ class NodeService(service.MultiService):
 
     def startService(self):
         super().startService()
+        self.node.guard.start()
+        self.log.info(
+            "at most {max} client connections (RLIMIT_NOFILE {nofile}); idle timeouts {idle}",
+            max=self.node.guard.max_connections, nofile=guard.raise_fd_limit(),
+            idle=" ".join("%s=%gs" % kv for kv in sorted(self.config.idle_timeouts.items())),
+        )
         self.node.reactor.callWhenRunning(self._install_signal_handlers)
         for name in LISTENERS:
             port = self.node.ports.get(name)
@@ -155,8 +210,90 @@ class NodeService(service.MultiService):
                 listener=name,
                 address=self.node.advertised(name) if port else "none (off)",
             )
-        self._write_ready_file()
-        self.log.info("node {node_id} ready (data dir {data_dir})", node_id=self.node.node_id, data_dir=self.config.data_dir)
+        self._ready_call = self.node.reactor.callLater(0, self._when_warm)
+
+    # A warm-up that never finishes (a wedged compile) must not keep the node from ever serving.
+    WARM_UP_LIMIT = 120.0
+
+    @defer.inlineCallbacks
+    def _when_warm(self):
+        node = self.node
+        started = time.monotonic()
+        for what, d in node.warm_ups:
+            left = self.WARM_UP_LIMIT - (time.monotonic() - started)
+            timer = node.reactor.callLater(max(left, 0), d.cancel)
+            try:
+                yield d
+            except defer.CancelledError:
+                self.log.warn("{what} not ready after {limit}s; writing the ready file anyway",
+                              what=what, limit=self.WARM_UP_LIMIT)
+            except Exception:
+                self.log.failure("warm-up {what} failed", what=what)
+            finally:
+                if timer.active():
+                    timer.cancel()
+        if not self.running:
+            return
+        # Start-up leaves ~150k long-lived objects (numba, llvmlite, numpy, the protocols' modules);
+        # every full collection would walk them all (~30-100 ms with the reactor stopped, seen as
+        # p99.9 spikes). Collect once now, then move what survived out of the collector's sight.
+        gc.collect()
+        gc.freeze()
+        self._warm_seconds = time.monotonic() - started
+        if node.cluster is None:
+            self._ready()
+            return
+        # CONTRACT §9: the ready file appears only after registration (and registration only
+        # once the node serves at full speed)
+        d = node.cluster.start()
+        d.addCallbacks(lambda _: self._ready(), self._cluster_start_failed)
+
+    def _ready(self):
+        node = self.node
+        try:
+            self._write_ready_file()
+        except OSError as e:  # a supervisor waiting for the file would wait forever: stop instead
+            self.log.critical("cannot write the ready file {path}: {error}; stopping",
+                              path=self.config.ready_file, error=e)
+            node.reactor.stop()
+            return
+        node._now_ready()
+        self.log.info(
+            "node {node_id} ready in {seconds:.2f}s since process start (warm-up {warm:.2f}s; data dir {data_dir})",
+            node_id=node.node_id, seconds=process_age(), warm=getattr(self, "_warm_seconds", 0.0),
+            data_dir=self.config.data_dir,
+        )
+
+    def _cluster_start_failed(self, failure):
+        from node.cluster.etcd import EtcdError
+        from node.cluster.membership import StartRefused
+
+        if failure.check(StartRefused, EtcdError):
+            message = str(failure.value)
+        else:
+            self.log.failure("cluster start failed", failure)
+            message = "%s: %s" % (type(failure.value).__name__, failure.value)
+        self._exit_after_stop("cannot join the cluster: " + message)
+
+    def _exit_after_stop(self, message):
+        """A start-up failure found once the reactor runs: one line on stderr, a clean stop,
+        exit status 1 (twistd itself would exit 0 after reactor.stop())."""
+        self.log.critical("{message}", message=message)
+        stderr = sys.__stderr__
+        stderr.write("sbpnode: %s\n" % message)
+        stderr.flush()
+        self.node.cluster = None  # nothing to leave: start() undid its registration
+
+        def exit_1():
+            for f in (sys.stdout, sys.__stdout__, stderr):
+                try:
+                    f.flush()
+                except Exception:
+                    pass
+            os._exit(1)
+
+        self.node.reactor.addSystemEventTrigger("after", "shutdown", exit_1)
+        self.node.reactor.stop()
 
     def _install_signal_handlers(self):
         # CONTRACT §1: SIGTERM/SIGINT mean a clean shutdown that exits 0. twistd's own handlers
@@ -186,6 +323,11 @@ class NodeService(service.MultiService):
     @defer.inlineCallbacks
     def stopService(self):
         node = self.node
+        call = getattr(self, "_ready_call", None)
+        if call is not None and call.active():
+            call.cancel()
+        if node.guard is not None:
+            node.guard.stop()
         self.log.info("shutting down: no new connections")
         yield defer.DeferredList([defer.maybeDeferred(p.stopListening) for p in node.ports.values()])
         hooks = node.run_shutdown_hooks()
@@ -197,6 +339,9 @@ class NodeService(service.MultiService):
         finally:
             if timeout.active():
                 timeout.cancel()
+        if node.cluster is not None:
+            # leave at once (lease revoked) rather than after the TTL
+            yield node.cluster.stop()
         yield super().stopService()
         if node.store is not None:
             yield node.store.close()
@@ -207,6 +352,18 @@ class NodeService(service.MultiService):
             except FileNotFoundError:
                 pass
         self._lock.release()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux /proc; interpreter start-up included)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.process_time()
 
 
 def attach_log_level(node_service: NodeService, application, twistd_options) -> None:

@@ -29,8 +29,16 @@ class Options(usage.Options):
         ["max-batch-bytes", None, str(nodeconfig.DEFAULT_MAX_BATCH_BYTES), "Largest record batch an APPEND entry may carry (1413 above it)."],
         ["ready-file", None, None, "Write a JSON object of the bound ports here (atomically) once every listener is bound."],
         ["log-level", None, "info", "Lowest log level written: debug, info, warn, error or critical."],
-        ["replication-factor", None, "1", "Copies of each Toasty chunk to ask for across chunk servers."],
+        ["replication-factor", None, None, "Replicas for new streams (replica_nums 0) and Toasty chunks. Default: 1 single node, 3 with --cluster."],
+        ["cluster", None, None, "Cluster mode: etcd client URLs, comma-separated (http://127.0.0.1:2379)."],
+        ["cluster-prefix", None, nodeconfig.DEFAULT_CLUSTER_PREFIX, "Key prefix for this cluster in etcd."],
+        ["advertise", None, None, "Host other nodes and clients use to reach this node's listeners. Default: each listener's interface."],
+        ["cluster-tls-cert", None, None, "PEM certificate of this node for mutual TLS between nodes and to etcd."],
+        ["cluster-tls-key", None, None, "PEM private key for --cluster-tls-cert."],
+        ["cluster-tls-ca", None, None, "PEM CA certificate: node-to-node peers must present a certificate it signed."],
         ["shutdown-timeout", None, "10", "Seconds to let in-flight work finish on SIGTERM/SIGINT."],
+        ["max-unsent-bytes", None, str(nodeconfig.DEFAULT_MAX_UNSENT_BYTES), "Reply bytes held for all clients together past which stalled readers are cut off; 0: no cap."],
+        ["max-connections", None, "0", "Open client connections (all listeners) past which new ones are closed at once; 0: the fd limit less 256."],
         ["metrics", None, "on", "on: Prometheus metrics at GET /metrics and the status page at GET / on the --http listener; off: neither, and no latency timing."],
         ["metrics-token", None, None, "Require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on /metrics and the status page (default: open)."],
         ["metrics-streams", None, "100", "Streams given their own `stream` label in the metrics (the biggest by records); the rest are summed as stream=\"_other\"."],
@@ -39,6 +47,7 @@ class Options(usage.Options):
     def __init__(self):
         super().__init__()
         self["peers"] = []
+        self["idle-timeouts"] = []
 
     def opt_peer(self, endpoint):
         """Another node's swarm listener (client endpoint string, e.g.
@@ -50,6 +59,11 @@ class Options(usage.Options):
         except Exception as e:
             raise usage.UsageError("--peer: %r is not a client endpoint string (%s)" % (endpoint, e))
         self["peers"].append(endpoint)
+
+    def opt_idle_timeout(self, value):
+        """Close a connection after SECONDS without data either way: `--idle-timeout S` for every
+        listener or `--idle-timeout LISTENER=S`, repeatable; 0: never. Default 300, swarm 3600."""
+        self["idle-timeouts"].append(value)
 
     def postOptions(self):
         self.config = nodeconfig.from_options(self)

@@ -63,6 +63,32 @@ def has_unsent(transport) -> bool:
     return bool(transport._tempDataLen) or len(transport.dataBuffer) > transport.offset
 
 
+def unsent_bytes(transport) -> int:
+    """Bytes Twisted holds for a plain TCP transport (under TLS too: the one under the TLS layer)
+    not yet taken by the kernel; 0 if this door does not know the transport."""
+    try:
+        return transport._tempDataLen + len(transport.dataBuffer) - transport.offset
+    except (AttributeError, TypeError):
+        return 0
+
+
+def cap_accepts(port, most: int) -> None:
+    """Cap a listening ``tcp.Port``'s accepts per reactor pass. Twisted starts at 100 and adds 20
+    each time a pass takes them all (``numberAccepts``), so under a connection flood one pass can
+    build hundreds of protocols while established connections wait. The reactor calls the
+    instance attribute ``doRead``."""
+    if not isinstance(getattr(port, "numberAccepts", None), int):
+        return
+    do_read = port.doRead
+
+    def doRead():
+        if port.numberAccepts > most:
+            port.numberAccepts = most
+        return do_read()
+
+    port.doRead = doRead
+
+
 def idle_socket(transport):
     """The transport's socket when it is a plain TCP or UNIX connection, open, not TLS, holding no
     unsent bytes; None otherwise."""

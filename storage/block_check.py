@@ -6,14 +6,18 @@ the reactor thread: a third of its time under interval appends. The compiled che
 bytes in about 1 us and builds nothing.
 
 numba takes about half a second to import and compiles once per machine (seconds; then cached, see
-``storage/jit.py``), so a node starts with the msgpack check and switches once the compiled one is
-ready: ``start_loading()`` loads it on a thread, and both of its signatures (read-only and writable
-buffers) are compiled there, never on the reactor. The compiled check only says yes to the exact
-shape; for anything else it says no and the msgpack check, which has the last word, decides.
+``storage/jit.py``): ``start_loading()`` loads it on a thread, and both of its signatures (read-only
+and writable buffers) are compiled there, never on the reactor. That thread holds the GIL for most
+of that time, so the node writes its ready file only once it has finished (the Deferred that
+``start_loading`` returns; node/service.py): a client told "ready" never meets the reactor stalled
+behind an import. Until then (and for good without numba) APPEND runs the msgpack check. The
+compiled check only says yes to the exact shape; for anything else it says no and the msgpack
+check, which has the last word, decides.
 """
 
 import threading
 
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage.jit import import_compiled
@@ -29,17 +33,47 @@ state = "msgpack"
 
 _lock = threading.Lock()
 _started = False
+_done = False
+_waiters = []  # (reactor, Deferred) told when the loading thread has finished
 
 
-def start_loading():
-    """Load the compiled check on a thread (once per process)."""
+def start_loading(reactor=None):
+    """Load the compiled check on a thread (once per process). With a reactor, returns a Deferred
+    that fires (with ``state``) on that reactor's thread once loading has finished, whatever the
+    outcome; None without one."""
     global _started, state
+    d = None
     with _lock:
+        if reactor is not None:
+            d = defer.Deferred()
+            if _done:
+                reactor.callFromThread(_tell, d, state)
+            else:
+                _waiters.append((reactor, d))
         if _started:
-            return
+            return d
         _started = True
         state = "loading"
-    threading.Thread(target=load, name="block-check", daemon=True).start()
+    threading.Thread(target=_load_and_tell, name="block-check", daemon=True).start()
+    return d
+
+
+def _load_and_tell():
+    global _done
+    try:
+        load()
+    finally:
+        with _lock:
+            _done = True
+            waiters = _waiters[:]
+            del _waiters[:]
+        for reactor, d in waiters:
+            reactor.callFromThread(_tell, d, state)
+
+
+def _tell(d, result):
+    if not d.called:  # a caller may have given up waiting (cancelled it)
+        d.callback(result)
 
 
 def load():

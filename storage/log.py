@@ -141,6 +141,11 @@ class RecordLog:
     def stream_count(self) -> int:
         return len(self._streams)
 
+    def last_stream_number(self) -> int:
+        """The n of the last stream id ``(node_id << 32) | n`` this store handed out (deleted
+        streams included): cluster mode allocates above it (node/cluster/placement.py)."""
+        return self._counter
+
     def offsets(self):
         """{stream id: (trim offset, next offset)} of every stream: a cheap snapshot (no
         StreamMeta per stream) for the node's metrics and status page, which sample it often."""

@@ -36,3 +36,27 @@ def node_factory(tmp_path):
 def node(node_factory):
     """One running node with every listener on a free loopback port."""
     return node_factory()
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """One real etcd member on free loopback ports (tests/etcdproc.py); stopped at the end."""
+    from tests.etcdproc import EtcdCluster
+
+    d = tmp_path / "etcd"
+    d.mkdir()
+    cluster = EtcdCluster(d, members=1).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def etcd3(tmp_path):
+    """Three real etcd members (fault tests)."""
+    from tests.etcdproc import EtcdCluster
+
+    d = tmp_path / "etcd3"
+    d.mkdir()
+    cluster = EtcdCluster(d, members=3).start()
+    yield cluster
+    cluster.stop()

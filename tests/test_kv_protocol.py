@@ -669,3 +669,22 @@ def test_pipelines_match_one_at_a_time_execution(store, ops, step, manual):
     r = replies(tr, [cmd for cmd, _ in ops])
     assert [(x.client_id, x.cmd, x.items[0][1] if x.items else None) for x in r] == expected
     assert contents(store) == model
+
+
+def test_a_scan_queued_behind_a_write_run_is_not_taken_for_a_write(store):
+    """Found by bench/fuzz_wire.py: a run of queued writes stopped at a request without a key
+    (cursor, scan) by reading its key, which it has none of."""
+    hold(store)
+    proto, tr = connect(store)
+    proto.dataReceived(
+        c.encode_set(1, b"a", b"1")
+        + c.encode_get(2, b"a")  # waits for the SET
+        + c.encode_set(3, b"b", b"2")
+        + c.encode_create_cursor(4, b"cur", b"")
+        + c.encode_scan(c.GET_FF, 5, 10, b"cur")
+    )
+    complete(store)  # the first SET: the GET runs, then the SET run, which must stop at the cursor
+    complete(store)
+    r = replies(tr, [c.SET, c.GET, c.SET, c.CREATE_CURSOR, c.GET_FF])
+    assert [x.client_id for x in r] == [1, 2, 3, 4, 5]
+    assert r[4].items == [(b"a", b"1"), (b"b", b"2")]

@@ -135,6 +135,81 @@ def test_metrics_after_traffic_on_each_protocol(node):
     assert any(name == "python_info" for name, _ in after)  # the library's platform collector
 
 
+def failing_requests(node):
+    """One request each protocol refuses or fails: SBP APPEND to a stream that does not exist,
+    KV DELETE_CURSOR of an unknown cursor (and a GET of a missing key, an answer, not an error),
+    Toasty READ of a missing file, S2 read of a missing stream, swarm GetRange of a missing
+    stream."""
+    import socket
+
+    from protocols.partition.client import KvError
+    from protocols.swarm import codec as swarm_codec
+
+    with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=10) as c:
+        try:
+            c.append(987654321, batch(1))
+        except Exception:
+            pass  # the client may raise on the entry's status; the reply is what is counted
+    with BlockingKvClient(*node.address("kv")) as kv:
+        assert kv.get(b"no-such-key") is None
+        with pytest.raises(KvError):
+            kv.delete_cursor(b"no-such-cursor")
+    with BlockingToastyClient(*node.address("meta")) as t:
+        with pytest.raises(Exception):
+            t.read("/no-such-file")
+    assert get(node, "/v1/streams/no-such-stream/records?seq_num=0")[0] == 404
+    with socket.create_connection(node.address("swarm"), timeout=10) as s:
+        s.sendall(swarm_codec.encode(swarm_codec.GetRange(1, swarm_codec.log_id(987654321), 1, None, 10, False)))
+        assert s.recv(65536)  # the StreamState refusal
+
+
+def test_responses_by_status_and_wire_bytes(node):
+    before = scrape(node)
+    traffic(node)
+    failing_requests(node)
+
+    def series(samples, protocol, operation, status, result):
+        return value(samples, "sbpnode_responses_total", protocol=protocol, operation=operation,
+                     status=status, result=result)
+
+    expected = (
+        ("sbp", "append", "NONE", "ok"), ("sbp", "fetch", "NONE", "ok"),
+        ("sbp", "create_streams", "NONE", "ok"), ("sbp", "append", "STREAM_NOT_FOUND", "error"),
+        ("kv", "set", "OK", "ok"), ("kv", "get", "OK", "ok"), ("kv", "get", "DATA_NOT_FOUND", "ok"),
+        ("kv", "delete_cursor", "ERR_CURSOR_NOT_FOUND", "error"),
+        ("toasty", "write", "ok", "ok"), ("toasty", "read", "ok", "ok"), ("toasty", "read", "NOT_FOUND", "error"),
+        ("s2", "streams", "201", "ok"), ("s2", "records", "200", "ok"), ("s2", "records", "404", "error"),
+        ("swarm", "get_range", "no_such_stream", "error"),
+    )
+
+    def all_moved():
+        after = scrape(node)
+        return after if all(series(after, *labels) > series(before, *labels) for labels in expected) else None
+
+    try:
+        after = wait_for(all_moved, what="every protocol's responses by status")
+    except AssertionError:
+        after = scrape(node)
+        missing = [labels for labels in expected if series(after, *labels) <= series(before, *labels)]
+        seen = sorted(dict(k[1]).items() for k in after if k[0] == "sbpnode_responses_total")
+        raise AssertionError("did not move: %r; series: %r" % (missing, seen))
+    assert series(after, "sbp", "append", "NONE", "ok") - series(before, "sbp", "append", "NONE", "ok") == 5
+    assert series(after, "kv", "set", "OK", "ok") - series(before, "kv", "set", "OK", "ok") == 20
+    # KV and Toasty count the bytes on the wire, both ways
+    for protocol in ("kv", "toasty"):
+        for direction in ("in", "out"):
+            assert value(after, "sbpnode_wire_bytes_total", protocol=protocol, direction=direction) > \
+                value(before, "sbpnode_wire_bytes_total", protocol=protocol, direction=direction), (protocol, direction)
+    assert value(after, "sbpnode_wire_bytes_total", protocol="toasty", direction="in") > 5000  # the 5000-byte write
+
+
+def test_toasty_connections_are_counted(node):
+    with BlockingToastyClient(*node.address("meta")) as t:
+        t.write("/c", b"x", truncate=True)
+        assert value(scrape(node), "sbpnode_connections", protocol="meta") == 1
+    wait_for(lambda: value(scrape(node), "sbpnode_connections", protocol="meta") == 0, what="the meta connection gone")
+
+
 def test_stream_labels_are_bounded(node_factory):
     n = node_factory(metrics_streams=2, fsync="never", kv="none", meta="none", chunks="none", swarm="none")
     with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
@@ -490,3 +565,27 @@ def test_metrics_and_status_json_over_h2c(node):
     assert "sbpnode_requests" in families and "sbpnode_request_duration_seconds" in families
     assert json.loads(r["/ui/status.json"]["data"])["node"]["node_id"] == node.node_id
     assert b'id="chart-throughput"' in r["/"]["data"]
+
+
+def test_response_labels_stay_bounded():
+    from protocols.partition import codec as kv_codec
+    from protocols.partition import server as kv_server
+    from protocols.s2.api import route_group
+    from protocols.sbp import codec as sbp_codec
+    from protocols.sbp import server as sbp_server
+    from protocols.toasty import codec as toasty_codec
+    from protocols.toasty import server as toasty_server
+
+    assert sbp_server.response_labels(sbp_codec.FETCH << 16 | sbp_codec.NO_NEW_RECORD) == ("fetch", "NO_NEW_RECORD", True)
+    assert sbp_server.response_labels(0 << 16 | sbp_codec.INVALID_REQUEST) == ("unknown", "INVALID_REQUEST", False)
+    assert kv_server.response_labels(kv_codec.GET << 8 | kv_codec.DATA_NOT_FOUND) == ("get", "DATA_NOT_FOUND", True)
+    assert kv_server.response_labels(0 << 8 | kv_server.ERR_STATUS + kv_codec.E_MSG_TOO_SHORT) == ("unknown", "ERR_MSG_TOO_SHORT", False)
+    assert toasty_server.response_labels(toasty_codec.WRITE_ERROR << 8 | toasty_server._error_status(
+        "Generation counter mismatch or invalid value: 3")) == ("write", "BAD_GENERATION", False)
+    assert toasty_server.response_labels(toasty_codec.LIST_ERROR << 8 | toasty_server._error_status("?")) == ("list", "other", False)
+    # S2: a fixed route group whatever the path
+    assert route_group(["v1", "streams", "a%2Fb", "records"]) == "records"
+    assert route_group(["v1", "streams", "x"]) == "streams"
+    assert route_group(["v1", "no-such-kind", "x"]) == "other"
+    assert route_group(["wp-admin", "x.php"]) == "other"
+    assert route_group([]) == route_group(["metrics"]) == route_group(["ui", "app.js"]) == "node_pages"

@@ -32,6 +32,20 @@ def test_ready_file_lists_every_bound_port(node):
         socket.create_connection(("127.0.0.1", ready[name]), timeout=5).close()
 
 
+def test_ready_means_the_compiled_append_check_has_loaded(node):
+    """Issue 21: the ready file waits for the warm-ups (no client meets the reactor stalled behind
+    numba's import), and the log says how long start-up took."""
+    from protocols.sbp.client import BlockingSbpClient
+
+    c = BlockingSbpClient("127.0.0.1", node.ports["sbp"])
+    try:
+        assert c.status()["append_check"] in ("compiled", "msgpack")  # never "loading"
+    finally:
+        c.close()
+    line = [x for x in node.log_text().splitlines() if " ready in " in x]
+    assert len(line) == 1 and "since process start" in line[0], node.log_text()[-2000:]
+
+
 def test_a_listener_can_be_turned_off_and_logs_one_line_each(node_factory):
     n = node_factory(kv="none", http="none")
     assert n.ready["kv"] is None and n.ready["http"] is None
@@ -86,6 +100,10 @@ def test_second_node_on_the_same_data_dir_refuses_to_start(node, tmp_path):
         (["--node-id", "0"], "--node-id"),
         (["--log-level", "loud"], "--log-level"),
         (["--peer", "nonsense:::"], "--peer"),
+        (["--idle-timeout", "bogus=3"], "--idle-timeout"),
+        (["--idle-timeout", "-1"], "--idle-timeout"),
+        (["--max-connections", "none"], "--max-connections"),
+        (["--max-unsent-bytes", "-5"], "--max-unsent-bytes"),
     ],
 )
 def test_bad_options_give_a_clear_error_and_a_non_zero_exit(tmp_path, args, message):
@@ -94,6 +112,14 @@ def test_bad_options_give_a_clear_error_and_a_non_zero_exit(tmp_path, args, mess
     out = result.stderr + result.stdout
     assert message in out
     assert "Traceback" not in out
+
+
+def test_an_unwritable_ready_file_fails_start_up_cleanly(tmp_path):
+    result = run_twistd(["--data-dir", str(tmp_path / "d"), "--ready-file", str(tmp_path / "no" / "such" / "ready")]
+                        + [a for name in LISTENERS for a in ("--" + name, "none")], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "--ready-file" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr + result.stdout
 
 
 def test_a_port_in_use_fails_start_up_cleanly(tmp_path):
@@ -116,7 +142,8 @@ def test_a_port_in_use_fails_start_up_cleanly(tmp_path):
 def test_help_documents_every_option(tmp_path):
     result = run_twistd(["--help"], cwd=tmp_path)
     assert result.returncode == 0
-    for option in ["data-dir", "node-id", "peer", "fsync", "http-token", "max-batch-bytes", "ready-file", "log-level"] + list(LISTENERS):
+    for option in ["data-dir", "node-id", "peer", "fsync", "http-token", "max-batch-bytes", "ready-file", "log-level",
+                   "idle-timeout", "max-connections", "max-unsent-bytes"] + list(LISTENERS):
         assert "--%s=" % option in result.stdout, option
 
 

@@ -23,11 +23,11 @@ class FakeConfig:
 class Node:
     """The NodeContext surface the SBP server uses, over a real store."""
 
-    def __init__(self, store, clock):
+    def __init__(self, store, clock=None):
         self.store = store
         self.config = FakeConfig()
         self.node_id = 7
-        self.reactor = clock
+        self.reactor = store.reactor if clock is None else clock
         self.metrics = {}
         self.hooks = []
 

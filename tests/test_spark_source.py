@@ -198,3 +198,32 @@ def test_write_then_read_back(spark, sbp_node, client, tmp_path):
     copy = reader(spark, sbp_node, str(sid), end_offset=50).selectExpr("stream_id", "headers", "body")
     copy.write.format("sbp").mode("append").option("endpoint", sbp_node.endpoint("sbp")).save()
     assert reader(spark, sbp_node, str(sid)).count() == 250
+
+
+def test_any_node_of_a_cluster(spark, tmp_path):
+    """CONTRACT §9: given a node that does not hold the stream, the source reads and writes it
+    through the node that does (PD_NOT_LEADER followed)."""
+    from protocols.sbp.client import BlockingSbpClient
+    from tests.etcdproc import EtcdCluster, etcd_available
+
+    if not etcd_available():
+        pytest.skip("etcd-server is not installed")
+    etcd = EtcdCluster(tmp_path, members=1).start()
+    nodes = []
+    try:
+        nodes = [NodeProcess(tmp_path, name="c%d" % i, cluster=etcd.client_urls, node_id=i, fsync="never").start()
+                 for i in (1, 2)]
+        with BlockingSbpClient(*nodes[0].address("sbp")) as c:
+            sids = [c.create_stream(replica_nums=1)["stream_id"] for _ in range(2)]
+            primaries = [c.list_ranges(s)[0]["servers"][0]["server_id"] for s in sids]
+        sid = sids[primaries.index(2)]  # the stream node 2 holds; Spark is given node 1
+        when = datetime.datetime(2025, 1, 2, 3, 4, 5)
+        data = [(b"c%d" % i, [], when) for i in range(30)]
+        df = spark.createDataFrame(data, "body binary, headers array<struct<name:binary,value:binary>>, timestamp timestamp")
+        df.write.format("sbp").mode("append").option("endpoint", nodes[0].endpoint("sbp")).option("stream", str(sid)).save()
+        back = rows(reader(spark, nodes[0], str(sid)))
+        assert [r[1] for r in back] == list(range(30)) and sorted(r[4] for r in back) == sorted(b for b, _, _ in data)
+    finally:
+        for n in nodes:
+            n.kill9()
+        etcd.stop()

@@ -11,6 +11,7 @@ import sys
 
 GROUPS = [
     ("status", "node.cli.status"),
+    ("cluster", "node.cli.cluster"),
     ("stream", "node.cli.stream"),
     ("kv", "node.cli.kv"),
     ("fs", "node.cli.fs"),
@@ -28,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sbpctl",
         description="Talk to an sbpnode: streams (SBP), key-value, files (Toasty), peers, S2.",
+    )
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="PEM",
+        help="the node's listeners speak TLS (ssl: endpoints): verify them against this CA file",
     )
     sub = parser.add_subparsers(dest="group", metavar="COMMAND")
     for name, module_name in GROUPS:
@@ -79,6 +84,22 @@ def split_endpoint(value: str, default_port: int):
         return host.strip("[]") or "127.0.0.1", int(port)
     except ValueError:
         raise CliError("bad endpoint %r: expected HOST:PORT" % value)
+
+
+def node_status(args) -> dict:
+    """The status dict of the node at ``args.endpoint`` (DESCRIBE_PD_CLUSTER's detail), or a
+    one-line CliError when it cannot be reached. The client connects lazily, so an unreachable
+    node surfaces at this first request."""
+    from protocols.sbp.client import BlockingSbpClient
+
+    host, port = split_endpoint(args.endpoint, 7700)
+    client = BlockingSbpClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
+    try:
+        return client.status()
+    except OSError as e:  # SbpConnectionError is a ConnectionError
+        raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
+    finally:
+        client.close()
 
 
 if __name__ == "__main__":

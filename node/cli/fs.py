@@ -67,7 +67,7 @@ def _client(args):
 
     host, port = split_endpoint(args.endpoint, 7702)
     try:
-        return BlockingToastyClient(host, port, timeout=args.timeout)
+        return BlockingToastyClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
     except OSError as e:
         raise CliError("metadata server at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
 

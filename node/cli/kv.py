@@ -87,7 +87,7 @@ def _client(args):
 
     host, port = split_endpoint(args.endpoint, DEFAULT_PORT)
     try:
-        return BlockingKvClient(host, port, timeout=args.timeout)
+        return BlockingKvClient(host, port, timeout=args.timeout, tls_ca=getattr(args, "tls_ca", None))
     except OSError as e:
         raise CliError("kv server at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
 

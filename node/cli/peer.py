@@ -9,7 +9,7 @@ import json
 import os
 import time
 
-from node.cli import CliError, split_endpoint
+from node.cli import CliError, node_status
 
 SNAPSHOT_NAME = "swarm-peers.json"
 
@@ -47,18 +47,7 @@ def load(args) -> dict:
 
 
 def _from_endpoint(args) -> dict:
-    host, port = split_endpoint(args.endpoint, 7700)
-    try:
-        from protocols.sbp.client import BlockingSbpClient
-    except ImportError:
-        raise CliError("this build cannot query a node over SBP; use --data-dir")
-    if not hasattr(BlockingSbpClient, "status"):
-        raise CliError("this build cannot query a node over SBP; use --data-dir")
-    client = BlockingSbpClient(host, port, timeout=args.timeout)
-    try:
-        info = client.status()
-    finally:
-        client.close()
+    info = node_status(args)
     peers = info.get("peers")
     if peers is None:
         peers = (info.get("metrics") or {}).get("peers", {})

@@ -60,7 +60,13 @@ def register(sub):
 
 def _request(args, method, path, body=None, headers=None, stream=False):
     host, port = split_endpoint(args.endpoint, 7780)
-    conn = http.client.HTTPConnection(host, port, timeout=args.timeout)
+    tls_ca = getattr(args, "tls_ca", None)
+    if tls_ca:
+        import ssl
+
+        conn = http.client.HTTPSConnection(host, port, timeout=args.timeout, context=ssl.create_default_context(cafile=tls_ca))
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=args.timeout)
     hdrs = {"content-type": "application/json"}
     if args.token:
         hdrs["authorization"] = "Bearer " + args.token

@@ -2,8 +2,7 @@
 
 import json
 
-from node.cli import CliError, split_endpoint
-from protocols.sbp.client import BlockingSbpClient
+from node.cli import node_status
 
 
 def register(sub):
@@ -15,15 +14,12 @@ def register(sub):
 
 
 def run(args):
-    host, port = split_endpoint(args.endpoint, 7700)
-    # The client connects lazily: an unreachable node surfaces at the first request.
-    client = BlockingSbpClient(host, port, timeout=args.timeout)
-    try:
-        info = client.status()
-    except OSError as e:  # SbpConnectionError is a ConnectionError
-        raise CliError("node at %s:%d is not reachable: %s" % (host, port, e.strerror or e))
-    finally:
-        client.close()
+    info = node_status(args)
+    # CONTRACT §9: say whether this node runs in a cluster
+    cl = info.get("cluster")
+    info["mode"] = ("cluster: %d live member(s), leader %s, etcd %s%s" % (
+        len(cl.get("live_members", [])), cl.get("leader"), cl.get("etcd"), "" if cl.get("etcd_reachable", True) else " (UNREACHABLE)")
+        if cl else "single node")
     if args.json:
         print(json.dumps(info, sort_keys=True))
     else:

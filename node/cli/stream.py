@@ -69,7 +69,8 @@ def _guarded(fn):
         from protocols.sbp.client import BlockingSbpClient, SbpConnectionError, SbpError
 
         host, port = split_endpoint(args.endpoint, 7700)
-        client = BlockingSbpClient(host, port, timeout=args.timeout)
+        # follow_cluster: in a cluster, data calls go to the stream's node (CONTRACT §9)
+        client = BlockingSbpClient(host, port, timeout=args.timeout, follow_cluster=True, tls_ca=getattr(args, "tls_ca", None))
         try:
             return fn(client, args)
         except SbpConnectionError as e:
@@ -98,6 +99,8 @@ def run_create(client, args):
 
 
 def _stream_info(client, sid, ranges=None):
+    if ranges is None:
+        client = client.for_stream(sid)  # in a cluster the primary knows the open range's next offset
     (s,) = client.describe_streams([sid])
     ranges = client.list_ranges(sid) if ranges is None else ranges
     s["start_offset"] = min((r["start_offset"] for r in ranges), default=0)
@@ -206,7 +209,7 @@ def run_append(client, args):
 
 
 def _flush(client, window, first, last):
-    bases = client.append_pipelined([(sid, b) for sid, b, _ in window], window=len(window))
+    bases = client.for_stream(window[0][0]).append_pipelined([(sid, b) for sid, b, _ in window], window=len(window))
     n = sum(c for _, _, c in window)
     if first is None and bases:
         first = bases[0]

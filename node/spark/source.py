@@ -67,7 +67,8 @@ def _client(endpoint: str, timeout: float):
     from protocols.sbp.client import BlockingSbpClient
 
     host, port = split_endpoint(endpoint)
-    return BlockingSbpClient(host, port, timeout=timeout)
+    # follow_cluster: in a cluster any node's address works (CONTRACT §9)
+    return BlockingSbpClient(host, port, timeout=timeout, follow_cluster=True)
 
 
 class _Options:
@@ -238,7 +239,7 @@ class SbpBatchReader(DataSourceReader):
         client = _client(self.opts.endpoint, self.opts.timeout)
         try:
             for sid in self.stream_ids:
-                ranges = client.list_ranges(sid)
+                ranges = client.for_stream(sid).list_ranges(sid)
                 earliest, tail = _bounds(ranges)
                 lo = max(_resolve(self.start, sid, earliest, tail), earliest)
                 hi = min(_resolve(self.end, sid, earliest, tail), tail)
@@ -269,7 +270,7 @@ class SbpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         try:
             out = {}
             for sid in self.stream_ids:
-                earliest, tail = _bounds(client.list_ranges(sid))
+                earliest, tail = _bounds(client.for_stream(sid).list_ranges(sid))
                 out[sid] = (earliest, tail) if with_earliest else tail
             return out
         finally:
@@ -311,7 +312,7 @@ class SbpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         client = _client(self.opts.endpoint, self.opts.timeout)
         try:
             for sid, (lo, hi) in todo.items():
-                ranges = client.list_ranges(sid)
+                ranges = client.for_stream(sid).list_ranges(sid)
                 earliest, _ = _bounds(ranges)
                 if lo < earliest:
                     log.warning("sbp: stream %d trimmed past offset %d; reading from %d", sid, lo, earliest)
@@ -390,7 +391,15 @@ class _Appender:
         client = _client(self.opts.endpoint, self.opts.timeout)
 
         def flush():
-            bases = client.append_many([(sid, b) for sid, b, _ in pending])
+            # each stream's batches go to its node (in a cluster, the open range's primary)
+            by_stream = {}
+            for i, (sid, _, _) in enumerate(pending):
+                by_stream.setdefault(sid, []).append(i)
+            bases = [None] * len(pending)
+            for sid, idx in by_stream.items():
+                got = client.for_stream(sid).append_many([(sid, pending[i][1]) for i in idx])
+                for i, base in zip(idx, got):
+                    bases[i] = base
             appended.extend((sid, base, n) for (sid, _, n), base in zip(pending, bases))
             pending.clear()
 

@@ -7,7 +7,6 @@ connection (every pending request then fails).
 
 import itertools
 import os
-import socket
 from collections import deque
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -16,7 +15,7 @@ from twisted.internet import defer
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 
-from protocols import framing, tcp_internals
+from protocols import client_socket, framing, tcp_internals
 from protocols.framing import Framer, read_frame
 from protocols.partition import codec
 from protocols.partition.codec import (
@@ -189,9 +188,8 @@ def connect(reactor, host: str, port: int):
 class BlockingKvClient:
     """A plain-socket client for scripts and the CLI: one request at a time, or ``pipeline``."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 7701, timeout: Optional[float] = 30.0):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, host: str = "127.0.0.1", port: int = 7701, timeout: Optional[float] = 30.0, tls_ca=None):
+        self.sock = client_socket.connect(host, port, timeout, tls_ca)
         self._frames = Framer(REPLY_LAYOUT)
         self._ids = itertools.count(1)
 

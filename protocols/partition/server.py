@@ -66,6 +66,15 @@ def _get_reply_head(klen):
 _U32_FROM = struct.Struct(">I").unpack_from
 MAX_VALUE = codec.MAX_VALUE
 
+# sbpnode_responses_total (node/metrics.py): replies counted by command << 8 | status, the status
+# being the reply's OK / DATA_NOT_FOUND / INVALID_COMMAND or ERR_STATUS + its ERR code; command 0:
+# not known (a message too short or not decodable). Int keys: node.metrics is dumped as JSON.
+ERR_STATUS = 128
+_GET_OK = GET << 8 | OK
+_GET_NOT_FOUND = GET << 8 | DATA_NOT_FOUND
+_SET_OK = SET << 8 | OK
+_REMOVE_OK = REMOVE << 8 | OK
+
 
 class _Position:
     __slots__ = ("name",)
@@ -84,6 +93,7 @@ END = _Position("END")
 # Elements of one scan reply stay under this many bytes so a reply is never larger than the
 # largest request (32 MiB); the first element always fits (a key <= 64 KiB, a value <= 16 MiB).
 SCAN_REPLY_BUDGET = MAX_MESSAGE - 70 * 1024
+SEND_BIG_REPLY_AT = 256 * 1024
 # The first store fetch of a value scan is small so a page of huge values is not materialised
 # 1025 at a time; the following fetch is sized from the bytes seen.
 FIRST_VALUE_FETCH = 16
@@ -170,6 +180,7 @@ class KvServerProtocol(Protocol):
         self.kv = kv
         self.store = store  # for its congestion signal (None: not checked)
         self.metrics = metrics if metrics is not None else {}
+        self.responses = self.metrics.setdefault("responses", {})
         self._frames = Framer(codec.Layout())
         self._cursors = {}
         self._blocked = deque()  # requests not yet executed (behind an un-acked write or a waiting read)
@@ -210,6 +221,10 @@ class KvServerProtocol(Protocol):
         if self._unacked == 0:
             self._fire_idle()
 
+    def _count(self, cmd, status, n=1):
+        key = cmd << 8 | status
+        self.responses[key] = self.responses.get(key, 0) + n
+
     def _peer_error(self, fmt, **fields):
         """Log a peer's protocol error at warn: the first per connection, then only a count."""
         self._peer_errors += 1
@@ -230,6 +245,7 @@ class KvServerProtocol(Protocol):
         if self._closing or self._lost:
             return
         self._frames.feed(data)
+        self.metrics["bytes_in"] = self.metrics.get("bytes_in", 0) + len(data)
         self._process()
 
     def _process(self):
@@ -269,6 +285,7 @@ class KvServerProtocol(Protocol):
                 if e.client_id is not None:
                     # CONTRACT §4: refuse at once, echoing client_id, and close without the body.
                     self._peer_error("kv peer {peer} sent total_len {total} over 32 MiB; closing", total=e.length)
+                    self._count(0, ERR_STATUS + E_MSG_TOO_SHORT)
                     self._submit(codec.encode_error(e.client_id, E_MSG_TOO_SHORT))
                 else:
                     # CONTRACT §4: total_len < 8 closes the connection.
@@ -299,6 +316,7 @@ class KvServerProtocol(Protocol):
             if total < HEADER_LEN:
                 cid = _U64.unpack_from(buf, pos + 8)[0] if total >= 16 else 0
                 self._peer_error("kv peer {peer} sent a {total}-byte message (header is 26)", total=total)
+                self._count(0, ERR_STATUS + E_MSG_TOO_SHORT)
                 self._submit(codec.encode_error(cid, E_MSG_TOO_SHORT))
             else:
                 try:
@@ -306,6 +324,8 @@ class KvServerProtocol(Protocol):
                 except codec.DecodeError as e:
                     cid = _U64.unpack_from(buf, pos + 8)[0]
                     self._peer_error("kv peer {peer}: {reason}; ERR {code}", reason=e.reason, code=e.code)
+                    cmd = _U16.unpack_from(buf, pos + 24)[0]
+                    self._count(cmd if cmd in codec.COMMAND_NAMES else 0, ERR_STATUS + e.code)
                     self._submit(codec.encode_error(cid, e.code))
                 else:
                     self._submit(req)
@@ -336,13 +356,16 @@ class KvServerProtocol(Protocol):
             values = self._get_many(keys)
         except Exception as e:
             self._store_error(cids[0], e)
+            self._count(GET, ERR_STATUS + E_UNKNOWN, len(cids))
             out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
             return pos
         heads = _GET_REPLY_HEADS
         append = out.append
+        missing = 0
         for cid, key, value in zip(cids, keys, values):
             if value is None:
                 append(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+                missing += 1
                 continue
             klen = len(key)
             vlen = len(value)
@@ -352,6 +375,10 @@ class KvServerProtocol(Protocol):
             # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
             append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
             append(value)
+        responses = self.responses
+        responses[_GET_OK] = responses.get(_GET_OK, 0) + len(keys) - missing
+        if missing:
+            responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
         self.observe_latency("kv.get", time.perf_counter() - t0)
         return pos
 
@@ -368,6 +395,7 @@ class KvServerProtocol(Protocol):
         ops = []
         cids = []
         nbytes = 0
+        removes = 0
         while n - pos >= 28:
             total, cid, _n, cmd, klen = unpack(buf, pos)
             if not klen or total > n - pos or total > MAX_MESSAGE:
@@ -384,6 +412,7 @@ class KvServerProtocol(Protocol):
                 nbytes += vlen
             elif cmd == REMOVE and kend <= pos + total:
                 ops.append((buf[kstart:kend], None))
+                removes += 1
             else:
                 break
             cids.append(cid)
@@ -393,10 +422,10 @@ class KvServerProtocol(Protocol):
         if not ops:
             return pos
         self._handled += len(ops) - 1
-        self._issue_run(ops, cids, nbytes)
+        self._issue_run(ops, cids, nbytes, removes)
         return pos
 
-    def _issue_run(self, ops, cids, nbytes):
+    def _issue_run(self, ops, cids, nbytes, removes):
         """One store write for ``ops`` ([(key, value or None)], keys non-empty, values within the
         limit) with one reply slot for all of them."""
         count = len(ops)
@@ -409,16 +438,18 @@ class KvServerProtocol(Protocol):
             d = self._write_many(ops)
         except Exception:
             d = defer.fail()
-        d.addBoth(self._run_done, slot, cids, nbytes, time.perf_counter())
+        d.addBoth(self._run_done, slot, cids, nbytes, time.perf_counter(), ops, removes)
 
     def _issue_blocked_writes(self, blocked):
         """Issue the consecutive valid SETs/REMOVEs at the head of ``blocked`` as one run."""
         ops = []
         cids = []
         nbytes = 0
+        removes = 0
         while blocked:
             req = blocked[0]
-            if req.__class__ is bytes or not req.key:
+            # only writes join the run (a scan or cursor request behind them has no key)
+            if req.__class__ is bytes or req.cmd not in (SET, REMOVE) or not req.key:
                 break
             if req.cmd == SET:
                 if len(req.value) > MAX_VALUE:
@@ -427,12 +458,13 @@ class KvServerProtocol(Protocol):
                 nbytes += len(req.value)
             elif req.cmd == REMOVE:
                 ops.append((req.key, None))
+                removes += 1
             else:
                 break
             cids.append(req.client_id)
             blocked.popleft()
         if ops:
-            self._issue_run(ops, cids, nbytes)
+            self._issue_run(ops, cids, nbytes, removes)
         else:  # a SET whose value is over the limit: answered on its own
             self._execute(blocked.popleft())
 
@@ -451,24 +483,34 @@ class KvServerProtocol(Protocol):
             lambda rs: [(bool(r) if op[1] is None else True) if ok else r for (ok, r), op in zip(rs, ops)]
         )
 
-    def _run_done(self, result, slot, cids, nbytes, t0):
+    def _run_done(self, result, slot, cids, nbytes, t0, ops, removes):
         self.observe_latency("kv.set", time.perf_counter() - t0)  # one observation per run
         self._inflight_bytes -= nbytes
         count = len(cids)
         pack = _HEADER.pack
         if isinstance(result, Failure):
             self._store_error(cids[0], result.value)
+            if count - removes:
+                self._count(SET, ERR_STATUS + E_UNKNOWN, count - removes)
+            if removes:
+                self._count(REMOVE, ERR_STATUS + E_UNKNOWN, removes)
             slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
         elif result.count(True) == count:
+            responses = self.responses
+            responses[_SET_OK] = responses.get(_SET_OK, 0) + count - removes
+            if removes:
+                responses[_REMOVE_OK] = responses.get(_REMOVE_OK, 0) + removes
             slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) for cid in cids])
         else:
             # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
             parts = []
-            for cid, r in zip(cids, result):
+            for cid, r, op in zip(cids, result, ops):
+                cmd = SET if op[1] is not None else REMOVE
                 if r is True or r is False:
+                    self._count(cmd, OK if r else DATA_NOT_FOUND)
                     parts.append(pack(HEADER_LEN, cid, 0, OK if r else DATA_NOT_FOUND))
                 else:
-                    parts.append(self._store_error(cid, r.value))
+                    parts.append(self._store_error(cid, r.value, cmd))
             slot[0] = b"".join(parts)
         self._unacked -= count
         self._drain()
@@ -508,16 +550,25 @@ class KvServerProtocol(Protocol):
         elif cmd == SET or cmd == REMOVE:
             self._write(req)
         elif cmd in codec.SCAN_COMMANDS:
-            self._push(self._scan(req))
+            reply = self._scan(req)
+            self._push(reply)
+            if len(reply) >= SEND_BIG_REPLY_AT and not self._slots:
+                # A page of values (up to 32 MiB) goes out now rather than with the read's other
+                # replies: a client not reading it pauses this connection (we are the transport's
+                # producer) before its next request runs, so it holds one such page, not eight.
+                self._send_out()
         elif cmd == CREATE_CURSOR:
             self._push(self._create_cursor(req))
         elif cmd == DELETE_CURSOR:
             if self._cursors.pop(req.name, None) is None:
+                self._count(cmd, ERR_STATUS + E_CURSOR_NOT_FOUND)
                 self._push(codec.encode_error(req.client_id, E_CURSOR_NOT_FOUND))
             else:
+                self._count(cmd, OK)
                 self._push(codec.encode_status(req.client_id, OK))
         else:
             self._peer_error("kv peer {peer} sent unknown cmd {cmd}", cmd=cmd)
+            self._count(cmd if cmd in codec.COMMAND_NAMES else 0, INVALID_COMMAND)
             self._push(codec.encode_status(req.client_id, INVALID_COMMAND))
 
     def _write(self, req):
@@ -527,12 +578,13 @@ class KvServerProtocol(Protocol):
             return
         if not req.key:
             # Keys are 1..65535 bytes (CONTRACT §2): an empty key is never stored.
+            self._count(REMOVE, DATA_NOT_FOUND)
             self._push(codec.encode_status(cid, DATA_NOT_FOUND))
             return
         try:
             d = self.kv.delete(req.key)
         except Exception as e:
-            self._push(self._store_error(cid, e))
+            self._push(self._store_error(cid, e, REMOVE))
             return
         slot = [None, 1]
         self._slots.append(slot)
@@ -543,12 +595,13 @@ class KvServerProtocol(Protocol):
     def _put(self, cid, key, value):
         if not key:
             # CONTRACT §4: SET with an empty key -> ERR 0.
+            self._count(SET, ERR_STATUS + E_UNKNOWN)
             self._push(codec.encode_error(cid, E_UNKNOWN))
             return
         try:
             d = self.kv.put(key, value)
         except Exception as e:
-            self._push(self._store_error(cid, e))
+            self._push(self._store_error(cid, e, SET))
             return
         slot = [None, 1]
         self._slots.append(slot)
@@ -560,23 +613,27 @@ class KvServerProtocol(Protocol):
     def _set_done(self, result, slot, cid, nbytes):
         self._inflight_bytes -= nbytes
         if isinstance(result, Failure):
-            slot[0] = self._store_error(cid, result.value)
+            slot[0] = self._store_error(cid, result.value, SET)
         else:
+            self._count(SET, OK)
             slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK)
         self._unacked -= 1
         self._drain()
 
     def _remove_done(self, result, slot, cid):
         if isinstance(result, Failure):
-            slot[0] = self._store_error(cid, result.value)
+            slot[0] = self._store_error(cid, result.value, REMOVE)
         else:
             # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+            self._count(REMOVE, OK if result else DATA_NOT_FOUND)
             slot[0] = _HEADER.pack(HEADER_LEN, cid, 0, OK if result else DATA_NOT_FOUND)
         self._unacked -= 1
         self._drain()
 
-    def _store_error(self, cid, exc):
+    def _store_error(self, cid, exc, cmd=0):
         self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
+        if cmd:
+            self._count(cmd, ERR_STATUS + E_UNKNOWN)
         return codec.encode_error(cid, E_UNKNOWN)
 
     def _drain(self):
@@ -615,11 +672,16 @@ class KvServerProtocol(Protocol):
             ):
                 self.gate.release(BUDGET)
 
-    def _flush(self):
+    def _send_out(self):
         out = self._out
         if out and not self._lost:
-            send_now(self.transport, out[0] if len(out) == 1 else b"".join(out))
+            data = out[0] if len(out) == 1 else b"".join(out)
+            self.metrics["bytes_out"] = self.metrics.get("bytes_out", 0) + len(data)
+            send_now(self.transport, data)
         out.clear()
+
+    def _flush(self):
+        self._send_out()
         if self._closing and not self._slots and not self._blocked and not self._lost:
             self.transport.unregisterProducer()
             self.transport.loseConnection()
@@ -641,21 +703,26 @@ class KvServerProtocol(Protocol):
     def _get(self, req):
         cid = req.client_id
         if not req.key:
+            self._count(GET, DATA_NOT_FOUND)
             return codec.encode_status(cid, DATA_NOT_FOUND)
         try:
             value = self.kv.get(req.key)
         except Exception as e:
-            return self._store_error(cid, e)
+            return self._store_error(cid, e, GET)
         if value is None:
+            self._count(GET, DATA_NOT_FOUND)
             return codec.encode_status(cid, DATA_NOT_FOUND)
+        self._count(GET, OK)
         return codec.encode_get_reply(cid, req.key, value)
 
     def _create_cursor(self, req):
         if req.name not in self._cursors and len(self._cursors) >= MAX_CURSORS:
             self._peer_error("kv peer {peer} has {n} cursors; refusing another", n=len(self._cursors))
+            self._count(CREATE_CURSOR, ERR_STATUS + E_UNKNOWN)
             return codec.encode_error(req.client_id, E_UNKNOWN)
         # CONTRACT §4: empty start key = BEGIN; creating an existing name resets it.
         self._cursors[req.name] = req.start_key or BEGIN
+        self._count(CREATE_CURSOR, OK)
         return codec.encode_status(req.client_id, OK)
 
     def _scan(self, req):
@@ -663,6 +730,7 @@ class KvServerProtocol(Protocol):
         name = req.name
         position = self._cursors.get(name)
         if position is None:
+            self._count(req.cmd, ERR_STATUS + E_CURSOR_NOT_FOUND)
             return codec.encode_error(cid, E_CURSOR_NOT_FOUND)
         if req.next_key:
             position = req.next_key  # CONTRACT §4: a non-empty NextKey says where to start
@@ -700,10 +768,21 @@ class KvServerProtocol(Protocol):
                     new_position = END if nxt is None else nxt
                     items = [(k, None) for k in keys]
         except Exception as e:
-            return self._store_error(cid, e)
+            return self._store_error(cid, e, cmd)
         self._cursors[name] = new_position
+        self._count(cmd, OK)
         next_key = new_position if new_position.__class__ is bytes else b""
         return codec.encode_scan_reply(cid, items, cmd in codec.VALUE_SCANS, next_key, name)
+
+
+def response_labels(key):
+    """(operation, status, ok) of a key of the ``responses`` counts (node/metrics.py); a
+    DATA_NOT_FOUND is a request answered (the key is absent), so it counts as ok."""
+    cmd, status = key >> 8, key & 0xFF
+    name = codec.COMMAND_NAMES[cmd].lower() if cmd else "unknown"
+    if status >= ERR_STATUS:
+        return name, "ERR_" + codec.ERROR_NAMES.get(status - ERR_STATUS, str(status - ERR_STATUS)), False
+    return name, codec.COMMAND_NAMES.get(status, str(status)), status == OK or status == DATA_NOT_FOUND
 
 
 class KvServerFactory(Factory):

@@ -73,6 +73,7 @@ class S2Api:
         self.creating = set()
         self.sessions = set()
         self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
+        self.statuses = node.metrics.setdefault("s2_responses", {})  # "route status" -> responses
         self.tokens = AccessTokens(self.store, self.token)
         self.counters = S2Counters(self.metrics)
         self.metrics_api = MetricsApi(self, self.counters)
@@ -95,6 +96,8 @@ class S2Api:
     # Dispatch
 
     def dispatch(self, responder):
+        responder.statuses = self.statuses
+        responder.route = route_group(responder.request.segments)
         if self.node_pages is not None and self.node_pages(responder):
             return
         req = responder.request
@@ -1040,6 +1043,31 @@ def _check_cipher(config):
     cipher = config.get("stream_cipher")
     if cipher and not crypto.available(cipher):
         raise S2Error(501, "not_implemented", "%s is not available on this node" % cipher)
+
+
+_ROUTE_GROUPS = frozenset(("basins", "streams", "access-tokens", "metrics", "locations"))
+_NODE_PAGES = frozenset(("metrics", "ui"))
+
+
+def route_group(segments):
+    """The label of a request's route in sbpnode_responses_total: bounded, whatever the path
+    (docs/observability.md)."""
+    if len(segments) >= 2 and segments[0] == "v1":
+        kind = segments[1]
+        if kind == "streams" and len(segments) >= 4 and segments[3] == "records":
+            return "records"
+        return kind if kind in _ROUTE_GROUPS else "other"
+    if segments == ["health"]:
+        return "health"
+    if not segments or segments[0] in _NODE_PAGES:
+        return "node_pages"
+    return "other"
+
+
+def response_labels(key):
+    """(route group, HTTP status, ok) of a key of ``S2Api.statuses`` (node/metrics.py)."""
+    route, status = key.split(" ", 1)
+    return route, status, int(status) < 400
 
 
 def _pick(method, table):

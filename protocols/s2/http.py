@@ -49,6 +49,10 @@ class BaseResponder:
         self.body_sink = None  # object with data(bytes) and end() (sessions)
         self.body_too_large = None  # fn() when the buffered body exceeds max_body
         self.body_done = False
+        # {"route group status": count} the API counts responses in (sbpnode_responses_total,
+        # node/metrics.py), and this request's route group; None: not counted
+        self.statuses = None
+        self.route = None
 
     # --- primitives implemented per HTTP version
     def _send_headers(self, status, headers, end):
@@ -72,11 +76,18 @@ class BaseResponder:
     def resume_input(self):
         pass
 
+    def _count(self, status):
+        statuses = self.statuses
+        if statuses is not None:
+            key = "%s %d" % (self.route, status)
+            statuses[key] = statuses.get(key, 0) + 1
+
     # --- API for handlers
     def respond(self, status: int, headers, body: bytes = b""):
         if self.started or self.closed:
             return
         self.started = True
+        self._count(status)
         headers = list(headers) + [("content-length", str(len(body)))]
         if body:
             self._send_headers(status, headers, False)
@@ -89,6 +100,7 @@ class BaseResponder:
         if self.started or self.closed:
             return
         self.started = True
+        self._count(status)
         self._send_headers(status, list(headers), False)
 
     def write(self, data: bytes):

@@ -19,6 +19,7 @@ _BATCH_HEADER_SIZE = record_batch.HEADER_SIZE
 # Results per reply frame: keeps a reply's header well inside the 64 KiB left beside the payload
 # cap (a result with its status is under 128 bytes unless its message is long).
 RESULTS_PER_FRAME = 256
+_APPEND_OK = codec.APPEND << 16 | codec.OK  # a key of the server's responses counts
 
 
 def _observed(result, observe, t0):
@@ -42,6 +43,7 @@ class AppendHandler:
         if batches is None:
             # CONTRACT §3: lengths that do not add up to the payload: system error INVALID_REQUEST
             conn.warn("APPEND batch lengths do not add up: {error}", "%d entries" % len(infos))
+            conn.count_reply(codec.APPEND, codec.INVALID_REQUEST)
             conn.out.write(codec.system_error_frame(codec.APPEND, frame.stream_id, codec.INVALID_REQUEST,
                                                     "batch lengths do not add up to the payload"))
             return
@@ -61,6 +63,7 @@ class AppendHandler:
             block_crcs.append(bcrc)
         if frame.crc is not None and frame_crc != frame.crc:
             conn.warn("bad frame: {error}", "APPEND payload crc 0x%08x != 0x%08x" % (frame.crc, frame_crc))
+            conn.count_reply(codec.APPEND, codec.INVALID_REQUEST)
             conn.out.write(codec.system_error_frame(codec.APPEND, frame.stream_id, codec.INVALID_REQUEST,
                                                     "payload crc mismatch"))
             return
@@ -141,6 +144,8 @@ class AppendHandler:
 
     def _appended_one(self, base, frame, info, now_ms, nbytes, t0):
         conn = self.conn
+        responses = conn.factory.responses
+        responses[_APPEND_OK] = responses.get(_APPEND_OK, 0) + 1
         if not conn.lost:
             header = codec.encode_append_response_one(conn.throttle_time_ms(), info.stream_id, info.request_index, base, now_ms)
             conn.out.write(codec.encode_frame(codec.APPEND, codec.RESPONSE_LAST, frame.stream_id, header))
@@ -155,6 +160,8 @@ class AppendHandler:
 
     def _send(self, frame, results):
         conn = self.conn
+        for r in results:
+            conn.count_reply(codec.APPEND, r.status.code)
         if conn.lost:
             return
         if len(results) == 1 and results[0].status.code == codec.OK:

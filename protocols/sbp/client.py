@@ -10,6 +10,7 @@ import select
 import socket
 import time
 
+from protocols import client_socket
 from protocols.sbp import codec
 from protocols.sbp.codec import T
 
@@ -66,10 +67,11 @@ def range_dict(r):
 class Call:
     """One request: opcode, header table, payload parts, and how to turn the reply into a result."""
 
-    __slots__ = ("opcode", "header", "payload", "parse")
+    __slots__ = ("opcode", "header", "payload", "parse", "stream_id")
 
-    def __init__(self, opcode, table_name, obj, parse, payload=()):
+    def __init__(self, opcode, table_name, obj, parse, payload=(), stream_id=None):
         self.opcode = opcode
+        self.stream_id = stream_id  # the one stream a data call is about (cluster routing)
         self.header = codec.encode_table(table_name, obj) if table_name else b""
         self.payload = tuple(payload)
         self.parse = parse  # (reply header, [(result, payload bytes)] | payload) -> value
@@ -162,6 +164,7 @@ def call_append_many(entries):
 
 def call_append(stream_id, batch):
     c = call_append_many([(stream_id, batch)])
+    c.stream_id = stream_id
     many = c.parse
     c.parse = lambda resp, payload: many(resp, payload)[0]
     return c
@@ -192,6 +195,7 @@ def call_fetch_many(requests, max_wait_ms=0, min_bytes=1):
 
 def call_fetch(stream_id, offset, batch_max_bytes=1 << 20, max_wait_ms=0, min_bytes=1):
     c = call_fetch_many([(stream_id, offset, batch_max_bytes)], max_wait_ms, min_bytes)
+    c.stream_id = stream_id
     many = c.parse
     c.parse = lambda resp, results: many(resp, results)[0]
     return c
@@ -203,7 +207,8 @@ def call_trim(stream_id, offset):
         _check(r.status)
         return range_dict(r.range) if r.range is not None else None
 
-    return Call(codec.TRIM_STREAMS, "TrimStreamsRequest", T.TrimStreamsRequest(0, [T.TrimmedStream(stream_id, offset)]), parse)
+    return Call(codec.TRIM_STREAMS, "TrimStreamsRequest", T.TrimStreamsRequest(0, [T.TrimmedStream(stream_id, offset)]), parse,
+                stream_id=stream_id)
 
 
 def call_seal(stream_id, range_index):
@@ -212,7 +217,8 @@ def call_seal(stream_id, range_index):
         _check(r.status)
         return range_dict(r.range) if r.range is not None else None
 
-    return Call(codec.SEAL_RANGES, "SealRangesRequest", T.SealRangesRequest(0, [T.RangeId(stream_id, range_index)]), parse)
+    return Call(codec.SEAL_RANGES, "SealRangesRequest", T.SealRangesRequest(0, [T.RangeId(stream_id, range_index)]), parse,
+                stream_id=stream_id)
 
 
 def call_create_range(stream_id):
@@ -271,6 +277,16 @@ def call_ping(data=b""):
     return Call(codec.PING, None, None, lambda resp, payload: payload, [data] if data else [])
 
 
+MAX_HOPS = 3  # PD_NOT_LEADER redirects followed per call
+
+
+def _split_address(address):
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit():
+        raise SbpError(codec.PD_NOT_LEADER, address)
+    return host.strip("[]"), int(port)
+
+
 # Requests that change nothing: the blocking client retries them once after a connection failure.
 _IDEMPOTENT = frozenset([codec.PING, codec.FETCH, codec.LIST_RANGES, codec.DESCRIBE_RANGES, codec.DESCRIBE_STREAMS,
                          codec.DESCRIBE_PD_CLUSTER, codec.HEARTBEAT])
@@ -327,20 +343,29 @@ class BlockingSbpClient:
     """A small synchronous SBP client over one socket; one request at a time (except
     ``append_pipelined``). Pickles as its configuration only; connects on first use."""
 
-    def __init__(self, host, port, timeout=30.0):
+    def __init__(self, host, port, timeout=30.0, follow_cluster=False, tls_ca=None):
         self.host = host
         self.port = int(port)
         self.timeout = timeout
+        self.tls_ca = tls_ca  # PEM CA file: the listener is TLS (protocols.client_socket)
+        # follow_cluster=True: a data call on one stream answered PD_NOT_LEADER naming another node of
+        # the cluster goes there (CONTRACT §9), at most MAX_HOPS times; the stream's node is
+        # remembered for the next calls
+        self.follow_cluster = follow_cluster
+        self._routes = {}  # stream_id -> "host:port"
+        self._peers = {}  # "host:port" -> BlockingSbpClient
+        self._members = set()
         self._sock = None
         self._frames = None
         self._goaway = False
         self._ids = itertools.count(1)
 
     def __getstate__(self):
-        return {"host": self.host, "port": self.port, "timeout": self.timeout}
+        return {"host": self.host, "port": self.port, "timeout": self.timeout, "follow_cluster": self.follow_cluster,
+                "tls_ca": self.tls_ca}
 
     def __setstate__(self, state):
-        self.__init__(state["host"], state["port"], state["timeout"])
+        self.__init__(state["host"], state["port"], state["timeout"], state.get("follow_cluster", False), state.get("tls_ca"))
 
     def __enter__(self):
         return self
@@ -351,16 +376,17 @@ class BlockingSbpClient:
     def connect(self):
         if self._sock is None:
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+                sock = client_socket.connect(self.host, self.port, self.timeout, self.tls_ca)
             except OSError as e:
                 raise SbpConnectionError("cannot connect to %s:%d: %s" % (self.host, self.port, e.strerror or e)) from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
             self._frames = codec.FrameBuffer()
             self._goaway = False
         return self
 
     def close(self):
+        for peer in self._peers.values():
+            peer.close()
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -438,7 +464,10 @@ class BlockingSbpClient:
             readable, _, _ = select.select([self._sock], [], [], 0)
             if not readable:
                 return
-            data = self._sock.recv(65536, socket.MSG_DONTWAIT)
+            if client_socket.is_tls(self._sock):
+                data = self._sock.recv(65536)  # select said readable (a TLS record may be whole)
+            else:
+                data = self._sock.recv(65536, socket.MSG_DONTWAIT)
         except (OSError, ValueError):
             self.close()
             return
@@ -454,6 +483,58 @@ class BlockingSbpClient:
             self._goaway = True
 
     def call(self, call, extra_wait=0.0):
+        sid = call.stream_id
+        if not self.follow_cluster or sid is None:
+            return self._call_here(call, extra_wait)
+        target = self._routes.get(sid)
+        client = self._peer(target) if target else self
+        for hop in range(MAX_HOPS + 1):
+            try:
+                return client._call_here(call, extra_wait)
+            except SbpError as e:
+                if e.code != codec.PD_NOT_LEADER or hop == MAX_HOPS or not self._is_member(e.message, client):
+                    raise
+                self._routes[sid] = e.message
+                client = self._peer(e.message)
+
+    def for_stream(self, stream_id):
+        """The client for the node serving ``stream_id``'s open range (its primary), learnt from
+        DESCRIBE_RANGES / LIST_RANGES; this client when that is this node or unknown."""
+        if stream_id not in self._routes:
+            ranges = self.list_ranges(stream_id)
+            open_ = [r for r in ranges if r["end_offset"] < 0]
+            primary = [s for r in open_[-1:] for s in r["servers"] if s["is_primary"]]
+            address = primary[0]["advertise_addr"] if primary else None
+            # None (remembered too): served by this node, or not a cluster member's address
+            self._routes[stream_id] = address if address and self._is_member(address, self) else None
+        target = self._routes.get(stream_id)
+        return self._peer(target) if target else self
+
+    def _address(self):
+        return "%s:%d" % (self.host, self.port)
+
+    def _peer(self, address):
+        if address == self._address():
+            return self
+        peer = self._peers.get(address)
+        if peer is None:
+            host, port = _split_address(address)
+            peer = self._peers[address] = BlockingSbpClient(host, port, self.timeout, tls_ca=self.tls_ca)
+        return peer
+
+    def _is_member(self, address, via):
+        """True if ``address`` is the SBP address of a node of the cluster ``via`` belongs to (a
+        single node's PD_NOT_LEADER names a swarm origin instead: never followed)."""
+        if address in self._members:
+            return True
+        try:
+            nodes = via._call_here(call_describe_cluster())
+        except SbpError:
+            return False
+        self._members = {n["advertise_addr"] for n in nodes}
+        return address in self._members
+
+    def _call_here(self, call, extra_wait=0.0):
         self._drop_if_stale()
         if self._goaway:
             self.close()  # the server said GOAWAY: new requests go to a new connection
@@ -653,10 +734,16 @@ class SbpClient:
     A request that was in flight when the connection died fails with SbpConnectionError (it is
     not retried: an APPEND might have been applied)."""
 
-    def __init__(self, reactor, host, port, connect_timeout=10.0, fail_after_failures=5):
+    def __init__(self, reactor, host, port, connect_timeout=10.0, fail_after_failures=5, follow_cluster=False):
         self.reactor = reactor
         self.host = host
         self.port = int(port)
+        self.connect_timeout = connect_timeout
+        # follow_cluster=True: as BlockingSbpClient's (CONTRACT §9)
+        self.follow_cluster = follow_cluster
+        self._routes = {}
+        self._peers = {}
+        self._members = set()
         ep = endpoints.TCP4ClientEndpoint(reactor, host, self.port, timeout=connect_timeout)
         self._service = ClientService(ep, Factory.forProtocol(SbpClientProtocol),
                                       retryPolicy=backoffPolicy(initialDelay=0.1, maxDelay=5.0), clock=reactor)
@@ -677,15 +764,58 @@ class SbpClient:
 
     @defer.inlineCallbacks
     def call(self, call):
+        sid = call.stream_id
+        if not self.follow_cluster or sid is None:
+            result = yield self._call_here(call)
+            return result
+        target = self._routes.get(sid)
+        client = self._peer(target) if target else self
+        for hop in range(MAX_HOPS + 1):
+            try:
+                result = yield client._call_here(call)
+                return result
+            except SbpError as e:
+                if e.code != codec.PD_NOT_LEADER or hop == MAX_HOPS:
+                    raise
+                member = yield self._is_member(e.message, client)
+                if not member:
+                    raise
+                self._routes[sid] = e.message
+                client = self._peer(e.message)
+
+    @defer.inlineCallbacks
+    def _call_here(self, call):
         if self._closed:
             raise SbpConnectionError("client closed")
         proto = yield self._proto()
         result = yield proto.request(call)
         return result
 
+    def _peer(self, address):
+        if address == "%s:%d" % (self.host, self.port):
+            return self
+        peer = self._peers.get(address)
+        if peer is None:
+            host, port = _split_address(address)
+            peer = self._peers[address] = SbpClient(self.reactor, host, port, self.connect_timeout, self.fail_after_failures)
+        return peer
+
+    @defer.inlineCallbacks
+    def _is_member(self, address, via):
+        if address in self._members:
+            return True
+        try:
+            nodes = yield via._call_here(call_describe_cluster())
+        except SbpError:
+            return False
+        self._members = {n["advertise_addr"] for n in nodes}
+        return address in self._members
+
     def close(self):
         self._closed = True
-        return self._service.stopService()
+        ds = [peer.close() for peer in self._peers.values()]
+        ds.append(self._service.stopService())
+        return defer.DeferredList(ds)
 
     def ping(self, data=b""):
         return self.call(call_ping(data))

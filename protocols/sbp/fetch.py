@@ -305,6 +305,7 @@ class FetchOp:
             return True
         e.done = True
         e.status = st
+        self.conn.count_reply(codec.FETCH, st.code)
         self.remaining -= 1
         self.ready.append(e)
         return True
@@ -350,6 +351,7 @@ class FetchOp:
                 w.cancel()
 
     def finish_empty(self):
+        self.conn.count_reply(codec.FETCH, codec.OK)
         self.conn.out.write(codec.encode_frame(
             codec.FETCH, codec.RESPONSE_LAST, self.frame.stream_id,
             codec.encode_table("FetchResponse", T.FetchResponse(self.conn.throttle_time_ms(), codec.status(), []))))

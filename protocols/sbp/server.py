@@ -71,8 +71,22 @@ class SbpServerFactory(Factory):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
+        # sbpnode_responses_total (node/metrics.py): replies by opcode << 16 | status code (int
+        # keys: node.metrics is dumped as JSON by DESCRIBE_PD_CLUSTER)
+        self.responses = node.metrics.setdefault("sbp_responses", {})
         self.observe_latency = getattr(node, "observe_latency", _ignore_latency)  # node/metrics.py
-        block_check.start_loading()
+        if hasattr(node, "before_ready"):  # the node writes its ready file once it has loaded
+            node.before_ready(block_check.start_loading(self.reactor), "compiled APPEND check")
+        else:
+            block_check.start_loading()
+        # CONTRACT §9: with --cluster, the placement driver answers from etcd and APPEND / FETCH
+        # are routed to the stream's node (protocols/sbp/cluster.py)
+        self.router = None
+        if getattr(node, "cluster", None) is not None:
+            from protocols.sbp.cluster import ClusterAdmin, ClusterRouter
+
+            self.admin_class = ClusterAdmin
+            self.router = ClusterRouter(node.cluster, self)
         if hasattr(node, "on_shutdown"):
             node.on_shutdown(self.shutdown)
 
@@ -132,6 +146,7 @@ class SbpServerProtocol(Protocol):
         self.appends = AppendHandler(self)
         self.fetches = FetchHandler(self)
         self.admin = factory.admin_class(self)
+        self.cluster_gate = None  # cluster mode: a Deferred while a frame waits on etcd (cluster.py)
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -279,6 +294,7 @@ class SbpServerProtocol(Protocol):
                     self.warn("frame discarded: {error}", e)
                 else:
                     self.warn("bad frame: {error}", e)
+                    self.count_reply(e.opcode, e.status)
                     self.out.write(codec.system_error_frame(e.opcode, e.stream_id, e.status, str(e)))
                 continue
             if frame is None:
@@ -290,10 +306,12 @@ class SbpServerProtocol(Protocol):
                 self._dispatch(frame)
             except codec.HeaderDecodeError as e:
                 self.warn("bad extended header: {error}", e)
+                self.count_reply(frame.opcode, codec.INVALID_REQUEST)
                 self.out.write(codec.system_error_frame(frame.opcode, frame.stream_id, codec.INVALID_REQUEST, str(e)))
             except Exception as e:  # a bug must not take the connection down
                 self.log.failure("SBP request 0x{opcode:04x} failed", opcode=frame.opcode)
                 self.factory.metrics["errors"] += 1
+                self.count_reply(frame.opcode, codec.UNKNOWN)
                 self.out.write(codec.system_error_frame(frame.opcode, frame.stream_id, codec.UNKNOWN, str(e)))
 
     def warn(self, fmt, e):
@@ -301,19 +319,33 @@ class SbpServerProtocol(Protocol):
         self.factory.metrics["errors"] += 1
         self.log.warn(fmt + " (peer {peer})", error=str(e), peer=self.peer)
 
+    def count_reply(self, opcode, code):
+        """One reply (or one APPEND/FETCH entry's result) with this status, for
+        sbpnode_responses_total; an opcode the server does not know counts as 0 (the labels stay
+        bounded whatever a peer sends)."""
+        responses = self.factory.responses
+        key = (opcode if opcode in codec.OPCODES else 0) << 16 | code
+        responses[key] = responses.get(key, 0) + 1
+
     def _reply(self, frame, table_name, obj):
+        st = obj["status"] if obj.__class__ is dict else getattr(obj, "status", None)
+        self.count_reply(frame.opcode, st.code if st is not None else codec.OK)
         if self.lost:
             return
         self.out.write(codec.encode_frame(frame.opcode, codec.RESPONSE_LAST, frame.stream_id, codec.encode_table(table_name, obj)))
 
-    def _dispatch(self, frame):
+    def _dispatch(self, frame, routed=False):
         op = frame.opcode
+        if (op == codec.APPEND or op == codec.FETCH) and self.factory.router is not None and not routed:
+            if self.factory.router.route(self, frame):
+                return
         if op == codec.APPEND:
             return self.appends.handle(frame)
         if op == codec.FETCH:
             return self.fetches.handle(frame)
         if op == codec.PING:
             # CONTRACT §3: echoed with flags 0x03, same header and payload
+            self.count_reply(codec.PING, codec.OK)
             self.out.writeSequence(codec.encode_frame_parts(
                 codec.PING, codec.RESPONSE_LAST, frame.stream_id, frame.header, (frame.payload,) if frame.payload else ()))
             return
@@ -344,6 +376,14 @@ class SbpServerProtocol(Protocol):
         fields = dict((f, d) for f, _, d in codec.SCHEMA[resp_name])
         fields["status"] = st
         self._reply(frame, resp_name, fields)
+
+
+def response_labels(key):
+    """(operation, status, ok) of a key of the factory's ``responses`` counts (node/metrics.py);
+    NO_NEW_RECORD is a FETCH answered (nothing new yet), so it counts as ok."""
+    op, code = key >> 16, key & 0xFFFF
+    name = codec.OPCODES[op][0].lower() if op in codec.OPCODES else "unknown"
+    return name, codec.STATUS_NAMES.get(code, str(code)), code == codec.OK or code == codec.NO_NEW_RECORD
 
 
 def build_factory(node):

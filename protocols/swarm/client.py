@@ -2,8 +2,8 @@
 protocols/swarm/syncer.py)."""
 
 import hashlib
-import socket
 
+from protocols import client_socket
 from protocols.swarm import codec
 from protocols.swarm.codec import (
     BatchDone,
@@ -22,9 +22,8 @@ class SwarmError(Exception):
 
 
 class BlockingSwarmClient:
-    def __init__(self, host, port, timeout=10.0):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, host, port, timeout=10.0, tls_ca=None):
+        self.sock = client_socket.connect(host, port, timeout, tls_ca)
         self.reader = codec.FrameReader()
         self.pending = []
         self.ruid = 0

@@ -44,6 +44,9 @@ LOG_HASH_WINDOW = 8 * 1024 * 1024  # bytes read at once while hashing LOG batche
 
 
 # store errors that mean "no such item (any more)": the peer is told so, nothing is logged
+# GetRange refusals by name, the status label of sbpnode_responses_total (node/metrics.py)
+_STATE_NAMES = {codec.STATE_BATCH_IN_PROGRESS: "batch_in_progress", codec.STATE_INVALID_RANGE: "invalid_range",
+                codec.STATE_NO_SUCH_STREAM: "no_such_stream"}
 MISSING = (errors.ChunkNotFound, errors.OffsetOutOfRange, errors.StreamNotFound, errors.RangeNotFound)
 
 
@@ -292,6 +295,7 @@ class SwarmServerProtocol(Protocol):
             bodies = self.reader.feed(data)
         except codec.FrameTooLarge as e:
             self.log.warn("swarm peer {peer}: {error}; closing", peer=self._peer(), error=str(e))
+            self._count("invalid", "frame_too_large")
             self.transport.abortConnection()
             self.dead = True
             return
@@ -302,6 +306,7 @@ class SwarmServerProtocol(Protocol):
                 msg = codec.decode_body(body)
             except codec.CodecError as e:
                 self.log.warn("swarm peer {peer} sent a bad message ({error}); closing", peer=self._peer(), error=str(e))
+                self._count("invalid", "bad_message")
                 self.transport.loseConnection()
                 self.dead = True
                 return
@@ -356,19 +361,30 @@ class SwarmServerProtocol(Protocol):
 
     # -- messages -------------------------------------------------------------------------------
 
+    def _count(self, message, status):
+        """One message received, by its type and how it was taken (sbpnode_responses_total)."""
+        responses = self.factory.stats["responses"]
+        key = message + " " + status
+        responses[key] = responses.get(key, 0) + 1
+
     def _dispatch(self, msg):
         if isinstance(msg, StreamInfoReq):
+            self._count("stream_info_req", "ok")
             self.send(StreamInfoRes(self.factory.describe(msg.streams)))
         elif isinstance(msg, GetRange):
-            self._get_range(msg)
+            refused = self._get_range(msg)
+            self._count("get_range", _STATE_NAMES[refused] if refused else "ok")
         elif isinstance(msg, WantedHashes):
+            self._count("wanted_hashes", "ok")
             self._wanted(msg)
         elif isinstance(msg, StreamState):
+            self._count("stream_state", "ok")
             # The client ends a stream at its discretion (spec: "the server does not terminate
             # streams"); nothing to undo beyond an open batch, which finishes on its own.
             self.log.info("swarm peer {peer}: stream {stream} state {code} {message}", peer=self._peer(), stream=str(msg.stream), code=msg.code_, message=msg.message)
         else:
             # Server->client messages sent to the server: a confused peer.
+            self._count("invalid", "unexpected_message")
             self.log.warn("swarm peer {peer} sent {msg} to a server; closing", peer=self._peer(), msg=type(msg).__name__)
             self.transport.loseConnection()
             self.dead = True
@@ -377,17 +393,18 @@ class SwarmServerProtocol(Protocol):
         self.send(StreamState(stream, code, codec.STATE_MESSAGES[code]))
 
     def _get_range(self, req: GetRange):
+        """Opens the batch; a refusal is answered with its StreamState and its code returned."""
         stream = req.stream
         if stream in self.open or req.ruid in self.offers or any(b.req.ruid == req.ruid for b in self.open.values()):
             self._state(stream, codec.STATE_BATCH_IN_PROGRESS)
-            return
+            return codec.STATE_BATCH_IN_PROGRESS
         if req.from_ < 1 or (req.to is not None and req.from_ > req.to):
             self._state(stream, codec.STATE_INVALID_RANGE)
-            return
+            return codec.STATE_INVALID_RANGE
         source = self.factory.source(stream)
         if source is None:
             self._state(stream, codec.STATE_NO_SUCH_STREAM)
-            return
+            return codec.STATE_NO_SUCH_STREAM
         size = max(1, min(req.batch_size, codec.MAX_BATCH_SIZE))
         batch = Batch(req, source, size)
         self.open[stream] = batch
@@ -585,6 +602,7 @@ class SwarmServerFactory(Factory):
         self.stats = stats if stats is not None else {}
         for k in ("batches", "items", "bytes"):
             self.stats.setdefault(k, 0)
+        self.stats.setdefault("responses", {})  # "message status" -> count
 
     def buildProtocol(self, addr):
         p = SwarmServerProtocol(self)
@@ -641,6 +659,12 @@ class SwarmServerFactory(Factory):
     def shutdown(self):
         for conn in list(self.connections):
             conn.shutdown()
+
+
+def response_labels(key):
+    """(message type, status, ok) of a key of the server's ``responses`` counts (node/metrics.py)."""
+    message, status = key.split(" ", 1)
+    return message, status, status == "ok"
 
 
 def build_factory(node) -> SwarmServerFactory:

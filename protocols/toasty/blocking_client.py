@@ -9,6 +9,7 @@ import socket
 import time
 from collections import deque
 
+from protocols import client_socket
 from protocols.toasty import codec
 from protocols.toasty.codec import HEADER, HEADER_LEN
 from protocols.toasty.errors import ErrorCode
@@ -38,9 +39,9 @@ from protocols.toasty.planning import (
 class BlockingConnection:
     """One socket to either listener; ``send`` then ``recv`` replies in request order."""
 
-    def __init__(self, host, port, timeout=30.0):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, host, port, timeout=30.0, tls_ca=None):
+        self.sock = client_socket.connect(host, port, timeout, tls_ca)
+        self.tls = client_socket.is_tls(self.sock)  # no sendmsg, no MSG_WAITALL
         self.pending = deque()
         self.address = (host, port)
 
@@ -55,7 +56,7 @@ class BlockingConnection:
             raise ConnectionError("toasty connection to %s:%d is closed" % self.address)
         parts = codec.encode_parts(msg)
         self.pending.append(msg.TYPE)
-        if len(parts) > 8:  # many small fields: one buffer (sendmsg takes at most IOV_MAX)
+        if len(parts) > 8 or self.tls:  # many small fields: one buffer (sendmsg takes at most IOV_MAX)
             self.sock.sendall(b"".join(parts))
             return
         total = sum(len(p) for p in parts)
@@ -73,7 +74,7 @@ class BlockingConnection:
             parts.extend(codec.encode_parts(msg))
         self.pending.extend(msg.TYPE for msg in msgs)
         total = sum(len(p) for p in parts)
-        if total < 65536:
+        if total < 65536 or self.tls:
             self.sock.sendall(b"".join(parts))
             return
         views = [memoryview(p) for p in parts]
@@ -91,7 +92,7 @@ class BlockingConnection:
 
     def _exact(self, n):
         # MSG_WAITALL: one call, one allocation, no zero-fill (headers and bodies alike).
-        data = self.sock.recv(n, socket.MSG_WAITALL)
+        data = self.sock.recv(n) if self.tls else self.sock.recv(n, socket.MSG_WAITALL)
         if len(data) == n:
             return data
         if not data:
@@ -141,8 +142,11 @@ class BlockingConnection:
 class BlockingToastyClient:
     """The file protocol over plain sockets (for sbpctl, scripts and benchmarks)."""
 
-    def __init__(self, host, port, timeout=30.0, parallel=UPLOADS_IN_FLIGHT):
-        self.meta = BlockingConnection(host, port, timeout)
+    tls_ca = None  # PEM CA file when the listeners are TLS (protocols.client_socket)
+
+    def __init__(self, host, port, timeout=30.0, parallel=UPLOADS_IN_FLIGHT, tls_ca=None):
+        self.tls_ca = tls_ca  # chunk servers are reached the same way as the metadata server
+        self.meta = BlockingConnection(host, port, timeout, tls_ca)
         self._pool = None
         self.timeout = timeout
         self.parallel = parallel
@@ -175,7 +179,7 @@ class BlockingToastyClient:
     def chunk_conn(self, address):
         c = self._chunk_conns.get(address)
         if c is None or c.sock.fileno() < 0:
-            c = self._chunk_conns[address] = BlockingConnection(address[0], address[1], self.timeout)
+            c = self._chunk_conns[address] = BlockingConnection(address[0], address[1], self.timeout, self.tls_ca)
         return c
 
     # -- metadata operations --
@@ -416,7 +420,7 @@ class BlockingToastyClient:
     def _download_fallback(self, h, holders, first_error):
         for address in holders:
             # A connection of its own: the pooled ones have pipelined requests outstanding.
-            conn = BlockingConnection(address[0], address[1], self.timeout)
+            conn = BlockingConnection(address[0], address[1], self.timeout, self.tls_ca)
             try:
                 reply = conn.call(codec.DownloadChunk(h, True))
             finally:

@@ -1,0 +1,489 @@
+"""The placement driver (CONTRACT §9): stream and range metadata in etcd, answered by every node.
+
+Keys under the cluster prefix P:
+- ``P streams/<stream_id, 20 digits>``: one JSON record per stream, ranges included::
+
+      {"stream_id", "replica_nums", "ack_count", "retention_period_ms", "epoch", "trim_offset",
+       "created_by", "ranges": [{"index", "start", "end" (-1 open), "epoch",
+                                 "servers": [{"id", "addr", "primary"}]}]}
+
+  Every change is a transaction comparing the record's mod_revision (compare-and-swap), so two
+  nodes changing one stream at once never lose an update; the loser re-reads and retries.
+  ``epoch`` is the stream's fencing epoch and each range records the epoch it was opened under:
+  the seal on failover (issue 17) bumps it in the same compare-and-swap.
+- ``P counters/streams/<node_id>``: the highest n reserved for stream ids ``(node_id << 32) | n``
+  by that node (CONTRACT §2), advanced by compare-and-swap a block of STREAM_ID_BLOCK at a time,
+  never below the node's local counter.
+- ``P counters/allocate_id``: ALLOCATE_ID's counter.
+
+Placement of a new stream: R distinct live members. The primary is the member leading the fewest
+open ranges (then holding the fewest), the others the least loaded (open ranges held, then
+primaries), ties broken by a rotating start so equal nodes take turns. Fewer than R live members:
+NoAvailableRS.
+
+Each node watches ``P streams/`` and keeps every record in ``streams`` (a cache for routing and
+placement load; reads that answer clients go to etcd). For each stream whose ranges name it, the
+node creates the local stream that holds its replica (same stream id): writable on the open
+range's primary, read-only elsewhere (the primary's address as its origin, so a write there gets
+PD_NOT_LEADER naming the primary) until replication (issue 17) feeds it.
+"""
+
+import json
+import time
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from node.cluster import etcd
+from storage import errors as store_errors
+
+CAS_ATTEMPTS = 20
+STREAM_ID_BLOCK = 100
+
+
+class PlacementError(Exception):
+    pass
+
+
+class NoAvailableRS(PlacementError):
+    """CONTRACT §9: fewer live nodes than the stream's replica_nums (status 1502)."""
+
+
+class StreamGone(PlacementError):
+    """No such stream in the cluster (status 1404)."""
+
+
+class NotHere(PlacementError):
+    """The operation belongs on another node (PD_NOT_LEADER, message = that node's SBP address)."""
+
+    def __init__(self, address):
+        super().__init__(address)
+        self.address = address
+
+
+class Conflict(PlacementError):
+    """A compare-and-swap lost CAS_ATTEMPTS times in a row."""
+
+
+def ack_count(replica_nums: int) -> int:
+    return replica_nums // 2 + 1  # CONTRACT §9: a majority
+
+
+def open_range(rec):
+    for r in reversed(rec.get("ranges", [])):
+        if r["end"] < 0:
+            return r
+    return None
+
+
+def primary_of(rng):
+    for s in rng["servers"]:
+        if s.get("primary"):
+            return s
+    return rng["servers"][0] if rng["servers"] else None
+
+
+def hosts(rec, node_id) -> bool:
+    return any(s["id"] == node_id for r in rec.get("ranges", []) for s in r["servers"])
+
+
+class PlacementDriver:
+    log = Logger()
+
+    def __init__(self, client: etcd.EtcdClient, prefix: str, node_id: int, membership, store,
+                 replication_factor: int, reactor=None):
+        self.client = client
+        self.prefix = prefix
+        self.node_id = node_id
+        self.membership = membership
+        self.store = store
+        self.replication_factor = replication_factor
+        self.reactor = reactor or client.reactor
+        self.streams = {}  # stream_id -> record, as last seen (watch); change through _set/_unset
+        self._held = {}  # node_id -> open ranges it holds (from self.streams)
+        self._led = {}  # node_id -> open ranges it leads
+        self._turn = 0
+        self._watch = None
+        self._ensuring = {}  # stream_id -> Deferred of a local replica being created
+        self._revision = 0
+        self._id_lock = defer.DeferredLock()
+        self._id_next = self._id_end = 0  # the reserved block of stream-id counters [next, end)
+
+    def key(self, sid) -> str:
+        return self.prefix + "streams/%020d" % sid
+
+    # -- start / stop ---------------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def start(self):
+        yield self._load()
+        self._watch = self.client.watch_prefix(self.prefix + "streams/", self._revision + 1, self._events,
+                                               on_reset=self._reset)
+
+    def stop(self):
+        if self._watch is not None:
+            self._watch.stop()
+
+    @defer.inlineCallbacks
+    def _load(self):
+        kvs, rev = yield self.client.get_prefix(self.prefix + "streams/")
+        self._revision = rev
+        streams = {}
+        for kv in kvs:
+            rec = _decode(kv)
+            if rec is not None:
+                streams[rec["stream_id"]] = rec
+        gone = [sid for sid in self.streams if sid not in streams]
+        self.streams, self._held, self._led = {}, {}, {}
+        for rec in streams.values():
+            self._set(rec)
+        for rec in streams.values():
+            self._apply(rec)
+        for sid in gone:
+            self._apply_delete(sid)
+
+    def _reset(self):
+        self._load().addErrback(lambda f: self.log.warn("placement reload failed: {e}", e=f.value))
+
+    def _events(self, events):
+        for kind, kv in events:
+            if kind == "DELETE":
+                try:
+                    sid = int(kv.key.rsplit(b"/", 1)[1])
+                except ValueError:
+                    continue
+                self._unset(sid)
+                self._apply_delete(sid)
+            else:
+                rec = _decode(kv)
+                if rec is not None:
+                    self._remember(rec)
+
+    def _remember(self, rec):
+        old = self.streams.get(rec["stream_id"])
+        if old is not None and old.get("_rev", 0) > rec.get("_rev", 0):
+            return  # an older view arriving late
+        self._set(rec)
+        self._apply(rec)
+
+    def _count(self, rec, sign):
+        rng = open_range(rec)
+        for s in (rng["servers"] if rng else ()):
+            self._held[s["id"]] = self._held.get(s["id"], 0) + sign
+            if s.get("primary"):
+                self._led[s["id"]] = self._led.get(s["id"], 0) + sign
+
+    def _set(self, rec):
+        old = self.streams.get(rec["stream_id"])
+        if old is not None:
+            self._count(old, -1)
+        self.streams[rec["stream_id"]] = rec
+        self._count(rec, +1)
+
+    def held(self):
+        """node_id -> open ranges it holds (a copy)."""
+        return dict(self._held)
+
+    def led(self, node_id):
+        return self._led.get(node_id, 0)
+
+    def _unset(self, sid):
+        old = self.streams.pop(sid, None)
+        if old is not None:
+            self._count(old, -1)
+
+    # -- this node's replicas -------------------------------------------------------------------
+
+    def _apply(self, rec):
+        """Bring this node's local replica state in line with ``rec`` (errors are logged)."""
+        sid = rec["stream_id"]
+        if not hosts(rec, self.node_id):
+            return
+        d = self.ensure_local(rec)
+        d.addErrback(lambda f: self.log.warn("local replica of stream {sid} not updated: {error}", sid=sid, error=f.value))
+
+    def ensure_local(self, rec):
+        """A Deferred that fires once this node's local stream for ``rec`` exists and has its
+        retention and trim point (one at a time per stream)."""
+        sid = rec["stream_id"]
+        prev = self._ensuring.get(sid)
+        d = defer.Deferred()
+        self._ensuring[sid] = d
+
+        def run(_):
+            return self._ensure_local(rec)
+
+        def done(result):
+            if self._ensuring.get(sid) is d:
+                del self._ensuring[sid]
+            return result
+
+        start = prev.addBoth(lambda _: None) if prev is not None else defer.succeed(None)
+        start.addCallback(run).addBoth(done).chainDeferred(d)
+        return d
+
+    @defer.inlineCallbacks
+    def _ensure_local(self, rec):
+        sid = rec["stream_id"]
+        log = self.store.log
+        rng = open_range(rec)
+        primary = primary_of(rng) if rng else None
+        origin = None
+        if primary is not None and primary["id"] != self.node_id:
+            origin = self.membership.sbp_address(primary["id"], primary.get("addr")) or "?"
+        try:
+            meta = log.stream(sid)
+        except store_errors.StreamNotFound:
+            meta = None
+        if meta is None:
+            yield log.create_replica_stream(sid, origin, rec["replica_nums"], rec["retention_period_ms"],
+                                            attrs={"cluster": "1"})
+            self.log.info("created the local replica of stream {sid} ({role})", sid=sid,
+                          role="primary" if origin is None else "replica")
+            meta = log.stream(sid)
+        elif meta.retention_period_ms != rec["retention_period_ms"] or meta.replica_nums != rec["replica_nums"]:
+            meta = yield log.update_stream(sid, replica_nums=rec["replica_nums"],
+                                           retention_period_ms=rec["retention_period_ms"])
+        if rec.get("trim_offset", 0) > meta.trim_offset and meta.origin is None:
+            # a read-only replica holds nothing yet (replication, issue 17, brings its data and
+            # trims it); the primary's trim already ran in trim_stream, this covers a restart
+            yield log.trim(sid, rec["trim_offset"])
+
+    def _apply_delete(self, sid):
+        try:
+            meta = self.store.log.stream(sid)
+        except store_errors.StreamNotFound:
+            return
+        if (meta.attrs or {}).get("cluster") != "1":
+            return  # a local stream of this node, not a cluster replica
+        d = self.store.log.delete_stream(sid)
+        d.addCallback(lambda _: self.log.info("deleted the local replica of stream {sid}", sid=sid))
+        d.addErrback(lambda f: self.log.warn("local replica of stream {sid} not deleted: {error}", sid=sid, error=f.value))
+
+    # -- routing (APPEND / FETCH / TRIM) ---------------------------------------------------------
+
+    def route(self, sid):
+        """Where a data operation on ``sid`` is served: ``None`` here; a ``str`` the SBP address of
+        the node to ask; or a Deferred (this node must learn about the stream first) that fires
+        with one of those."""
+        rec = self.streams.get(sid)
+        if rec is None:
+            if self._local(sid):
+                return None  # a stream of this node outside the cluster's records (made before --cluster)
+            return self._lookup(sid)
+        rng = open_range(rec)
+        primary = primary_of(rng) if rng else None
+        if primary is None or primary["id"] == self.node_id:
+            if self._local(sid) or primary is None:
+                return None
+            return self.ensure_local(rec).addCallback(lambda _: None)
+        return self.address(primary)
+
+    def _local(self, sid):
+        try:
+            self.store.log.stream(sid)
+            return True
+        except store_errors.StreamNotFound:
+            return False
+
+    @defer.inlineCallbacks
+    def _lookup(self, sid):
+        try:
+            rec = yield self.get(sid)
+        except StreamGone:
+            return None  # the local store answers STREAM_NOT_FOUND
+        self._remember(rec)
+        where = self.route(sid)
+        if isinstance(where, defer.Deferred):
+            where = yield where
+        return where
+
+    def address(self, server):
+        """A range server's SBP address now (its live record), else the one stored at placement."""
+        return self.membership.sbp_address(server["id"], server.get("addr")) or ""
+
+    # -- ids ------------------------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def _advance(self, key, floor=0, step=1):
+        """Compare-and-swap a decimal counter at ``key`` ``step`` up (from at least ``floor``);
+        the new value."""
+        for _ in range(CAS_ATTEMPTS):
+            kv = yield self.client.get(key)
+            current = int(kv.value) if kv is not None else 0
+            n = max(current, floor) + step
+            cmp = etcd.compare_mod_revision(key, kv.mod_revision) if kv is not None else etcd.compare_version(key, 0)
+            r = yield self.client.txn([cmp], [etcd.op_put(key, str(n))])
+            if r.succeeded:
+                return n
+        raise Conflict("counter %s kept changing" % key)
+
+    def allocate_id(self):
+        return self._advance(self.prefix + "counters/allocate_id")
+
+    @defer.inlineCallbacks
+    def _new_stream_id(self):
+        # ids are reserved STREAM_ID_BLOCK at a time (one etcd write per block, not per stream,
+        # as elastic-stream's allocator does); a restart skips the rest of its block
+        yield self._id_lock.acquire()
+        try:
+            if self._id_next >= self._id_end:
+                # never below the local counter: streams this node made before --cluster keep
+                # their ids
+                floor = self.store.log.last_stream_number()
+                end = yield self._advance(self.prefix + "counters/streams/%d" % self.node_id, floor, STREAM_ID_BLOCK)
+                self._id_next, self._id_end = end - STREAM_ID_BLOCK + 1, end + 1
+            n = self._id_next
+            self._id_next += 1
+        finally:
+            self._id_lock.release()
+        if n >= 1 << 32:
+            raise PlacementError("stream ids of node %d are exhausted" % self.node_id)
+        return (self.node_id << 32) | n
+
+    # -- placement ------------------------------------------------------------------------------
+
+    def choose(self, replica_nums):
+        """[(node_id, is_primary)] for a new range: R distinct live members, least loaded first."""
+        live = self.membership.live_ids()
+        if len(live) < replica_nums:
+            raise NoAvailableRS("%d live node(s), stream needs %d" % (len(live), replica_nums))
+        held = {nid: self._held.get(nid, 0) for nid in live}
+        led = {nid: self._led.get(nid, 0) for nid in live}
+        self._turn += 1
+        n = len(live)
+        order = {nid: (i - self._turn) % n for i, nid in enumerate(live)}
+        # the primary first (the node leading the fewest open ranges), then the least loaded others
+        primary = min(live, key=lambda nid: (led[nid], held[nid], order[nid]))
+        others = sorted((nid for nid in live if nid != primary), key=lambda nid: (held[nid], led[nid], order[nid]))
+        return [(primary, True)] + [(nid, False) for nid in others[:replica_nums - 1]]
+
+    def _servers(self, choice):
+        out = []
+        for nid, is_primary in choice:
+            out.append({"id": nid, "addr": self.membership.sbp_address(nid, ""), "primary": is_primary})
+        out.sort(key=lambda s: not s["primary"])  # the primary first
+        return out
+
+    @defer.inlineCallbacks
+    def create_stream(self, replica_nums=0, retention_period_ms=0):
+        r = int(replica_nums) or self.replication_factor
+        choice = self.choose(r)  # 1502 before an id is spent
+        sid = yield self._new_stream_id()
+        rec = {
+            "stream_id": sid, "replica_nums": r, "ack_count": ack_count(r),
+            "retention_period_ms": int(retention_period_ms), "epoch": 0, "trim_offset": 0,
+            "created_by": self.node_id, "created_ms": int(time.time() * 1000),
+            "ranges": [{"index": 0, "start": 0, "end": -1, "epoch": 0, "servers": self._servers(choice)}],
+        }
+        key = self.key(sid)
+        result = yield self.client.txn([etcd.compare_version(key, 0)], [etcd.op_put(key, json.dumps(rec))])
+        if not result.succeeded:
+            raise Conflict("stream id %d is taken" % sid)
+        rec["_rev"] = result.revision
+        self._remember(rec)
+        return rec
+
+    @defer.inlineCallbacks
+    def get(self, sid):
+        kv = yield self.client.get(self.key(sid))
+        rec = _decode(kv) if kv is not None else None
+        if rec is None:
+            raise StreamGone("stream %d not found" % sid)
+        return rec
+
+    @defer.inlineCallbacks
+    def list_streams(self):
+        kvs, _ = yield self.client.get_prefix(self.prefix + "streams/")
+        return [rec for rec in map(_decode, kvs) if rec is not None]
+
+    @defer.inlineCallbacks
+    def _change(self, sid, fn):
+        """Apply ``fn(rec) -> rec`` to the stream's record by compare-and-swap; the new record."""
+        key = self.key(sid)
+        for _ in range(CAS_ATTEMPTS):
+            kv = yield self.client.get(key)
+            rec = _decode(kv) if kv is not None else None
+            if rec is None:
+                raise StreamGone("stream %d not found" % sid)
+            new = fn(dict(rec))
+            new.pop("_rev", None)
+            r = yield self.client.txn([etcd.compare_mod_revision(key, kv.mod_revision)], [etcd.op_put(key, json.dumps(new))])
+            if r.succeeded:
+                new["_rev"] = r.revision
+                self._remember(new)
+                return new
+        raise Conflict("stream %d kept changing" % sid)
+
+    def update_stream(self, sid, replica_nums=None, retention_period_ms=None):
+        """replica_nums applies to ranges opened from now on (issue 17 re-places them)."""
+        def fn(rec):
+            if replica_nums:
+                rec["replica_nums"] = int(replica_nums)
+                rec["ack_count"] = ack_count(int(replica_nums))
+            if retention_period_ms is not None:
+                rec["retention_period_ms"] = int(retention_period_ms)
+            return rec
+
+        return self._change(sid, fn)
+
+    @defer.inlineCallbacks
+    def delete_stream(self, sid):
+        key = self.key(sid)
+        for _ in range(CAS_ATTEMPTS):
+            kv = yield self.client.get(key)
+            rec = _decode(kv) if kv is not None else None
+            if rec is None:
+                raise StreamGone("stream %d not found" % sid)
+            r = yield self.client.txn([etcd.compare_mod_revision(key, kv.mod_revision)], [etcd.op_delete(key)])
+            if r.succeeded:
+                self._unset(sid)
+                self._apply_delete(sid)
+                return rec
+        raise Conflict("stream %d kept changing" % sid)
+
+    @defer.inlineCallbacks
+    def trim_stream(self, sid, trim_offset):
+        """CONTRACT §3 trim on the primary (it knows next_offset): the local store trims, then the
+        record takes the new trim point and drops the ranges wholly below it."""
+        rec = self.streams.get(sid) or (yield self.get(sid))
+        rng = open_range(rec)
+        primary = primary_of(rng) if rng else None
+        if primary is not None and primary["id"] != self.node_id:
+            raise NotHere(self.address(primary))
+        yield self.ensure_local(rec)
+        meta = yield self.store.log.trim(sid, trim_offset)
+        point = meta.trim_offset
+
+        def fn(rec):
+            rec["trim_offset"] = max(rec.get("trim_offset", 0), point)
+            ranges = [r for r in rec["ranges"] if r["end"] < 0 or r["end"] > point]
+            if ranges:
+                ranges[0] = dict(ranges[0], start=max(ranges[0]["start"], point))
+            rec["ranges"] = ranges
+            return rec
+
+        new = yield self._change(sid, fn)
+        return new, meta
+
+    def next_offset(self, rec, rng):
+        """The range's next offset as this node knows it: the local replica's for an open range
+        held here, else its end (sealed) or its start."""
+        if rng["end"] >= 0:
+            return rng["end"]
+        try:
+            meta = self.store.log.stream(rec["stream_id"])
+        except store_errors.StreamNotFound:
+            return rng["start"]
+        return max(rng["start"], meta.next_offset)
+
+
+def _decode(kv):
+    try:
+        rec = json.loads(kv.value)
+        rec["stream_id"] = int(rec["stream_id"])
+        rec["_rev"] = kv.mod_revision
+        return rec
+    except (ValueError, KeyError, TypeError):
+        Logger().warn("ignoring an unreadable stream record at {key}", key=kv.key)
+        return None

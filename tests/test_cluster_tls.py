@@ -1,0 +1,116 @@
+"""Mutual TLS in cluster mode (CONTRACT §9): etcd requiring client certificates of the cluster CA,
+nodes with CA-signed certificates, and a node with a foreign certificate refused."""
+
+import os
+import subprocess
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor, ssl
+from twisted.internet.endpoints import SSL4ClientEndpoint, SSL4ServerEndpoint
+from twisted.internet.protocol import Factory, Protocol
+
+from node.cluster import tls
+from protocols.sbp.client import BlockingSbpClient, call_describe_cluster
+from tests.etcdproc import EtcdCluster, etcd_available
+from tests.nodeproc import NodeProcess
+from tests.tlscerts import CA
+
+pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def pki(tmp_path):
+    d = tmp_path / "pki"
+    d.mkdir()
+    ca = CA(d)
+    other = CA(d, name="stranger-ca")
+    return ca, other
+
+
+def test_check_node_certificate(pki):
+    ca, other = pki
+    cert, key = ca.issue("n1")
+    tls.check_node_certificate(cert, key, ca.path)
+    bad_cert, bad_key = other.issue("intruder")
+    with pytest.raises(tls.CertificateRefused, match="not signed by the cluster CA"):
+        tls.check_node_certificate(bad_cert, bad_key, ca.path)
+    with pytest.raises(tls.CertificateRefused, match="does not belong"):
+        tls.check_node_certificate(cert, bad_key, ca.path)
+
+
+def test_nodes_join_a_tls_etcd_and_a_foreign_certificate_is_refused(pki, tmp_path):
+    ca, other = pki
+    etcd_cert, etcd_key = ca.issue("etcd")
+    etcd = EtcdCluster(tmp_path, members=1, tls=(etcd_cert, etcd_key, ca.path)).start()
+    try:
+        nodes = []
+        for i in (1, 2):
+            cert, key = ca.issue("n%d" % i)
+            nodes.append(NodeProcess(tmp_path, name="n%d" % i, cluster=etcd.client_urls, node_id=i, fsync="never",
+                                     cluster_tls_cert=cert, cluster_tls_key=key, cluster_tls_ca=ca.path).start(timeout=60))
+        with BlockingSbpClient("127.0.0.1", nodes[0].ports["sbp"], timeout=10) as c:
+            assert sorted(int(m["name"]) for m in c.call(call_describe_cluster())) == [1, 2]
+            assert len(c.list_ranges(c.create_stream(replica_nums=2)["stream_id"])[0]["servers"]) == 2
+        env = dict(os.environ, PYTHONPATH=REPO)
+        # a certificate the cluster CA did not sign: the node does not start
+        cert, key = other.issue("intruder")
+        n = NodeProcess(tmp_path, name="intruder", cluster=etcd.client_urls, fsync="never",
+                        cluster_tls_cert=cert, cluster_tls_key=key, cluster_tls_ca=ca.path)
+        r = subprocess.run(n.argv(), capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode != 0 and "not signed by the cluster CA" in r.stdout + r.stderr
+        # no certificate at all against an etcd that requires one: refused, one line, non-zero
+        n = NodeProcess(tmp_path, name="plain", cluster=etcd.client_urls, fsync="never")
+        r = subprocess.run(n.argv(), capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode != 0 and "cannot join the cluster" in r.stderr, r.stderr
+        for node in nodes:
+            assert node.terminate() == 0
+    finally:
+        etcd.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_node_to_node_options_require_a_ca_signed_client(pki):
+    """server_options / client_options (the replication channel's): a peer with a CA-signed
+    certificate gets through, one with a foreign certificate is refused in the handshake."""
+    ca, other = pki
+    s_cert, s_key = ca.issue("server")
+    got = []
+
+    class Echo(Protocol):
+        def dataReceived(self, data):
+            got.append(data)
+            self.transport.write(data)
+
+    port = await SSL4ServerEndpoint(reactor, 0, tls.server_options(s_cert, s_key, ca.path), interface="127.0.0.1").listen(
+        Factory.forProtocol(Echo))
+    try:
+        async def talk(cert, key):
+            done = defer.Deferred()
+
+            class Client(Protocol):
+                def connectionMade(self):
+                    self.transport.write(b"hi")
+
+                def dataReceived(self, data):
+                    if not done.called:
+                        done.callback(data)
+                    self.transport.loseConnection()
+
+                def connectionLost(self, reason):
+                    if not done.called:
+                        done.errback(reason)
+
+            options = tls.client_options("127.0.0.1", cert, key, ca.path)
+            await SSL4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port, options).connect(Factory.forProtocol(Client))
+            return await done
+
+        good_cert, good_key = ca.issue("peer")
+        assert await talk(good_cert, good_key) == b"hi"
+        bad_cert, bad_key = other.issue("intruder")
+        with pytest.raises(Exception):
+            await talk(bad_cert, bad_key)
+        assert got == [b"hi"]
+    finally:
+        await port.stopListening()
