@@ -187,7 +187,7 @@ def test_responses_by_status_and_wire_bytes(node):
         return after if all(series(after, *labels) > series(before, *labels) for labels in expected) else None
 
     try:
-        after = wait_for(all_moved, what="every protocol's responses by status")
+        after = wait_until(all_moved, what="every protocol's responses by status")
     except AssertionError:
         after = scrape(node)
         missing = [labels for labels in expected if series(after, *labels) <= series(before, *labels)]
@@ -207,7 +207,7 @@ def test_toasty_connections_are_counted(node):
     with BlockingToastyClient(*node.address("meta")) as t:
         t.write("/c", b"x", truncate=True)
         assert value(scrape(node), "sbpnode_connections", protocol="meta") == 1
-    wait_for(lambda: value(scrape(node), "sbpnode_connections", protocol="meta") == 0, what="the meta connection gone")
+    wait_until(lambda: value(scrape(node), "sbpnode_connections", protocol="meta") == 0, what="the meta connection gone")
 
 
 def test_stream_labels_are_bounded(node_factory):
