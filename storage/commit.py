@@ -42,6 +42,12 @@ tail is CRC-checked and cut at the first torn or corrupt entry. So a write ackno
 Threads: the reactor thread calls everything public here and owns ``_queued_bytes`` and the
 snapshot; the writer thread owns the WAL, the packs and the group's LMDB transaction; a small
 thread pool (``in_pool``) serves blocking reads. See docs/storage.md.
+
+Tests only: with ``CommitCore.writer_mode = "inline"`` while a store opens (tests/storage_helpers/
+inline.py), the core starts no thread. The same ``_write`` commits each group on the caller's
+thread, at ``submit`` (or, while ``hold`` is set, when the test calls ``run_queued``), and
+delivers it there; blocking reads run inline. Protocol units so run the real facades on real
+files, on ``task.Clock``, deterministically.
 """
 
 import collections
@@ -209,6 +215,7 @@ class CommitCore:
     environment, WAL and chunk packs (``recover`` has run). Built by ``store.Store.open``."""
 
     logger = Logger()
+    writer_mode = "thread"  # "inline": tests only (see the module's docstring); read when a core is built
 
     def __init__(self, env, dbs, wal, packs, policy, reactor, checkpoint):
         self.env = env  # LMDB; the writer thread owns its write transactions
@@ -236,11 +243,14 @@ class CommitCore:
         self._queued_bytes = 0  # reactor thread
         self._drain_waiters = []  # reactor thread
         self._rtxn = None  # reactor thread: the reused read snapshot
+        self.presync = None
+        if self.writer_mode == "inline":
+            self._init_inline()
+            return
         self._pool = ThreadPool(minthreads=1, maxthreads=4, name="storage-read")
         # daemon workers: a node that fails start-up after opening the store must still exit
         self._pool.threadFactory = _daemon_thread
         self._pool.start()
-        self.presync = None
         if policy.mode == "interval":
             self.presync = PreSync(wal, packs, policy.interval_ms / 1000.0)
             self.presync.start()
@@ -331,45 +341,53 @@ class CommitCore:
             self.reactor.callFromThread(self._deliver, rest, None)
 
     def _writer_loop(self):
-        policy = self.policy
-        interval = policy.interval_ms / 1000.0 if policy.mode == "interval" else None
+        interval = self.policy.interval_ms / 1000.0 if self.policy.mode == "interval" else None
         last_sync = time.monotonic()
-        stopping = None
         presync = self.presync
 
         def sync_wait():  # seconds until the interval sync is due, with last_sync as it is now
             return interval_sync_wait(time.monotonic(), last_sync, interval, presync is not None and presync.busy)
 
-        while stopping is None:
+        def sync_due():
+            return interval is not None and self.unsynced() and not sync_wait()
+
+        stopping = False
+        while not stopping:
             timeout = None
             if interval is not None and self.unsynced():
                 timeout = sync_wait()
             group = self._take(timeout)
-            force_sync = False
-            work = []
-            for op in group:
-                kind = type(op)
-                if kind is _Stop:
-                    stopping = op
-                elif kind is Sync:
-                    force_sync = True
-                else:
-                    work.append(op)
-            try:
-                if work:
-                    self._commit_group(work, policy.always or force_sync)
-                if force_sync or stopping is not None or (
-                    interval is not None and self.unsynced() and not sync_wait()
-                ):
-                    self._sync_all()
-                    last_sync = time.monotonic()
-            except Exception as e:  # an I/O error: fail this group and refuse later writes
-                self.failed = "%s: %s" % (type(e).__name__, e)
-                failure = Failure()
-                for op in work:
-                    op.ok, op.value = False, failure
+            synced, stopping = self._write(group, sync_due)
+            if synced:
+                last_sync = time.monotonic()
             if group:
                 self.reactor.callFromThread(self._deliver, group, self.wal.end)
+
+    def _write(self, group, sync_due) -> (bool, bool):
+        """Commit ``group`` and sync as the policy says (``sync_due()``: the interval's sync is
+        due); returns (synced, a stop was in it). An I/O error fails the group's operations."""
+        force_sync = stopping = False
+        work = []
+        for op in group:
+            kind = type(op)
+            if kind is _Stop:
+                stopping = True
+            elif kind is Sync:
+                force_sync = True
+            else:
+                work.append(op)
+        try:
+            if work:
+                self._commit_group(work, self.policy.always or force_sync)
+            if force_sync or stopping or sync_due():
+                self._sync_all()
+                return True, stopping
+        except Exception as e:  # an I/O error: fail this group and refuse later writes
+            self.failed = "%s: %s" % (type(e).__name__, e)
+            failure = Failure()
+            for op in work:
+                op.ok, op.value = False, failure
+        return False, stopping
 
     def unsynced(self) -> bool:
         """Written but not yet synced (the interval policy syncs it when due)."""
@@ -525,7 +543,7 @@ class CommitCore:
             return self.env.begin()  # another thread: its own snapshot, released when dropped
         txn = self._rtxn
         if txn is None:
-            if self.closed and not self._writer.is_alive():
+            if self.closed and (self._writer is None or not self._writer.is_alive()):
                 raise errors.StoreClosed("the store is closed")
             txn = self._rtxn = self.env.begin()
         return txn
@@ -534,6 +552,61 @@ class CommitCore:
         txn, self._rtxn = self._rtxn, None
         if txn is not None:
             txn.abort()
+
+    # -- the inline writer (tests only) ---------------------------------------------------------
+
+    def _init_inline(self):
+        self.hold = False  # True: submitted operations wait for run_queued()
+        self._running = False
+        self._pool = None
+        self._writer = None
+        self.submit = self._submit_inline
+        self.in_pool = self._read_inline
+
+    def _submit_inline(self, op):
+        self._queued_bytes += op.nbytes
+        self._queue.append(op)
+        if not self.hold:
+            self.run_queued()
+        return op.done
+
+    def _read_inline(self, fn, *args):
+        if self.closed:
+            return defer.fail(errors.StoreClosed("the store is closed"))
+        return defer.maybeDeferred(fn, *args)
+
+    def run_queued(self, limit=None, reverse=False) -> int:
+        """Inline writer: commit the queued operations (at most ``limit``) on this thread, group
+        by group as the writer would, and deliver each group here; ``reverse``: deliver a group's
+        operations last first (acks out of order, as a caller of several stores may see them).
+        A submit from a delivery is taken by the same call. Returns how many ran."""
+        if self._running:
+            return 0
+        self._running = True
+        ran = 0
+        try:
+            q = self._queue
+            while q and (limit is None or ran < limit):
+                group, size = [], 0
+                while q and (limit is None or ran < limit) and (not group or size + q[0].nbytes <= MAX_GROUP_BYTES):
+                    op = q.popleft()
+                    group.append(op)
+                    size += op.nbytes
+                    ran += 1
+                self._write(group, lambda: False)
+                if reverse:
+                    # kv runs enter the memtable as they are delivered, and the writer always
+                    # delivers in WAL order: those stay in order, the other acks are reversed
+                    kv_runs = [op for op in group if type(op) is Direct and op.memtable]
+                    group = kv_runs + [op for op in reversed(group) if not (type(op) is Direct and op.memtable)]
+                self._deliver(group, self.wal.end)
+        finally:
+            self._running = False
+        return ran
+
+    def queued(self) -> int:
+        """Operations waiting for the writer."""
+        return len(self._queue)
 
     # -- close ------------------------------------------------------------------------------------
 
@@ -550,12 +623,14 @@ class CommitCore:
         done = defer.Deferred()
 
         def finish(_):
-            self._writer.join()
+            if self._writer is not None:
+                self._writer.join()
             if self.presync is not None:
                 self.presync.stop()
             for fn in self.on_close:
                 fn()
-            self._pool.stop()
+            if self._pool is not None:
+                self._pool.stop()
             self._drop_snapshot()
             self.wal.close()
             self.packs.close()
@@ -564,7 +639,9 @@ class CommitCore:
             done.callback(None)
 
         stop.done.addBoth(finish)
-        if not self._writer.is_alive():  # it died (logged then): nobody will take the stop
+        if self._writer is None:  # inline: the caller's thread writes what is queued, then stops
+            self.run_queued()
+        elif not self._writer.is_alive():  # it died (logged then): nobody will take the stop
             with self._cond:
                 self._queue.clear()
             stop.done.callback(None)

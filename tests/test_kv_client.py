@@ -1,4 +1,5 @@
-"""The Twisted kv client against the server protocol over real loopback sockets (in-process)."""
+"""The Twisted kv client against the server protocol over real loopback sockets (in-process), on
+the real store in tmp_path."""
 
 import pytest
 import pytest_twisted
@@ -7,13 +8,20 @@ from twisted.internet import defer, endpoints, reactor
 from protocols.partition import codec as c
 from protocols.partition.client import KvError, connect
 from protocols.partition.server import KvServerFactory
-from tests.test_kv_protocol import MemoryKv
+from storage import Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store.open(str(tmp_path / "store"), fsync="never", reactor=reactor)
+    yield s
+    pytest_twisted.blockon(s.close())
 
 
 @pytest_twisted.ensureDeferred
-async def test_twisted_client_round_trip():
-    kv = MemoryKv()
-    port = await endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(KvServerFactory(kv))
+async def test_twisted_client_round_trip(store):
+    factory = KvServerFactory(store.kv, store=store)
+    port = await endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
     client = None
     try:
         client = await connect(reactor, "127.0.0.1", port.getHost().port)

@@ -15,6 +15,7 @@ from protocols.partition.client import BlockingKvClient
 from protocols.sbp.client import BlockingSbpClient
 from protocols.toasty.client import BlockingToastyClient
 from storage import record_batch
+from tests.waiting import wait_until
 
 
 def get(node, path, headers=None):
@@ -50,17 +51,6 @@ def scrape(node, headers=None):
 
 def value(samples, name, **labels):
     return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for " + what)
-        time.sleep(0.1)
 
 
 def batch(n):
@@ -197,7 +187,7 @@ def test_responses_by_status_and_wire_bytes(node):
         return after if all(series(after, *labels) > series(before, *labels) for labels in expected) else None
 
     try:
-        after = wait_for(all_moved, what="every protocol's responses by status")
+        after = wait_until(all_moved, what="every protocol's responses by status")
     except AssertionError:
         after = scrape(node)
         missing = [labels for labels in expected if series(after, *labels) <= series(before, *labels)]
@@ -217,7 +207,7 @@ def test_toasty_connections_are_counted(node):
     with BlockingToastyClient(*node.address("meta")) as t:
         t.write("/c", b"x", truncate=True)
         assert value(scrape(node), "sbpnode_connections", protocol="meta") == 1
-    wait_for(lambda: value(scrape(node), "sbpnode_connections", protocol="meta") == 0, what="the meta connection gone")
+    wait_until(lambda: value(scrape(node), "sbpnode_connections", protocol="meta") == 0, what="the meta connection gone")
 
 
 def test_stream_labels_are_bounded(node_factory):
@@ -257,7 +247,7 @@ def test_status_page_and_json(node):
             return doc
         return None
 
-    doc = wait_for(sampled, what="a status sample covering the traffic")
+    doc = wait_until(sampled, what="a status sample covering the traffic")
     n = doc["node"]
     assert n["node_id"] == node.node_id and n["version"] == "0.1.0" and n["fsync"] == "always"
     assert n["uptime_s"] >= 0 and n["listeners"]["sbp"] == "127.0.0.1:%d" % node.ports["sbp"]
@@ -275,7 +265,7 @@ def test_status_page_and_json(node):
         d = json.loads(get(node, "/ui/status.json")[2])
         return d if d["streams"]["busiest"] else None
 
-    d = wait_for(busiest, timeout=60, what="the busiest streams")
+    d = wait_until(busiest, timeout=60, what="the busiest streams")
     assert d["streams"]["busiest"][0]["stream_id"] == str(sid) and d["streams"]["busiest"][0]["next_offset"] == 50
 
 
@@ -353,9 +343,9 @@ def test_a_real_prometheus_scrapes_the_node(node_factory, tmp_path):
             except OSError:
                 return False
 
-        wait_for(ready, timeout=60, what="prometheus ready")
+        wait_until(ready, timeout=60, what="prometheus ready")
         # the load starts once Prometheus has scraped the node: increase() needs a sample before it
-        wait_for(lambda: prometheus_query(port, 'up{job="sbpnode"} == 1'), timeout=30, what="a first scrape")
+        wait_until(lambda: prometheus_query(port, 'up{job="sbpnode"} == 1'), timeout=30, what="a first scrape")
         stop = time.monotonic() + 4
         with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
             sid = c.create_stream()["stream_id"]
@@ -369,7 +359,7 @@ def test_a_real_prometheus_scrapes_the_node(node_factory, tmp_path):
             r = prometheus_query(port, 'sbpnode_requests_total{protocol="sbp",operation="append"}')
             return r if r and float(r[0]["value"][1]) == appended else None
 
-        r = wait_for(appends_seen, timeout=30, what="prometheus to scrape the appends")
+        r = wait_until(appends_seen, timeout=30, what="prometheus to scrape the appends")
         assert r[0]["metric"]["job"] == "sbpnode"
         count = prometheus_query(port, 'sbpnode_request_duration_seconds_count{operation="append"}')
         assert float(count[0]["value"][1]) == appended
@@ -378,7 +368,7 @@ def test_a_real_prometheus_scrapes_the_node(node_factory, tmp_path):
                                  '(increase(sbpnode_request_duration_seconds_bucket{operation="append"}[1m])))')
             return r if r and r[0]["value"][1] not in ("NaN", "0") else None
 
-        p99 = wait_for(p99_seen, timeout=30, what="an append p99 from prometheus")
+        p99 = wait_until(p99_seen, timeout=30, what="an append p99 from prometheus")
         assert 0 < float(p99[0]["value"][1]) < 10  # seconds: a sane latency
     finally:
         proc.terminate()
@@ -421,7 +411,7 @@ def test_sbpctl_top_once_for_a_node_and_its_cluster(node_factory):
         assert r.returncode == 0, r.stderr
         return r.stdout if str(sid) in r.stdout else None
 
-    out = wait_for(screen_with_the_stream, timeout=60, what="sbpctl top to show the busy stream")
+    out = wait_until(screen_with_the_stream, timeout=60, what="sbpctl top to show the busy stream")
     assert out.startswith("sbpnode %d " % n.node_id)
     assert "cluster: single node, 1 member(s), leader %d" % n.node_id in out
     assert "sbp.append" in out and "throughput" in out
@@ -517,7 +507,7 @@ def test_peer_sync_metrics_and_status(node_factory):
             return s
         return None
 
-    s = wait_for(synced, what="B's metrics to show A's batches synced")
+    s = wait_until(synced, what="B's metrics to show A's batches synced")
     assert value(s, "sbpnode_peer_sync_bytes_total", peer=peer) > 0
     assert value(s, "sbpnode_payload_bytes_total", protocol="swarm", direction="in") > 0
     assert ("sbpnode_peer_sync_lag_items", frozenset({("peer", peer)})) in s
@@ -540,7 +530,7 @@ def test_a_real_browser_draws_the_status_page(node_factory, tmp_path):
             doc = json.loads(get(n, "/ui/status.json")[2])
             return doc if any(doc["series"]["append_records_s"]) and doc["streams"]["busiest"] else None
 
-        wait_for(charted, timeout=60, what="a status sample with appends")
+        wait_until(charted, timeout=60, what="a status sample with appends")
     url = "http://127.0.0.1:%d/" % n.ports["http"]
     # headless, no sandbox (CI runs as root); --virtual-time-budget lets the page's polls and
     # timers run before the DOM is dumped

@@ -1,13 +1,13 @@
 """The read gate every server connection reads through (protocols/read_gate.py)."""
 
 import pytest
-import pytest_twisted
-from twisted.internet import defer, reactor
+from twisted.internet import task
 from twisted.internet.testing import StringTransport
 
 from protocols import read_gate
 from protocols.read_gate import BUDGET, CLOSING, SEND_BUFFER, STORE, ReadGate
-from storage import Store, record_batch
+from storage import record_batch
+from tests.storage_helpers.inline import close, complete, congest, hold, open_inline
 
 
 def gate():
@@ -56,21 +56,20 @@ def test_reason_names():
 
 @pytest.fixture
 def store(tmp_path):
-    s = Store.open(str(tmp_path / "store"), fsync="never", reactor=reactor)
+    s = open_inline(tmp_path / "store", task.Clock())
     yield s
-    pytest_twisted.blockon(s.close())
+    close(s)
 
 
-@pytest_twisted.ensureDeferred
-async def test_watch_store_holds_until_the_real_store_drains(store):
+def test_watch_store_holds_until_the_real_store_drains(store):
     g, tr, opened = gate()
     assert not g.watch_store(store)  # not congested: nothing held
-    sid = (await store.log.create_stream()).stream_id
-    big = record_batch.encode([(1, [], b"x" * (1 << 20))])
-    queued = [store.log.append(sid, big) for _ in range(80)]  # one reactor turn: 80 MiB queued
+    sid = store.log.create_stream().result.stream_id
+    hold(store)  # the writer commits when the test says
+    queued = [congest(store), store.log.append(sid, record_batch.encode([(1, [], b"x" * (1 << 20))]))]
     assert store.congested
     assert g.watch_store(store) and g.watch_store(store)  # one wait, however often asked
     assert g.reasons == {STORE} and tr.producerState == "paused"
-    await defer.gatherResults(queued)
-    await store.when_drained()
+    complete(store, None)
+    assert all(d.called for d in queued) and store.when_drained().called
     assert g.reading and tr.producerState == "producing" and opened == [True]

@@ -17,6 +17,7 @@ import pytest
 
 from protocols.s2 import codec
 from tests.nodeproc import NodeProcess
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -137,14 +138,23 @@ def test_body_size_limit(node):
     assert reply.startswith(b"HTTP/1.1 413") and b'"code":"invalid"' in reply
 
 
-def sse(node, path, headers=None, timeout=30):
+def sse(node, path, headers=None, timeout=30, on_event=None):
+    """The events of an SSE read, once it ends; ``on_event(name)`` is called as each arrives."""
     conn = http.client.HTTPConnection("127.0.0.1", node.ports["http"], timeout=timeout)
     hdrs = {"accept": "text/event-stream"}
     hdrs.update(headers or {})
     conn.request("GET", path, headers=hdrs)
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("content-type") == "text/event-stream"
-    body = resp.read().decode()
+    if on_event is None:
+        body = resp.read().decode()
+    else:
+        lines = []
+        for raw in resp:
+            lines.append(raw.decode())
+            if lines[-1].startswith("event: "):
+                on_event(lines[-1][7:].strip())
+        body = "".join(lines)
     conn.close()
     events = []
     for block in body.split("\n\n"):
@@ -281,15 +291,11 @@ def test_replica_streams_refuse_appends(tmp_path, node):
     follower = NodeProcess(tmp_path, name="follower", fsync="never", peer=[node.peer_endpoint()])
     follower.start()
     try:
-        deadline = time.monotonic() + 30
-        found = None
-        while time.monotonic() < deadline and found is None:
+        def replicated():
             _, _, body = call(follower, "GET", "/v1/streams?limit=1000")
-            for s in json.loads(body)["streams"]:
-                if s["name"] in (name, str(sid)):
-                    found = s["name"]
-            time.sleep(0.2)
-        assert found is not None, "the stream did not replicate"
+            return next((s["name"] for s in json.loads(body)["streams"] if s["name"] in (name, str(sid))), None)
+
+        found = wait_until(replicated, timeout=30, interval=0.2, what="the stream to replicate")
         path = "/v1/streams/%s/records" % found
         status, _, body = call(follower, "POST", path, {"records": [{"body": "y"}]})
         assert status == 403 and json.loads(body)["code"] == "permission_denied"
@@ -297,12 +303,8 @@ def test_replica_streams_refuse_appends(tmp_path, node):
         status, _, body = call(follower, "POST", path, {"records": [{"headers": [["", "dHJpbQ=="]], "body": trim}]},
                                {"s2-format": "base64"})
         assert status == 403
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            status, _, body = call(follower, "GET", path + "?seq_num=0")
-            if status == 200:
-                break
-            time.sleep(0.2)
+        status, _, body = wait_until(lambda: (lambda got: got if got[0] == 200 else None)(call(follower, "GET", path + "?seq_num=0")),
+                                     timeout=10, interval=0.2, what="the replica to be readable")
         assert [r["body"] for r in json.loads(body)["records"]] == ["x"]
     finally:
         follower.terminate()
@@ -349,7 +351,7 @@ def test_restart_keeps_basins_streams_fence_and_timestamps(tmp_path):
                                {"records": [{"headers": [["", fence]], "body": base64.b64encode(b"tok").decode(),
                                              "timestamp": 5000}]}, {"s2-basin": "kept-basin-1", "s2-format": "base64"})
         assert status == 200, body
-        time.sleep(0.3)  # the fencing token is persisted in the stream attrs after the ack
+        # the token's stream-attrs write was queued before the ack went out; a clean stop drains it
         assert n.terminate() == 0
         n.start()
         _, _, body = call(n, "GET", "/v1/basins")
@@ -372,12 +374,11 @@ def test_retention_by_age(node):
     call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "old", "timestamp": 1000}]})
     status, _, body = call(node, "PATCH", "/v1/streams/%s" % name, {"retention_policy": {"age": 1}})
     assert status == 200 and json.loads(body)["retention_policy"] == {"age": 1}
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        status, _, body = call(node, "GET", "/v1/streams/%s/records?seq_num=0&wait=1" % name)
-        if status == 200 and not json.loads(body)["records"]:
-            break
-        time.sleep(0.5)
+    def trimmed():
+        got = call(node, "GET", "/v1/streams/%s/records?seq_num=0&wait=1" % name)
+        return got if got[0] == 200 and not json.loads(got[2])["records"] else None
+
+    status, _, body = wait_until(trimmed, timeout=20, interval=0.5, what="retention to trim the old record")
     assert status == 200 and json.loads(body)["records"] == [], body
 
 
@@ -443,9 +444,15 @@ def test_sse_error_event_when_the_stream_is_deleted(node):
     name = new_stream(node)
     call(node, "POST", "/v1/streams/%s/records" % name, {"records": [{"body": "x"}]})
     out = {}
-    t = threading.Thread(target=lambda: out.update(events=sse(node, "/v1/streams/%s/records?seq_num=0" % name)))
+    at_tail = threading.Event()  # the reader got the record and its first ping: it waits at the tail
+
+    def read():
+        out.update(events=sse(node, "/v1/streams/%s/records?seq_num=0" % name,
+                              on_event=lambda e: e == "ping" and at_tail.set()))
+
+    t = threading.Thread(target=read)
     t.start()
-    time.sleep(0.5)
+    assert at_tail.wait(20)
     status, _, _ = call(node, "DELETE", "/v1/streams/%s" % name)
     assert status == 202
     t.join(20)

@@ -231,8 +231,10 @@ def test_trim_command(endpoint):
             assert batch.records[0].seq_num == 20
             # Beyond the tail: the trim point is capped at the command's own seq_num + 1.
             await st.append(AppendInput(records=[CommandRecord.trim(10_000)]))
-            await asyncio.sleep(0.2)
-            batch = await st.read(start=SeqNum(0), limit=ReadLimit(count=5), wait=1)
+            for _ in range(20):  # the trim is applied after the ack: until a read sees it
+                batch = await st.read(start=SeqNum(0), limit=ReadLimit(count=5), wait=1)
+                if batch.records == [] or batch.records[0].seq_num == 52:
+                    break
             assert batch.records == [] or batch.records[0].seq_num == 52
 
     run(main())
@@ -297,7 +299,10 @@ def test_append_session_producer_and_read_session(endpoint):
                         return
 
             task = asyncio.ensure_future(follow())
-            await asyncio.sleep(0.5)
+            for _ in range(200):  # until the session has caught up with what exists
+                if len(live) >= 2 or task.done():
+                    break
+                await asyncio.sleep(0.05)
             await st.append(AppendInput(records=[Record(body=b"live")]))
             await asyncio.wait_for(task, 10)
             assert live == [b"p48", b"p49", b"live"]

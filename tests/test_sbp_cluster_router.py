@@ -1,5 +1,5 @@
 """SBP routing in cluster mode (protocols/sbp/cluster.py ClusterRouter) over a StringTransport and
-a real store; the cluster's placement answers are given by a stand-in (which node serves which
+a real store (the inline writer, on a task.Clock, as in test_sbp_server.py); the cluster's placement answers are given by a stand-in (which node serves which
 stream), since placement itself is tested against etcd in test_cluster.py."""
 
 import pytest
@@ -8,7 +8,7 @@ from twisted.internet import defer
 
 from protocols.sbp import codec
 from protocols.sbp.codec import T
-from tests.test_sbp_server import Conn, Node, batch, store  # noqa: F401 (fixture)
+from tests.test_sbp_server import Conn, Node, batch, clock, store  # noqa: F401 (fixtures)
 
 
 class Placement:

@@ -1,10 +1,13 @@
 """SBP against real node processes: clients, durability across kill -9, shutdown, sbpctl stream."""
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
+import struct
 import sys
+import termios
 import threading
 import time
 import zlib
@@ -16,6 +19,7 @@ from twisted.internet import defer, reactor
 from protocols.sbp import codec
 from protocols.sbp.client import BlockingSbpClient, SbpClient, SbpConnectionError, SbpError
 from storage import record_batch
+from tests.waiting import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +34,12 @@ def records(data):
 
 def client_for(node):
     return BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=10)
+
+
+def fetches_handled(node):
+    """FETCH requests the node has taken in (a FETCH at the tail is parked once counted)."""
+    with client_for(node) as c:
+        return c.status()["metrics"]["sbp"]["fetches"]
 
 
 def test_blocking_client_end_to_end_and_kill9_durability(node_factory):
@@ -83,9 +93,8 @@ def test_node_switches_to_the_compiled_append_check(node_factory):
     append_check), then with that: good batches go in, malformed ones still get CORRUPT_BATCH."""
     node = node_factory()
     c = client_for(node)
-    deadline = time.monotonic() + 120  # the first run on a machine compiles (seconds)
-    while c.status()["append_check"] == "loading" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # the first run on a machine compiles (seconds)
+    wait_until(lambda: c.status()["append_check"] != "loading", timeout=120, what="the append check to load")
     try:
         import numba  # noqa: F401
     except ImportError:
@@ -121,7 +130,7 @@ def test_kill9_during_pipelined_appends_keeps_every_ack(node_factory):
 
     t = threading.Thread(target=writer)
     t.start()
-    time.sleep(0.5)
+    wait_until(lambda: len(acked) >= 20, timeout=30, what="appends acknowledged before the kill")
     node.kill9()
     stop.set()
     t.join(10)
@@ -156,7 +165,7 @@ def test_long_poll_and_sigterm_answers_parked_fetch(node_factory):
 
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.3)
+    wait_until(lambda: fetches_handled(node) >= 1, what="the FETCH to park")
     c.append(sid, batch(2))
     t.join(5)
     assert len(records(result["data"])) == 2 and result["t"] < 3
@@ -164,7 +173,7 @@ def test_long_poll_and_sigterm_answers_parked_fetch(node_factory):
     s = socket.create_connection(("127.0.0.1", node.ports["sbp"]))
     hdr = codec.encode_table("FetchRequest", codec.T.FetchRequest(60000, 1, [codec.T.FetchInfo(sid, 0, 2, 1000)]))
     s.sendall(codec.encode_frame(codec.FETCH, 0, 77, hdr))
-    time.sleep(0.3)
+    wait_until(lambda: fetches_handled(node) >= 2, what="the raw socket's FETCH to park")
     node.proc.send_signal(15)
     fb = codec.FrameBuffer()
     frames = []
@@ -280,10 +289,11 @@ def test_sbpctl_stream(node_factory):
     # fetch --follow prints records as they arrive
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO
+    parked = fetches_handled(node) + 1
     p = subprocess.Popen([sys.executable, "-m", "node.cli", "stream", "fetch", sid, ep, "--offset", "1000", "--follow"],
                          stdout=subprocess.PIPE, env=env, cwd=REPO)
     try:
-        time.sleep(1.0)
+        wait_until(lambda: fetches_handled(node) >= parked, what="the follower's FETCH to park")
         c = client_for(node)
         c.append(int(sid), record_batch.encode([(1, [], b"followed!")]))
         line = p.stdout.readline()
@@ -299,6 +309,10 @@ def test_sbpctl_stream(node_factory):
         free = s.getsockname()[1]
     r = sbpctl("stream", "list", "--endpoint=127.0.0.1:%d" % free)
     assert r.returncode == 1 and b"Traceback" not in r.stderr and b"cannot connect" in r.stderr
+
+
+def _unread(sock):
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
 def _rss_mb(pid):
@@ -322,7 +336,16 @@ def test_slow_fetch_reader_does_not_make_the_node_buffer(node_factory):
     s = socket.create_connection(("127.0.0.1", node.ports["sbp"]))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     s.sendall(b"".join(codec.encode_frame(codec.FETCH, 0, i + 1, hdr) for i in range(n)))
-    time.sleep(2.0)
+    # the node has done what it will for a reader that does not read: the bytes waiting in our
+    # socket and the node's RSS stop changing from one look to the next
+    last = [None]
+
+    def settled():
+        now = (_unread(s), _rss_mb(node.proc.pid))
+        was, last[0] = last[0], now
+        return now[0] > 0 and now == was
+
+    wait_until(settled, timeout=30, interval=0.25, what="the node to stop sending to the stalled reader")
     peak = _rss_mb(node.proc.pid)
     assert peak - base_rss < 250, "node grew by %.0f MiB for a reader that does not read" % (peak - base_rss)
     # the reader catches up: every reply arrives, whole

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor, task, threads
+from twisted.internet import reactor, threads
 
 from protocols.sbp import codec, server
 from protocols.sbp.client import BlockingSbpClient, SbpClient, SbpError
@@ -17,6 +17,7 @@ from protocols.sbp.codec import T
 from protocols.sbp.sendfile import FileSender
 from storage import Store, record_batch
 from tests.test_sbp_server import Node  # the NodeContext surface over a real store
+from tests.waiting import reactor_until
 
 BIG = 64  # 1 KiB records per big batch (~66 KB: sent with sendfile)
 
@@ -31,7 +32,7 @@ def store(tmp_path):
 
 class Server:
     def __init__(self, store, zero_copy=True):
-        self.factory = server.SbpServerFactory(Node(store))
+        self.factory = server.SbpServerFactory(Node(store, reactor))
         self.factory.zero_copy = zero_copy
         self.port = reactor.listenTCP(0, self.factory, interface="127.0.0.1")
         self.address = ("127.0.0.1", self.port.getHost().port)
@@ -166,8 +167,8 @@ async def test_reader_that_does_not_read_stops_the_server_reading(store, srv, mi
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     req = fetch_frame(1, sid, 0, 2 << 20)
     await threads.deferToThread(s.sendall, req * n)
-    await task.deferLater(reactor, 0.5, lambda: None)
-    p = srv.conn()
+    p = await reactor_until(lambda: (p := srv.conn()) is not None and p.sender is not None and not p.gate.reading and p,
+                            what="the server to stop reading")
     assert p.sender is not None and not p.gate.reading
     fetched = srv.factory.metrics["fetches"]
     reply = 2 << 20
@@ -191,7 +192,8 @@ async def test_goaway_closes_after_the_queued_replies(store, srv):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     await threads.deferToThread(s.sendall, b"".join(fetch_frame(k + 1, sid, 0, 2 << 20) for k in range(3))
                                 + codec.goaway_frame())
-    await task.deferLater(reactor, 0.3, lambda: None)
+    await reactor_until(lambda: (p := srv.conn()) is not None and p.sender is not None and p.sender.busy,
+                        what="replies queued behind the full socket")
     assert srv.conn().sender.busy  # replies still queued behind a full socket
 
     def drain():

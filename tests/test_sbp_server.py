@@ -1,18 +1,19 @@
-"""SBP server protocol units: the real store in a temp dir, the protocol over a StringTransport."""
-
-import time
+"""SBP server protocol units: the real store in a temp dir with the inline writer of
+tests/storage_helpers/inline.py, the protocol over a StringTransport, time on a ``task.Clock``:
+a reply is there as soon as the request is in, and a long poll's wait is the clock's."""
 
 import msgpack
 import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 
 from protocols.sbp import codec, server
 from protocols.sbp.codec import T
-from storage import Store, record_batch
+from storage import record_batch
+from tests.storage_helpers.inline import close, complete, congest, hold, open_inline
 
 
 class FakeConfig:
@@ -22,11 +23,11 @@ class FakeConfig:
 class Node:
     """The NodeContext surface the SBP server uses, over a real store."""
 
-    def __init__(self, store):
+    def __init__(self, store, clock=None):
         self.store = store
         self.config = FakeConfig()
         self.node_id = 7
-        self.reactor = reactor
+        self.reactor = store.reactor if clock is None else clock
         self.metrics = {}
         self.hooks = []
 
@@ -38,19 +39,25 @@ class Node:
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = Store.open(str(tmp_path / "store"), fsync="never", reactor=reactor, node_id=7)
-    yield s
-    pytest_twisted.blockon(s.close())
+def clock():
+    return task.Clock()
 
 
 @pytest.fixture
-def node(store):
-    return Node(store)
+def store(tmp_path, clock):
+    s = open_inline(tmp_path / "store", clock, node_id=7)
+    yield s
+    close(s)
+
+
+@pytest.fixture
+def node(store, clock):
+    return Node(store, clock)
 
 
 class Conn:
     def __init__(self, node, budget=None):
+        self.clock = node.reactor
         self.factory = server.SbpServerFactory(node) if budget is None else server.SbpServerFactory(node, inflight_budget=budget)
         self.proto = self.factory.buildProtocol(None)
         self.tr = StringTransport()
@@ -82,8 +89,9 @@ class Conn:
         return self.got
 
     async def reply(self, sid, timeout=5.0):
-        """All frames of the response to ``sid`` (until the end flag)."""
-        deadline = time.monotonic() + timeout
+        """All frames of the response to ``sid`` (until the end flag). The clock moves on to its
+        next timer while the reply is incomplete, up to ``timeout`` seconds of it."""
+        deadline = self.clock.seconds() + timeout
         out = []
         while True:
             self.poll()
@@ -93,9 +101,10 @@ class Conn:
                     out.append(f)
                     if f.flags & codec.FLAG_END:
                         return out
-            if time.monotonic() > deadline:
+            due = [c.getTime() for c in self.clock.getDelayedCalls() if c.getTime() <= deadline]
+            if not due:
                 raise AssertionError("no complete reply to %d (have %r)" % (sid, out))
-            await task.deferLater(reactor, 0.003, lambda: None)
+            self.clock.advance(max(0.0, min(due) - self.clock.seconds()))
 
     async def call(self, opcode, table, obj, payload=b""):
         sid, _ = self.request(opcode, table, obj, payload)
@@ -165,7 +174,7 @@ def test_rejections_keep_or_close_as_the_contract_says(node):
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(garbage=st.binary(max_size=300))
 def test_garbage_never_raises(garbage):
-    node = Node(None)
+    node = Node(None, task.Clock())
     c = Conn(node)
     c.send(b"\x00\x00\x00\x30\x17" + garbage)
     c.send(garbage)
@@ -238,20 +247,15 @@ async def test_fetch_long_poll_streams_ready_results_first(node):
     await append(c, [(a, batch(2))])
     sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1000), (b, 0, 1000)], max_wait_ms=5000))
     # the ready result goes out at once with flags 0x01
-    deadline = time.monotonic() + 5
-    while True:
-        frames = [f for f in c.poll() if f.stream_id == sid]
-        if frames:
-            break
-        assert time.monotonic() < deadline
-        await task.deferLater(reactor, 0.005, lambda: None)
+    frames = [f for f in c.poll() if f.stream_id == sid]
+    assert frames
     assert frames[0].flags == codec.FLAG_RESPONSE
     assert [r.request_index for r in codec.decode_header(frames[0]).fetch_responses] == [0]
     c.got.clear()
-    t0 = time.monotonic()
+    t0 = c.clock.seconds()
     await append(c, [(b, batch(1))])
     rest = await c.reply(sid)
-    assert time.monotonic() - t0 < 2
+    assert c.clock.seconds() - t0 < 2
     assert rest[-1].flags == 0x03
     hdr = codec.decode_header(rest[-1])
     assert hdr.fetch_responses[0].request_index == 1 and hdr.fetch_responses[0].status.code == 0
@@ -262,16 +266,18 @@ async def test_fetch_long_poll_streams_ready_results_first(node):
 async def test_fetch_long_poll_timeout_and_min_bytes(node):
     c = Conn(node)
     (a,) = await create(c)
-    t0 = time.monotonic()
+    t0 = c.clock.seconds()
     sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1000)], max_wait_ms=200))
+    c.clock.advance(0.15)
+    assert not [f for f in c.poll() if f.stream_id == sid]
     (f,) = await c.reply(sid)
-    assert 0.15 < time.monotonic() - t0 < 3
+    assert 0.15 < c.clock.seconds() - t0 < 3
     r = codec.decode_header(f).fetch_responses[0]
     assert r.status.code == codec.NO_NEW_RECORD and r.batch_length == 0 and f.payload == b""
     # min_bytes: a small append does not complete the wait; the timeout returns what exists
     sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1 << 20)], max_wait_ms=400, min_bytes=100000))
     await append(c, [(a, batch(1))])
-    await task.deferLater(reactor, 0.1, lambda: None)
+    c.clock.advance(0.1)
     assert not [f for f in c.poll() if f.stream_id == sid]
     (f,) = await c.reply(sid)
     r = codec.decode_header(f).fetch_responses[0]
@@ -283,7 +289,7 @@ async def test_shutdown_goaway_and_parked_fetch(node):
     c = Conn(node)
     (a,) = await create(c)
     sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1000)], max_wait_ms=30000))
-    await task.deferLater(reactor, 0.02, lambda: None)
+    c.clock.advance(0.02)
     d = defer.ensureDeferred(defer.maybeDeferred(node.hooks[0]))
     frames = c.poll()
     assert frames[0].opcode == codec.GOAWAY and frames[0].flags == 0 and frames[0].stream_id == 0
@@ -299,8 +305,10 @@ async def test_backpressure_pauses_reading(node):
     c = Conn(node, budget=1000)
     (a,) = await create(c)
     big = batch(1, b"z" * 5000)
+    hold(node.store)  # the APPEND stays in flight until the writer commits it
     sid, _ = c.request(codec.APPEND, "AppendRequest", T.AppendRequest(0, [T.AppendInfo(a, 0, len(big))]), big)
     assert c.tr.producerState == "paused"
+    hold(node.store, False)
     (f,) = await c.reply(sid)
     assert codec.decode_header(f).throttle_time_ms > 0
     assert c.tr.producerState == "producing"
@@ -318,14 +326,14 @@ async def test_append_stops_reading_while_the_store_is_congested(node, store):
     c = Conn(node)
     (a,) = await create(c)
     other = (await store.log.create_stream()).stream_id
-    filler = batch(1, b"f" * (1 << 20))
-    # one reactor turn: the queue only shrinks when groups are delivered on this thread
-    queued = [store.log.append(other, filler) for _ in range(80)]
+    hold(store)  # the queue only shrinks when the test lets the writer commit
+    queued = [congest(store), store.log.append(other, batch(1, b"f" * (1 << 20)))]
     assert store.congested
     b = batch(1)
     sid, _ = c.request(codec.APPEND, "AppendRequest", T.AppendRequest(0, [T.AppendInfo(a, 0, len(b))]), b)
     assert c.tr.producerState == "paused" and not c.proto.gate.reading
     assert c.proto.gate.reasons == {"store congestion"}
+    complete(store, None)
     (f,) = await c.reply(sid)
     assert codec.decode_header(f).append_responses[0].status.code == codec.OK
     await defer.gatherResults(queued)
@@ -578,15 +586,15 @@ async def test_client_goaway_finishes_in_flight_then_closes(node):
     c = Conn(node)
     (a,) = await create(c)
     sid, _ = c.request(codec.FETCH, "FetchRequest", fetch_req([(a, 0, 1000)], max_wait_ms=5000))
-    await task.deferLater(reactor, 0.02, lambda: None)
+    c.clock.advance(0.02)
     c.send(codec.encode_frame(codec.GOAWAY, 0, 0) + codec.encode_frame(codec.PING, 0, 5))
-    await task.deferLater(reactor, 0.05, lambda: None)
+    c.clock.advance(0.05)
     assert not [f for f in c.poll() if f.stream_id in (5, 0)]  # no reply to GOAWAY, no new requests
     assert not c.tr.disconnecting
     await node.store.log.append(a, batch(1))
     (f,) = await c.reply(sid)
     assert codec.decode_header(f).fetch_responses[0].status.code == 0
-    await task.deferLater(reactor, 0.01, lambda: None)
+    c.clock.advance(0.01)
     assert c.tr.disconnecting
 
 

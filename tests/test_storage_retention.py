@@ -5,26 +5,20 @@ import glob
 import os
 
 import pytest_twisted
-from twisted.internet import reactor, task
+from twisted.internet import reactor
 
 from storage import Store
 from tests.storage_helpers.util import base_of, batch
+from tests.waiting import reactor_until
 
 
 def wal_files(path):
     return sorted(glob.glob(os.path.join(str(path), "wal", "*.wal")))
 
 
-async def sleep(s):
-    await task.deferLater(reactor, s, lambda: None)
-
-
 async def until(condition, timeout=10.0):
-    """Poll ``condition`` (background retention runs on its own schedule) until true or timeout."""
-    deadline = reactor.seconds() + timeout
-    while not condition():
-        assert reactor.seconds() < deadline, "timed out waiting for the background task"
-        await sleep(0.02)
+    """Background retention runs on its own schedule: wait for what it should have done."""
+    await reactor_until(condition, timeout, what="the background retention task")
 
 
 @pytest_twisted.ensureDeferred

@@ -7,6 +7,7 @@ from twisted.internet import defer, reactor
 from storage import FsyncPolicy, Store, errors
 from storage import record_batch as rb
 from tests.storage_helpers.util import base_of, batch, same_except_base
+from tests.waiting import reactor_until
 
 
 def open_store(path, fsync="always", **kw):
@@ -205,8 +206,6 @@ async def test_congestion_signal_and_closed_store(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_fsync_policies_sync_when_they_say(tmp_path):
-    from twisted.internet import task
-
     st = open_store(tmp_path / "always", fsync="always")
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
@@ -233,10 +232,8 @@ async def test_fsync_policies_sync_when_they_say(tmp_path):
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
     assert st.core.unsynced()
-    deadline = reactor.seconds() + 10
-    while st.core.unsynced():  # synced by the writer within ~50 ms (polled: the machine may be busy)
-        assert reactor.seconds() < deadline
-        await task.deferLater(reactor, 0.02, lambda: None)
+    # synced by the writer within ~50 ms (waited for: the machine may be busy)
+    await reactor_until(lambda: not st.core.unsynced(), timeout=10, what="the interval sync")
     await st.close()
 
 
@@ -253,13 +250,11 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
     sid = (await st.log.create_stream()).stream_id
     await st.log.append(sid, batch())
     await st.chunks.put(b"chunk" * 100)
-    deadline = reactor.seconds() + 10
-    while set(presync._seen) != {"wal", "packs"}:  # polled: the machine may be busy
-        assert reactor.seconds() < deadline
-        await task.deferLater(reactor, 0.02, lambda: None)
+    await reactor_until(lambda: set(presync._seen) == {"wal", "packs"}, timeout=10, what="pre-sync of the WAL and packs")
     assert presync._seen["wal"] == (st.wal.active, st.wal.end)
     assert st.core.unsynced()  # the writer's 60 s sync has not come: the dirty marks stay
     passes = presync.passes
+    # a negative check needs a window: three pre-sync periods in which nothing grew
     await task.deferLater(reactor, 0.3, lambda: None)
     assert presync.passes == passes  # nothing grew: no further syncs
     await st.close()
@@ -273,22 +268,21 @@ async def test_interval_presync_writes_back_early_and_stops_with_the_store(tmp_p
 async def test_interval_presync_across_segment_rolls_and_deletes(tmp_path):
     """Segments roll and are deleted while the pre-sync thread syncs every 10 ms: nothing fails,
     and every acknowledged batch is there after a reopen."""
-    from twisted.internet import task
-
     st = open_store(tmp_path, fsync="interval:80", segment_bytes=64 << 10)
     doomed = (await st.log.create_stream()).stream_id
     kept = (await st.log.create_stream()).stream_id
     for i in range(60):
         await defer.gatherResults([st.log.append(doomed, batch(8, 1000, tag=i)), st.log.append(kept, batch(2, 100, tag=i))])
-        if i % 10 == 0:
-            await task.deferLater(reactor, 0.015, lambda: None)  # let pre-sync passes run
+        if i % 10 == 0:  # let a pre-sync pass run over what grew
+            passes = st.presync.passes
+            await reactor_until(lambda: st.presync.passes > passes, what="a pre-sync pass")
     assert len(st.wal.bases) > 4
     await st.log.delete_stream(doomed)
     deleted, _ = await st.log.gc_now()
     assert deleted > 0
     for i in range(10):
         await st.log.append(kept, batch(2, 100, tag=100 + i))
-    await task.deferLater(reactor, 0.05, lambda: None)
+    await reactor_until(lambda: st.presync.passes > 0, what="a pre-sync pass")
     assert st.presync.passes > 0 and st.failed is None
     await st.close()
     st = open_store(tmp_path, fsync="interval:80", segment_bytes=64 << 10)

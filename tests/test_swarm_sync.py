@@ -8,15 +8,16 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from bench.swarm_bench import free_port, preload_subprocess
+from protocols.sbp.client import BlockingSbpClient
 from protocols.swarm import codec
 from protocols.swarm.client import BlockingSwarmClient
 from protocols.swarm.codec import ChunkDelivery, GetRange, OfferedHashes, StreamDescriptor, StreamInfoReq, StreamInfoRes, WantedHashes
 from tests.nodeproc import REPO
+from tests.waiting import wait_until
 
 OFF = dict(sbp="none", kv="none", meta="none", chunks="none", http="none", fsync="never")
 
@@ -36,15 +37,10 @@ def content(node):
     return out
 
 
-def wait_until(pred, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for %s" % what)
-        time.sleep(0.05)
+def live_peers(node):
+    """node.metrics["peers"] as the node has it now (SBP status), not the 1/s snapshot file."""
+    with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=10) as c:
+        return c.status()["metrics"].get("peers", {})
 
 
 def peers_snapshot(node):
@@ -99,7 +95,6 @@ def test_three_nodes_both_ways_converge(tmp_path, node_factory):
     # idle and caught up: nothing more crosses the wire (only hashes ever did for known items).
     # Every link must come up and report no lag; data can converge through the other links before
     # a node's last connect retry (backoff up to 5 s) has even happened, so wait for it.
-    time.sleep(1.5)
 
     def links_up(n):
         peers = peers_snapshot(nodes[n]).values()
@@ -114,16 +109,15 @@ def test_restart_mid_batch_resumes(tmp_path, node_factory):
     a = node_factory(name="a", node_id=31, **OFF)
     want = info(a)
     b = node_factory(name="b", node_id=32, peer=a.peer_endpoint(), **OFF)
-    time.sleep(0.15)
+    wait_until(lambda: info(b).get(codec.CHUNKS_ID), timeout=30, what="B to start syncing")
     b.kill9()  # mid-sync: intervals and chunks may disagree; the restart must fix it
     b.start()
     wait_until(lambda: info(b) == want, what="B to finish after a kill -9")
     assert content(b) == content(a)
     # a clean restart once synced resumes from the persisted intervals: nothing is refetched
     b.restart()
-    snap = wait_until(lambda: (lambda p: p if p and all(v["connected"] and v["streams"] for v in p.values()) else None)(peers_snapshot(b)), what="B reconnected")
-    time.sleep(1.2)
-    snap = peers_snapshot(b)
+    # reconnected, and its streams compared with A's: a refetch would show here as lag or items
+    snap = wait_until(lambda: (lambda p: p if p and all(v["connected"] and v["streams"] and "lag" in v for v in p.values()) else None)(peers_snapshot(b)), what="B reconnected and compared")
     stats = snap[a.endpoint("swarm")]
     assert stats["items"] == 0 and stats["lag"] == 0
     assert info(b) == want
@@ -245,16 +239,18 @@ def test_peer_restart_reconnects_with_backoff(tmp_path, node_factory):
     preload_subprocess(str(tmp_path / "a-data"), 61, chunks=50, chunk_size=256)
     opts = dict(OFF, swarm="tcp:%d:interface=127.0.0.1" % port)
     a = node_factory(name="a", node_id=61, **opts)
-    b = node_factory(name="b", node_id=62, peer="tcp:host=127.0.0.1:port=%d" % port, **OFF)
+    # B serves SBP so the test can read its live peer stats (status) while it retries
+    b = node_factory(name="b", node_id=62, peer="tcp:host=127.0.0.1:port=%d" % port, **dict(OFF, sbp="tcp:0:interface=127.0.0.1"))
     wait_until(lambda: info(b)[codec.CHUNKS_ID] == 50, what="first sync")
     assert a.terminate() == 0
     # more data lands on A while it is down (written offline into its store)
     preload_subprocess(a.data_dir, 61, chunks=30, chunk_size=256)
-    time.sleep(1.0)  # B is retrying with backoff meanwhile
+    key = "127.0.0.1:%d" % port
+    # B is retrying with backoff meanwhile
+    wait_until(lambda: (live_peers(b).get(key, {}).get("last_error") or "").startswith("connect:"), what="B to retry")
     a.start()
     wait_until(lambda: info(b)[codec.CHUNKS_ID] == 80, what="B to reconnect and catch up")
     assert content(b) == content(a)
-    key = "127.0.0.1:%d" % port
     # the snapshot file is refreshed once a second
     wait_until(lambda: peers_snapshot(b).get(key, {}).get("items") == 80, what="stats to show 80 items")
     assert peers_snapshot(b)[key]["connects"] >= 2

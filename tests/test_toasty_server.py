@@ -1,4 +1,6 @@
-"""Toasty metadata and chunk servers over StringTransport, on a real store in tmp_path (CONTRACT §5)."""
+"""Toasty metadata and chunk servers over StringTransport, on a real store in tmp_path (CONTRACT §5)
+with the inline writer of tests/storage_helpers/inline.py, time on a ``task.Clock`` (the file
+tree's one-turn write batching is the clock's ``callLater(0)``)."""
 
 import hashlib
 import os
@@ -6,7 +8,7 @@ import os
 import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings, strategies as st
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 
 from protocols.toasty import codec, server
@@ -24,6 +26,7 @@ from protocols.toasty.codec import (
     Write,
     WriteChunk,
 )
+from tests.storage_helpers.inline import close, open_inline
 
 CHUNK_ADDR = ("127.0.0.1", 7703)
 
@@ -39,7 +42,7 @@ class Node:
         self.store = store
         self.config = FakeConfig()
         self.node_id = 1
-        self.reactor = reactor
+        self.reactor = store.reactor
         self.metrics = {}
         self.chunks_on = chunks_on
 
@@ -52,15 +55,14 @@ class Node:
 
 @pytest.fixture
 def store(tmp_path):
-    from storage import Store
-
-    s = Store.open(str(tmp_path / "store"), fsync="never", reactor=reactor, node_id=1)
+    s = open_inline(tmp_path / "store", task.Clock(), node_id=1)
     yield s
-    pytest_twisted.blockon(s.close())
+    close(s)
 
 
 class Conn:
     def __init__(self, factory):
+        self.clock = factory.node.reactor
         self.proto = factory.buildProtocol(None)
         self.tr = StringTransport()
         self.proto.makeConnection(self.tr)
@@ -82,11 +84,14 @@ class Conn:
         return out
 
     async def replies(self, n, timeout=10.0):
-        waited = 0.0
+        """The next ``n`` replies; while they are not all in, the clock moves on to its next timer
+        (up to ``timeout`` seconds of it)."""
+        deadline = self.clock.seconds() + timeout
         while len(self._parse()) < self.seen + n:
-            await task.deferLater(reactor, 0.005, lambda: None)
-            waited += 0.005
-            if waited > timeout:
+            due = [c.getTime() for c in self.clock.getDelayedCalls() if c.getTime() <= deadline]
+            if due:
+                self.clock.advance(max(0.0, min(due) - self.clock.seconds()))
+            else:
                 raise AssertionError("only %d replies: %r" % (len(self._parse()) - self.seen, self._parse()[self.seen :]))
         got = self._parse()[self.seen : self.seen + n]
         self.seen += n
@@ -487,10 +492,8 @@ async def test_pipelined_create_and_delete_wait_for_an_earlier_write(meta, chunk
 async def test_generations_survive_reopening_the_store(tmp_path):
     """Generations handed out by batched CREATEs and WRITEs (some refused) are the stored ones
     after the store is closed and opened again, and the counter goes on from the last one."""
-    from storage import Store
-
-    path = str(tmp_path / "store")
-    s = Store.open(path, fsync="always", reactor=reactor, node_id=1)
+    path = tmp_path / "store"
+    s = open_inline(path, task.Clock(), fsync="always", node_id=1)
     try:
         f = server.build_meta_factory(Node(s))
         f.doStart()
@@ -511,7 +514,7 @@ async def test_generations_survive_reopening_the_store(tmp_path):
         assert w3.TYPE == codec.WRITE_SUCCESS and w3.gen > g.gen
     finally:
         await s.close()
-    s = Store.open(path, fsync="always", reactor=reactor, node_id=1)
+    s = open_inline(path, task.Clock(), fsync="always", node_id=1)
     try:
         f = server.build_meta_factory(Node(s))
         f.doStart()
@@ -576,6 +579,8 @@ async def test_messages_cut_anywhere_between_reads(store, chunks):
 async def test_chunk_server_over_a_real_socket_keeps_reply_order(store):
     """Over loopback TCP, downloads answered at once from the page cache (straight to the socket)
     and those queued behind a full send buffer, errors and partial reads stay in request order."""
+    from twisted.internet import reactor
+
     from protocols.toasty.client import open_connection as _connect
 
     port = reactor.listenTCP(0, server.build_chunk_factory(Node(store)), interface="127.0.0.1")
