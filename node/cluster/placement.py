@@ -25,7 +25,8 @@ Each node watches ``P streams/`` and keeps every record in ``streams`` (a cache 
 placement load; reads that answer clients go to etcd). For each stream whose ranges name it, the
 node creates the local stream that holds its replica (same stream id): writable on the open
 range's primary, read-only elsewhere (the primary's address as its origin, so a write there gets
-PD_NOT_LEADER naming the primary) until replication (issue 17) feeds it.
+PD_NOT_LEADER naming the primary); the primary feeds the others over the replica channel
+(node/cluster/replication.py).
 """
 
 import json
@@ -244,10 +245,13 @@ class PlacementDriver:
         elif meta.retention_period_ms != rec["retention_period_ms"] or meta.replica_nums != rec["replica_nums"]:
             meta = yield log.update_stream(sid, replica_nums=rec["replica_nums"],
                                            retention_period_ms=rec["retention_period_ms"])
-        if rec.get("trim_offset", 0) > meta.trim_offset and meta.origin is None:
-            # a read-only replica holds nothing yet (replication, issue 17, brings its data and
-            # trims it); the primary's trim already ran in trim_stream, this covers a restart
-            yield log.trim(sid, rec["trim_offset"])
+        if rec.get("trim_offset", 0) > meta.trim_offset:
+            # the primary's trim already ran in trim_stream (this covers a restart); the other
+            # replicas follow the record's trim point
+            if meta.origin is None:
+                yield log.trim(sid, rec["trim_offset"])
+            else:
+                yield log.trim_replica(sid, rec["trim_offset"])
 
     def _apply_delete(self, sid):
         try:
@@ -262,15 +266,21 @@ class PlacementDriver:
 
     # -- routing (APPEND / FETCH / TRIM) ---------------------------------------------------------
 
-    def route(self, sid):
+    def route(self, sid, read=False):
         """Where a data operation on ``sid`` is served: ``None`` here; a ``str`` the SBP address of
         the node to ask; or a Deferred (this node must learn about the stream first) that fires
-        with one of those."""
+        with one of those. Appends go to the open range's primary; reads (``read``) are served
+        by any node holding a replica (issue 17: each holds the stream up to the confirm
+        offset)."""
         rec = self.streams.get(sid)
         if rec is None:
             if self._local(sid):
                 return None  # a stream of this node outside the cluster's records (made before --cluster)
-            return self._lookup(sid)
+            return self._lookup(sid, read)
+        if read and hosts(rec, self.node_id):
+            if self._local(sid):
+                return None
+            return self.ensure_local(rec).addCallback(lambda _: None)
         rng = open_range(rec)
         primary = primary_of(rng) if rng else None
         if primary is None or primary["id"] == self.node_id:
@@ -287,13 +297,23 @@ class PlacementDriver:
             return False
 
     @defer.inlineCallbacks
-    def _lookup(self, sid):
+    def learn(self, sid):
+        """Read the stream's record from etcd (this node's watch may be behind) and, if this
+        node holds a replica, make its local stream; fires once done."""
+        rec = yield self.get(sid)
+        self._remember(rec)
+        if hosts(rec, self.node_id):
+            yield self.ensure_local(rec)
+        return rec
+
+    @defer.inlineCallbacks
+    def _lookup(self, sid, read=False):
         try:
             rec = yield self.get(sid)
         except StreamGone:
             return None  # the local store answers STREAM_NOT_FOUND
         self._remember(rec)
-        where = self.route(sid)
+        where = self.route(sid, read)
         if isinstance(where, defer.Deferred):
             where = yield where
         return where
