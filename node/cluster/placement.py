@@ -109,6 +109,7 @@ class PlacementDriver:
         self._revision = 0
         self._id_lock = defer.DeferredLock()
         self._id_next = self._id_end = 0  # the reserved block of stream-id counters [next, end)
+        self.listeners = []  # fn(rec) for every new record seen (the replicator's)
 
     def key(self, sid) -> str:
         return self.prefix + "streams/%020d" % sid
@@ -166,6 +167,11 @@ class PlacementDriver:
             return  # an older view arriving late
         self._set(rec)
         self._apply(rec)
+        for fn in self.listeners:
+            try:
+                fn(rec)
+            except Exception:
+                self.log.failure("stream record listener failed")
 
     def _count(self, rec, sign):
         rng = open_range(rec)
@@ -242,6 +248,10 @@ class PlacementDriver:
             self.log.info("created the local replica of stream {sid} ({role})", sid=sid,
                           role="primary" if origin is None else "replica")
             meta = log.stream(sid)
+        elif meta.origin is not None and origin is None:
+            # a replica became the primary (failover): its local stream takes appends now
+            yield log.create_replica_stream(sid, None, rec["replica_nums"], rec["retention_period_ms"])
+            meta = log.stream(sid)
         elif meta.retention_period_ms != rec["retention_period_ms"] or meta.replica_nums != rec["replica_nums"]:
             meta = yield log.update_stream(sid, replica_nums=rec["replica_nums"],
                                            retention_period_ms=rec["retention_period_ms"])
@@ -277,11 +287,14 @@ class PlacementDriver:
             if self._local(sid):
                 return None  # a stream of this node outside the cluster's records (made before --cluster)
             return self._lookup(sid, read)
-        if read and hosts(rec, self.node_id):
+        rng = open_range(rec)
+        # a read is served by a replica of the open range (after a failover a node that held
+        # an older range only may hold an unacknowledged tail past its seal)
+        serves = any(s["id"] == self.node_id for s in rng["servers"]) if rng else hosts(rec, self.node_id)
+        if read and serves:
             if self._local(sid):
                 return None
             return self.ensure_local(rec).addCallback(lambda _: None)
-        rng = open_range(rec)
         primary = primary_of(rng) if rng else None
         if primary is None or primary["id"] == self.node_id:
             if self._local(sid) or primary is None:
@@ -485,6 +498,24 @@ class PlacementDriver:
 
         new = yield self._change(sid, fn)
         return new, meta
+
+    def seal_and_open(self, sid, epoch, end, servers):
+        """CONTRACT §9 Failover: seal the open range of ``epoch`` at ``end`` and open the next one
+        at ``end`` on ``servers`` ([(node_id, is_primary)]), the stream's epoch incremented, in one
+        compare-and-swap; Conflict if the stream moved past ``epoch`` meanwhile."""
+        def fn(rec):
+            if rec.get("epoch", 0) != epoch:
+                raise Conflict("stream %d is at epoch %d, not %d" % (sid, rec.get("epoch", 0), epoch))
+            rng = open_range(rec)
+            if rng is None:
+                raise Conflict("stream %d has no open range" % sid)
+            rng["end"] = end
+            rec["epoch"] = epoch + 1
+            rec["ranges"].append({"index": rng["index"] + 1, "start": end, "end": -1, "epoch": epoch + 1,
+                                  "servers": self._servers(servers)})
+            return rec
+
+        return self._change(sid, fn)
 
     def next_offset(self, rec, rng):
         """The range's next offset as this node knows it: the local replica's for an open range

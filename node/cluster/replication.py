@@ -26,6 +26,7 @@ import collections
 import json
 
 from twisted.internet import defer, protocol, reactor as default_reactor
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -36,12 +37,11 @@ from storage import errors as store_errors
 from storage import record_batch
 
 SEALED = 1460  # CONTRACT §3 status: the range is sealed, or the append comes from a stale epoch
+SEAL_TIMEOUT_S = 3.0  # a replica that does not answer a seal within this counts as not answering
+SEAL_DRAIN_S = 5.0  # longest a replica waits for its received batches to be durable before answering a seal
 CATCH_UP_READ = 1 << 20  # bytes read from the store at once while catching a replica up
 RETRY_S = 0.5  # seconds between attempts to reach a replica
 
-
-class Refused(store_errors.StoreError):
-    """A replica refused the stream's appends (sealed range or stale epoch: 1460)."""
 
 
 class PeerStream:
@@ -70,6 +70,7 @@ class PrimaryStream:
         self.pending = collections.OrderedDict()  # end -> (base, Deferred), in offset order
         self.window = collections.OrderedDict()  # base -> (end, batch) of batches above the confirm offset
         self.confirm_queued = False
+        self.sealed = False  # a replica refused this epoch's appends (1460): the range was sealed
 
 
 class Link:
@@ -96,7 +97,8 @@ class Replicator:
         self.links = {}  # node id -> Link
         self.port = None
         self._inbound = {}  # stream id -> [messages waiting for the local replica to exist]
-        self.refused_epochs = {}  # stream id -> epoch below which appends are refused (sealing)
+        self.refused_epochs = {}  # stream id -> epoch below which appends are refused (sealed here)
+        self._seals = {}  # (node id, stream id, epoch) -> [Deferred of the replica's end]
 
     @property
     def node_id(self):
@@ -136,6 +138,8 @@ class Replicator:
         if st is None:
             return log.append(sid, batch, expect_offset)
         try:
+            if st.sealed:
+                raise store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
             if expect_offset is not None and expect_offset != st.assigned:
                 raise store_errors.ExpectationFailed("next offset is %d, not %d" % (st.assigned, expect_offset))
             if len(batch) < record_batch.HEADER_SIZE:
@@ -184,8 +188,13 @@ class Replicator:
             durable = self.store.log.durable_end(sid)
         except store_errors.StreamNotFound:
             return None
+        self._drop(sid, "a new range")
         st = PrimaryStream(sid, rec, assigned, durable)
         st.peers.pop(self.node_id, None)
+        # everything below the open range's start was sealed (a majority has it, CONTRACT §9
+        # Failover); above it only acknowledgements count
+        st.confirm = rng["start"]
+        self.store.log.confirm(sid, st.confirm)
         self.primaries[sid] = st
         for nid in st.peers:
             link = self._link(nid)
@@ -193,6 +202,28 @@ class Replicator:
                 link.channel.send(rcodec.SYNC, sid)
         self._advance(st)
         return st
+
+    def _drop(self, sid, why):
+        """This node no longer sequences ``sid`` under the state it had: its unanswered appends
+        fail with 1460 (the client retries on the new range)."""
+        st = self.primaries.pop(sid, None)
+        if st is None:
+            return
+        st.sealed = True
+        pending, st.pending = st.pending, collections.OrderedDict()
+        for _end, (_base, d) in pending.items():
+            d.errback(store_errors.RangeAlreadySealed("stream %d: range sealed (%s); retry on the new range" % (sid, why)))
+
+    def record_changed(self, rec):
+        """The placement driver saw a new record of a stream (its watch)."""
+        sid = rec["stream_id"]
+        st = self.primaries.get(sid)
+        if st is None:
+            return
+        rng = placement.open_range(rec)
+        primary = placement.primary_of(rng) if rng else None
+        if rec.get("epoch", 0) != st.epoch or primary is None or primary["id"] != self.node_id:
+            self._drop(sid, "epoch %d" % rec.get("epoch", 0))
 
     def _local_durable(self, _base, st):
         try:
@@ -274,12 +305,16 @@ class Replicator:
         link.connecting = False
         if link.stopped or link.channel is not None:
             return
-        if any(link.node_id in st.peers for st in self.primaries.values()):
+        if any(link.node_id in st.peers for st in self.primaries.values()) or \
+                any(k[0] == link.node_id for k in self._seals):
             self._connect(link)
 
     def linked(self, link, channel):
         link.channel = channel
         link.connecting = False
+        for (nid, sid, epoch) in list(self._seals):
+            if nid == link.node_id:
+                channel.send(rcodec.SEAL, sid, epoch)
         for st in self.primaries.values():
             if link.node_id in st.peers:
                 st.peers[link.node_id].sent = None
@@ -298,6 +333,11 @@ class Replicator:
 
     def from_replica(self, link, msg):
         kind, sid = msg[0], msg[1]
+        if kind == rcodec.SEALED:
+            for d in self._seals.pop((link.node_id, sid, msg[2]), []):
+                if not d.called:
+                    d.callback(msg[3])
+            return
         st = self.primaries.get(sid)
         ps = st.peers.get(link.node_id) if st is not None else None
         if ps is None:
@@ -318,6 +358,10 @@ class Replicator:
                 ps.sent = msg[2]
                 self._pump(st, ps, link)
         elif kind == rcodec.ERROR:
+            if msg[2] == SEALED and self.primaries.get(sid) is st:
+                # fenced: the range was sealed behind this node's back (it was paused or cut
+                # off); it acknowledges nothing more of this epoch
+                self._drop(sid, "fenced by node %d" % link.node_id)
             self.log.warn("replica {nid} refuses stream {sid}: {code} {message}", nid=link.node_id, sid=sid,
                           code=msg[2], message=msg[3])
 
@@ -392,12 +436,19 @@ class Replicator:
         if kind == rcodec.SYNC:
             self._ack(channel, sid)
             return
+        if kind == rcodec.SEAL:
+            epoch = msg[2]
+            self.seal_here(sid, epoch).addCallbacks(
+                lambda end: channel.send(rcodec.SEALED, sid, epoch, end),
+                lambda f: self.log.warn("seal of stream {sid} failed: {e}", sid=sid, e=f.value))
+            return
         # APPEND
         epoch, batch = msg[2], msg[3]
         if meta_origin is None:
             channel.send(rcodec.ERROR, sid, SEALED, "this node sequences stream %d itself" % sid)
             return
-        if epoch < self.refused_epochs.get(sid, 0):
+        rec = self.pd.streams.get(sid) if self.pd is not None else None
+        if epoch < max(self.refused_epochs.get(sid, 0), rec.get("epoch", 0) if rec else 0):
             channel.send(rcodec.ERROR, sid, SEALED, "epoch %d is stale" % epoch)
             return
         base = int.from_bytes(batch[1:9], "big", signed=True)
@@ -411,6 +462,50 @@ class Replicator:
         d = log.append_replica(sid, batch)
         d.addCallbacks(lambda _: self._ack(channel, sid),
                        lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
+
+    # -- sealing (CONTRACT §9 Failover) ---------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def seal_here(self, sid, epoch):
+        """Seal this node's replica of ``sid``'s range of ``epoch``: appends of that epoch or
+        older are refused from now on (1460); fires with the durable end once every batch
+        received is durable (so nothing can be acknowledged above the answer)."""
+        self.refused_epochs[sid] = max(self.refused_epochs.get(sid, 0), epoch + 1)
+        st = self.primaries.get(sid)
+        if st is not None and st.epoch <= epoch:
+            self._drop(sid, "sealed")
+        log = self.store.log
+        waited = 0.0
+        while log.durable_end(sid) < log.assigned_end(sid) and waited < SEAL_DRAIN_S:
+            yield deferLater(self.reactor, 0.005, lambda: None)
+            waited += 0.005
+        return log.durable_end(sid)
+
+    def seal(self, nid, sid, epoch):
+        """Ask node ``nid`` to seal its replica of ``sid`` (epoch ``epoch``); a Deferred of its
+        durable end, failing after SEAL_TIMEOUT_S without an answer."""
+        if nid == self.node_id:
+            return self.seal_here(sid, epoch)
+        d = defer.Deferred()
+        key = (nid, sid, epoch)
+        first = key not in self._seals
+        self._seals.setdefault(key, []).append(d)
+        link = self._link(nid)
+        if first and link.channel is not None:
+            link.channel.send(rcodec.SEAL, sid, epoch)
+
+        def timeout():
+            waiting = self._seals.get(key, [])
+            if d in waiting:
+                waiting.remove(d)
+                if not waiting:
+                    del self._seals[key]
+            if not d.called:
+                d.errback(defer.TimeoutError("node %d did not answer the seal of stream %d" % (nid, sid)))
+
+        call = self.reactor.callLater(SEAL_TIMEOUT_S, timeout)
+        d.addBoth(lambda r: (call.active() and call.cancel(), r)[1])
+        return d
 
     def _ack(self, channel, sid):
         try:
@@ -452,7 +547,7 @@ class _ReplicaSide:
         pass
 
     def message(self, channel, msg):
-        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM):
+        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL):
             self.replicator.to_replica(channel, msg)
 
 
@@ -470,5 +565,5 @@ class _PrimarySide:
         self.replicator.unlinked(self.link, channel)
 
     def message(self, channel, msg):
-        if msg[0] in (rcodec.ACK, rcodec.GAP, rcodec.ERROR):
+        if msg[0] in (rcodec.ACK, rcodec.GAP, rcodec.ERROR, rcodec.SEALED):
             self.replicator.from_replica(self.link, msg)

@@ -13,6 +13,7 @@ from twisted.logger import Logger
 
 from node.cluster import etcd, placement
 from node.cluster.election import Election
+from node.cluster.failover import Failover
 from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation
 from node.cluster.placement import PlacementDriver
 from node.cluster.replication import Replicator
@@ -39,6 +40,7 @@ class ClusterNode:
         self.election = None
         self.pd = None
         self.replicator = Replicator(node, tls=tls, reactor=node.reactor)
+        self.failover = None
         self.started = False
 
     @property
@@ -67,6 +69,9 @@ class ClusterNode:
                                       node.config.replication_factor, reactor=node.reactor)
             yield self.pd.start()
             self.replicator.pd, self.replicator.membership = self.pd, self.membership
+            self.pd.listeners.append(self.replicator.record_changed)
+            self.failover = Failover(self.pd, self.membership, self.election, self.replicator, node.reactor)
+            self.failover.start()
         except BaseException:
             yield self.stop()
             raise
@@ -78,6 +83,8 @@ class ClusterNode:
 
     @defer.inlineCallbacks
     def stop(self):
+        if self.failover is not None:
+            self.failover.stop()
         yield self.replicator.stop()
         if self.pd is not None:
             self.pd.stop()
@@ -143,7 +150,8 @@ class ClusterNode:
             "leader": self.election.leader_id if self.election else None,
             "members": members,
             "ranges": ranges,
-            "failovers": 0,
+            "failovers": self.failover.count if self.failover else 0,
+            "last_failover": self.failover.last if self.failover else None,
             "prefix": self.prefix,
             "etcd": ",".join(self.client.urls),
             "etcd_reachable": self.client.available,

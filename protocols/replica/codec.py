@@ -8,11 +8,17 @@ protocols/replica/channel.py). Primary -> replica:
   (storage/record_batch.py), assigned by the primary, the range's only sequencer
 - ``["C", stream_id, confirm_offset]``: every offset below this is acknowledged: readers may see it
 
+Placement-driver leader -> replica (failover, CONTRACT §9):
+
+- ``["X", stream_id, epoch]``: seal the stream's open range of ``epoch``: refuse appends of that
+  epoch or older from now on, and answer ``Z`` once everything received is durable
+
 Replica -> primary:
 
 - ``["K", stream_id, durable_end, assigned_end]``: batches below ``durable_end`` are durable here
   (under this node's ``--fsync``); ``assigned_end`` is where the next batch must start
 - ``["G", stream_id, assigned_end]``: a batch did not start at ``assigned_end``: resend from there
+- ``["Z", stream_id, epoch, durable_end]``: sealed; this replica's end
 - ``["E", stream_id, code, message]``: the stream's appends are refused (1460: sealed range or stale
   epoch; 1404: no such stream here)
 """
@@ -20,9 +26,10 @@ Replica -> primary:
 import msgpack
 
 SYNC, APPEND, CONFIRM, ACK, GAP, ERROR = "S", "A", "C", "K", "G", "E"
+SEAL, SEALED = "X", "Z"
 MAX_MESSAGE = 32 << 20  # a batch is at most 16 MiB (CONTRACT §3)
 
-_ARITY = {SYNC: 2, APPEND: 4, CONFIRM: 3, ACK: 4, GAP: 3, ERROR: 4}
+_ARITY = {SYNC: 2, APPEND: 4, CONFIRM: 3, ACK: 4, GAP: 3, ERROR: 4, SEAL: 3, SEALED: 4}
 
 
 class BadMessage(ValueError):
