@@ -67,6 +67,30 @@ class Failover:
             d.addErrback(self._not_yet, sid)
             d.addBoth(lambda _, sid=sid: self.busy.discard(sid))
 
+    @defer.inlineCallbacks
+    def _spares(self, rec, rng, epoch, live, taken, wanted):
+        """Up to ``wanted`` live nodes to fill the next range: nodes that never held the stream,
+        and nodes that held an older range whose copy ends at or below that range's end (a node
+        that held it longer, e.g. the dead primary come back, may keep an unacknowledged tail
+        past the seal: it is not extended)."""
+        out = []
+        held = self.pd.held()
+        in_open = {s["id"] for s in rng["servers"]}
+        for nid in sorted((n for n in live if n not in taken and n not in in_open), key=lambda n: (held.get(n, 0), n)):
+            if len(out) >= wanted:
+                break
+            if not placement.hosts(rec, nid):
+                out.append(nid)
+                continue
+            last_end = max(r["end"] for r in rec["ranges"] if r["end"] >= 0 and any(s["id"] == nid for s in r["servers"]))
+            try:
+                end = yield self.replicator.seal(nid, rec["stream_id"], epoch)  # also fences it
+            except Exception:
+                continue
+            if end <= last_end:
+                out.append(nid)
+        return out
+
     def _not_yet(self, f, sid):
         # checked again every CHECK_EVERY_S: say it once per reason, not four times a second
         reason = str(f.value)
@@ -98,12 +122,7 @@ class Failover:
         end = max(ends.values())
         primary = min((nid for nid in ends if ends[nid] == end))
         copies = sorted(nid for nid in ends if nid != primary)
-        held = self.pd.held()
-        # a spare never held the stream: a node that held an older range may keep an
-        # unacknowledged tail past that range's seal, which must not be extended
-        spare = sorted((nid for nid in live if not placement.hosts(rec, nid)),
-                       key=lambda nid: (held.get(nid, 0), nid))
-        copies += spare[:max(0, r - 1 - len(copies))]
+        copies += (yield self._spares(rec, rng, epoch, live, set(ends), r - 1 - len(copies)))
         choice = [(primary, True)] + [(nid, False) for nid in copies]
         yield self.pd.seal_and_open(sid, epoch, end, choice)
         seconds = time.monotonic() - t0

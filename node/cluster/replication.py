@@ -426,7 +426,6 @@ class Replicator:
         log = self.store.log
         try:
             log.hold_at_confirm(sid)
-            meta_origin = log.stream(sid).origin
         except store_errors.StreamNotFound:
             channel.send(rcodec.ERROR, sid, 1404, "no replica of stream %d here" % sid)
             return
@@ -444,8 +443,9 @@ class Replicator:
             return
         # APPEND
         epoch, batch = msg[2], msg[3]
-        if meta_origin is None:
-            channel.send(rcodec.ERROR, sid, SEALED, "this node sequences stream %d itself" % sid)
+        mine = self.primaries.get(sid)
+        if mine is not None and mine.epoch >= epoch:
+            channel.send(rcodec.ERROR, sid, SEALED, "this node sequences stream %d at epoch %d" % (sid, mine.epoch))
             return
         rec = self.pd.streams.get(sid) if self.pd is not None else None
         if epoch < max(self.refused_epochs.get(sid, 0), rec.get("epoch", 0) if rec else 0):
