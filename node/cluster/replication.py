@@ -18,8 +18,10 @@ A replica that was down or fell behind is brought up to date on reconnect: it an
 where it is, and the primary sends what it misses, from its own store up to the confirm offset
 and from the in-memory window above it (batches not yet confirmed).
 
-Not here yet (docs/cluster.md): sealing and failover of a dead primary's range, re-replication to
-other nodes, retention and trim on replicas (trim follows through the stream record's watch only).
+Sealing (CONTRACT §9 Failover): ``seal`` asks a replica, ``seal_here`` is a replica's side (it
+fences the epoch: 1460 for that epoch's appends); node/cluster/failover.py decides when and what.
+Not here yet (docs/cluster.md): re-replication of a range to other nodes; trim reaches the
+replicas through the stream record's watch only.
 """
 
 import collections

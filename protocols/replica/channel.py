@@ -22,6 +22,13 @@ class ReplicaChannel(Int32StringReceiver):
         self.lost = False
 
     def connectionMade(self):
+        # small acks and confirms must not wait for Nagle's algorithm (40 ms with delayed ACKs)
+        nodelay = getattr(self.transport, "setTcpNoDelay", None)
+        if nodelay is not None:
+            try:
+                nodelay(True)
+            except Exception:
+                pass
         self.handler.connected(self)
 
     def connectionLost(self, reason=None):
