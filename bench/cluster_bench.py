@@ -125,9 +125,10 @@ def bench_append(cluster_node, single_node, appends):
 
     batch = record_batch.encode([(1000 + i, [], b"x" * 100) for i in range(16)])
     print("APPEND on the primary, %d frames of 16 x 100 B records, 16 in flight:" % appends)
-    for label, node in (("cluster mode", cluster_node), ("single node", single_node)):
+    # R=3: replicated (issue 17), acknowledged once two of the three nodes hold each batch
+    for label, node, r in (("cluster R=1", cluster_node, 1), ("cluster R=3", cluster_node, 3), ("single node", single_node, 1)):
         with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=30, follow_cluster=True) as c:
-            sid = c.create_stream(replica_nums=1)["stream_id"]
+            sid = c.create_stream(replica_nums=r)["stream_id"]
             target = c.for_stream(sid)
             target.append_pipelined([(sid, batch)] * 200, window=16)  # warm-up
             t = time.perf_counter()

@@ -49,7 +49,7 @@ class StreamState:
     """Reactor-thread state of one stream."""
 
     __slots__ = ("sid", "replica_nums", "retention_period_ms", "trim_offset", "ranges", "origin",
-                 "attrs", "created_ms", "next_offset", "assigned", "waiters")
+                 "attrs", "created_ms", "next_offset", "assigned", "waiters", "durable", "cap")
 
     def __init__(self, sid, replica_nums=1, retention_period_ms=0, origin=None, attrs=None, created_ms=0):
         self.sid = sid
@@ -63,6 +63,8 @@ class StreamState:
         self.next_offset = 0  # durable and visible
         self.assigned = 0  # handed out to appends (>= next_offset)
         self.waiters = []  # [(offset, Deferred)]
+        self.durable = 0  # end of the durable batches (== next_offset unless capped)
+        self.cap = None  # cluster replication: readers see no further than this (the confirm offset)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -121,7 +123,7 @@ class RecordLog:
                 for r in s.ranges:
                     if r[2] >= 0:
                         nxt = max(nxt, r[2])
-                s.next_offset = s.assigned = nxt
+                s.next_offset = s.assigned = s.durable = nxt
                 self._streams[sid] = s
 
     # -- streams --------------------------------------------------------------------------------
@@ -282,10 +284,40 @@ class RecordLog:
         s = self._streams.get(sid)
         if s is None:
             return
-        if base + count > s.next_offset:
-            s.next_offset = base + count
-        if s.waiters:
-            self._fire(s)
+        if base + count > s.durable:
+            s.durable = base + count
+        visible = s.durable if s.cap is None else min(s.durable, s.cap)
+        if visible > s.next_offset:
+            s.next_offset = visible
+            if s.waiters:
+                self._fire(s)
+
+    # -- the confirm offset (cluster replication, CONTRACT §9 Reads) -------------------------------
+
+    def hold_at_confirm(self, sid):
+        """From now on readers of ``sid`` see batches only up to the confirm offset given to
+        ``confirm`` (what is durable now stays visible): a replicated stream shows nothing that
+        a majority of its replicas does not hold yet."""
+        s = self._get(sid)
+        if s.cap is None:
+            s.cap = s.next_offset
+
+    def confirm(self, sid, offset):
+        """The stream's confirm offset is at least ``offset``: readers see up to it (once durable
+        here)."""
+        s = self._streams.get(sid)
+        if s is None or s.cap is None or offset <= s.cap:
+            return
+        s.cap = offset
+        self.advance(sid, s.durable, 0)
+
+    def durable_end(self, sid) -> int:
+        """The end of the batches durable here (above the visible next_offset while capped)."""
+        return self._get(sid).durable
+
+    def assigned_end(self, sid) -> int:
+        """Where the stream's next batch starts (batches handed to the store, durable or not)."""
+        return self._get(sid).assigned
 
     def _fire(self, s, everything=False):
         keep = []
@@ -488,6 +520,16 @@ class RecordLog:
             s = self._get(sid)
             if s.origin is not None:
                 raise errors.ReadOnlyStream(s.origin)
+        except errors.StoreError:
+            return defer.fail()
+        return self._trim(s, offset)
+
+    def trim_replica(self, sid, offset):
+        """A cluster replica follows its stream's trim point (the record in etcd; the primary
+        trimmed with ``trim``)."""
+        try:
+            self._core.check_writable()
+            s = self._get(sid)
         except errors.StoreError:
             return defer.fail()
         return self._trim(s, offset)

@@ -13,7 +13,9 @@ from twisted.internet.protocol import Factory, Protocol
 from node.cluster import tls
 from protocols.sbp.client import BlockingSbpClient, call_describe_cluster
 from tests.etcdproc import EtcdCluster, etcd_available
+from storage import record_batch
 from tests.nodeproc import NodeProcess
+from tests.test_cluster import wait_for
 from tests.tlscerts import CA
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
@@ -52,7 +54,18 @@ def test_nodes_join_a_tls_etcd_and_a_foreign_certificate_is_refused(pki, tmp_pat
                                      cluster_tls_cert=cert, cluster_tls_key=key, cluster_tls_ca=ca.path).start(timeout=60))
         with BlockingSbpClient("127.0.0.1", nodes[0].ports["sbp"], timeout=10) as c:
             assert sorted(int(m["name"]) for m in c.call(call_describe_cluster())) == [1, 2]
-            assert len(c.list_ranges(c.create_stream(replica_nums=2)["stream_id"])[0]["servers"]) == 2
+            sid = c.create_stream(replica_nums=2)["stream_id"]
+            servers = c.list_ranges(sid)[0]["servers"]
+            assert len(servers) == 2
+        # replication runs over the mutual-TLS replica channel: R=2 (ack 2) acknowledges only
+        # once the other node holds the batch, and both serve it
+        by_id = {n.node_id: n for n in nodes}
+        primary = by_id[next(s["server_id"] for s in servers if s["is_primary"])]
+        with BlockingSbpClient("127.0.0.1", primary.ports["sbp"], timeout=20) as c:
+            assert c.append(sid, record_batch.encode([(1, [], b"over tls")])) == 0
+        for n in nodes:
+            with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=10) as c:
+                wait_for(lambda: c.fetch(sid, 0), what="node %d serves the batch" % n.node_id)
         env = dict(os.environ, PYTHONPATH=REPO)
         # a certificate the cluster CA did not sign: the node does not start
         cert, key = other.issue("intruder")

@@ -17,7 +17,7 @@ class Placement:
     def __init__(self):
         self.where = {}
 
-    def route(self, sid):
+    def route(self, sid, read=False):
         return self.where.get(sid)
 
 

@@ -25,7 +25,8 @@ Each node watches ``P streams/`` and keeps every record in ``streams`` (a cache 
 placement load; reads that answer clients go to etcd). For each stream whose ranges name it, the
 node creates the local stream that holds its replica (same stream id): writable on the open
 range's primary, read-only elsewhere (the primary's address as its origin, so a write there gets
-PD_NOT_LEADER naming the primary) until replication (issue 17) feeds it.
+PD_NOT_LEADER naming the primary); the primary feeds the others over the replica channel
+(node/cluster/replication.py).
 """
 
 import json
@@ -108,6 +109,7 @@ class PlacementDriver:
         self._revision = 0
         self._id_lock = defer.DeferredLock()
         self._id_next = self._id_end = 0  # the reserved block of stream-id counters [next, end)
+        self.listeners = []  # fn(rec) for every new record seen (the replicator's)
 
     def key(self, sid) -> str:
         return self.prefix + "streams/%020d" % sid
@@ -165,6 +167,11 @@ class PlacementDriver:
             return  # an older view arriving late
         self._set(rec)
         self._apply(rec)
+        for fn in self.listeners:
+            try:
+                fn(rec)
+            except Exception:
+                self.log.failure("stream record listener failed")
 
     def _count(self, rec, sign):
         rng = open_range(rec)
@@ -241,13 +248,20 @@ class PlacementDriver:
             self.log.info("created the local replica of stream {sid} ({role})", sid=sid,
                           role="primary" if origin is None else "replica")
             meta = log.stream(sid)
+        elif meta.origin is not None and origin is None:
+            # a replica became the primary (failover): its local stream takes appends now
+            yield log.create_replica_stream(sid, None, rec["replica_nums"], rec["retention_period_ms"])
+            meta = log.stream(sid)
         elif meta.retention_period_ms != rec["retention_period_ms"] or meta.replica_nums != rec["replica_nums"]:
             meta = yield log.update_stream(sid, replica_nums=rec["replica_nums"],
                                            retention_period_ms=rec["retention_period_ms"])
-        if rec.get("trim_offset", 0) > meta.trim_offset and meta.origin is None:
-            # a read-only replica holds nothing yet (replication, issue 17, brings its data and
-            # trims it); the primary's trim already ran in trim_stream, this covers a restart
-            yield log.trim(sid, rec["trim_offset"])
+        if rec.get("trim_offset", 0) > meta.trim_offset:
+            # the primary's trim already ran in trim_stream (this covers a restart); the other
+            # replicas follow the record's trim point
+            if meta.origin is None:
+                yield log.trim(sid, rec["trim_offset"])
+            else:
+                yield log.trim_replica(sid, rec["trim_offset"])
 
     def _apply_delete(self, sid):
         try:
@@ -262,16 +276,25 @@ class PlacementDriver:
 
     # -- routing (APPEND / FETCH / TRIM) ---------------------------------------------------------
 
-    def route(self, sid):
+    def route(self, sid, read=False):
         """Where a data operation on ``sid`` is served: ``None`` here; a ``str`` the SBP address of
         the node to ask; or a Deferred (this node must learn about the stream first) that fires
-        with one of those."""
+        with one of those. Appends go to the open range's primary; reads (``read``) are served
+        by any node holding a replica (issue 17: each holds the stream up to the confirm
+        offset)."""
         rec = self.streams.get(sid)
         if rec is None:
             if self._local(sid):
                 return None  # a stream of this node outside the cluster's records (made before --cluster)
-            return self._lookup(sid)
+            return self._lookup(sid, read)
         rng = open_range(rec)
+        # a read is served by a replica of the open range (after a failover a node that held
+        # an older range only may hold an unacknowledged tail past its seal)
+        serves = any(s["id"] == self.node_id for s in rng["servers"]) if rng else hosts(rec, self.node_id)
+        if read and serves:
+            if self._local(sid):
+                return None
+            return self.ensure_local(rec).addCallback(lambda _: None)
         primary = primary_of(rng) if rng else None
         if primary is None or primary["id"] == self.node_id:
             if self._local(sid) or primary is None:
@@ -287,13 +310,23 @@ class PlacementDriver:
             return False
 
     @defer.inlineCallbacks
-    def _lookup(self, sid):
+    def learn(self, sid):
+        """Read the stream's record from etcd (this node's watch may be behind) and, if this
+        node holds a replica, make its local stream; fires once done."""
+        rec = yield self.get(sid)
+        self._remember(rec)
+        if hosts(rec, self.node_id):
+            yield self.ensure_local(rec)
+        return rec
+
+    @defer.inlineCallbacks
+    def _lookup(self, sid, read=False):
         try:
             rec = yield self.get(sid)
         except StreamGone:
             return None  # the local store answers STREAM_NOT_FOUND
         self._remember(rec)
-        where = self.route(sid)
+        where = self.route(sid, read)
         if isinstance(where, defer.Deferred):
             where = yield where
         return where
@@ -465,6 +498,24 @@ class PlacementDriver:
 
         new = yield self._change(sid, fn)
         return new, meta
+
+    def seal_and_open(self, sid, epoch, end, servers):
+        """CONTRACT §9 Failover: seal the open range of ``epoch`` at ``end`` and open the next one
+        at ``end`` on ``servers`` ([(node_id, is_primary)]), the stream's epoch incremented, in one
+        compare-and-swap; Conflict if the stream moved past ``epoch`` meanwhile."""
+        def fn(rec):
+            if rec.get("epoch", 0) != epoch:
+                raise Conflict("stream %d is at epoch %d, not %d" % (sid, rec.get("epoch", 0), epoch))
+            rng = open_range(rec)
+            if rng is None:
+                raise Conflict("stream %d has no open range" % sid)
+            rng["end"] = end
+            rec["epoch"] = epoch + 1
+            rec["ranges"].append({"index": rng["index"] + 1, "start": end, "end": -1, "epoch": epoch + 1,
+                                  "servers": self._servers(servers)})
+            return rec
+
+        return self._change(sid, fn)
 
     def next_offset(self, rec, rng):
         """The range's next offset as this node knows it: the local replica's for an open range

@@ -13,8 +13,10 @@ from twisted.logger import Logger
 
 from node.cluster import etcd, placement
 from node.cluster.election import Election
+from node.cluster.failover import Failover
 from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation
 from node.cluster.placement import PlacementDriver
+from node.cluster.replication import Replicator
 
 ETCD_OPERATION = "etcd"  # node.observe_latency's name for one etcd round trip (node/metrics.py)
 START_DEADLINE = 10.0  # seconds of retrying etcd at start before giving up
@@ -37,6 +39,8 @@ class ClusterNode:
         self.membership = None
         self.election = None
         self.pd = None
+        self.replicator = Replicator(node, tls=tls, reactor=node.reactor)
+        self.failover = None
         self.started = False
 
     @property
@@ -47,6 +51,13 @@ class ClusterNode:
     def start(self):
         node = self.node
         addresses = {name: node.advertised(name) for name in LISTENER_KEYS}
+        # the replica channel (node/cluster/replication.py): a port of its own, beside the SBP
+        # listener's interface, mutual TLS with the cluster TLS options; named in the member record
+        sbp = node.ports.get("sbp")
+        interface = getattr(sbp.getHost(), "host", "127.0.0.1") if sbp is not None else "127.0.0.1"
+        port = self.replicator.listen(interface)
+        advertised = node.config.advertise or (interface if interface not in ("", "0.0.0.0", "::") else "127.0.0.1")
+        addresses["replica"] = ("%s:%d" if ":" not in advertised else "[%s]:%d") % (advertised, port)
         incarnation = load_or_create_incarnation(node.config.data_dir)
         self.membership = Membership(self.client, self.prefix, node.node_id, incarnation, addresses, reactor=node.reactor)
         try:
@@ -57,6 +68,10 @@ class ClusterNode:
             self.pd = PlacementDriver(self.client, self.prefix, node.node_id, self.membership, node.store,
                                       node.config.replication_factor, reactor=node.reactor)
             yield self.pd.start()
+            self.replicator.pd, self.replicator.membership = self.pd, self.membership
+            self.pd.listeners.append(self.replicator.record_changed)
+            self.failover = Failover(self.pd, self.membership, self.election, self.replicator, node.reactor)
+            self.failover.start()
         except BaseException:
             yield self.stop()
             raise
@@ -68,6 +83,9 @@ class ClusterNode:
 
     @defer.inlineCallbacks
     def stop(self):
+        if self.failover is not None:
+            self.failover.stop()
+        yield self.replicator.stop()
         if self.pd is not None:
             self.pd.stop()
         if self.election is not None:
@@ -122,16 +140,18 @@ class ClusterNode:
             for rec in list(self.pd.streams.values()):
                 for r in rec["ranges"]:
                     p = placement.primary_of(r)
-                    # confirm offsets and per-replica ends come with replication (issue 17)
+                    progress = self.replicator.progress(rec["stream_id"]) if r["end"] < 0 else {}
                     ranges.append({"stream_id": rec["stream_id"], "index": r["index"], "start": r["start"], "end": r["end"],
                                    "leader": p["id"] if p else None, "replicas": [x["id"] for x in r["servers"]],
-                                   "confirm_offset": None, "replica_ends": {}})
+                                   "confirm_offset": progress.get("confirm_offset"),
+                                   "replica_ends": progress.get("replica_ends", {})})
         return {
             "mode": "cluster",
             "leader": self.election.leader_id if self.election else None,
             "members": members,
             "ranges": ranges,
-            "failovers": 0,
+            "failovers": self.failover.count if self.failover else 0,
+            "last_failover": self.failover.last if self.failover else None,
             "prefix": self.prefix,
             "etcd": ",".join(self.client.urls),
             "etcd_reachable": self.client.available,

@@ -70,7 +70,8 @@ class AppendHandler:
         nbytes = len(frame.payload)
         metrics = self.metrics
         max_batch = conn.factory.max_batch_bytes
-        log = conn.store.log
+        # CONTRACT §9: in a cluster the replicator sequences and replicates (node/cluster/replication.py)
+        log = getattr(conn.factory, "appender", None) or conn.store.log
         now_ms = int(time.time() * 1000)
         if len(infos) == 1 and nbytes <= max_batch:
             # the common frame, one batch: no per-entry bookkeeping

@@ -6,6 +6,7 @@ Errors are ``SbpError(code, message)`` with the contract's status codes (``codec
 """
 
 import itertools
+import json
 import select
 import socket
 import time
@@ -233,7 +234,14 @@ def call_describe_range(stream_id, range_index):
     def parse(resp, payload):
         r = _results(resp, "describe_responses")[0]
         _check(r.status)
-        return range_dict(r.range)
+        out = range_dict(r.range)
+        if r.status.detail:
+            # cluster mode: the replicas' progress as the answering node knows it (docs/cluster.md)
+            try:
+                out["progress"] = json.loads(bytes(r.status.detail))
+            except ValueError:
+                pass
+        return out
 
     return Call(codec.DESCRIBE_RANGES, "DescribeRangesRequest", T.DescribeRangesRequest(0, [T.RangeId(stream_id, range_index)]), parse)
 

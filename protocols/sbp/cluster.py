@@ -5,8 +5,9 @@ With ``--cluster`` the server's factory takes ``ClusterAdmin`` as its ``admin_cl
 placement-driver opcodes) and hands APPEND and FETCH frames to ``ClusterRouter.route`` first;
 without it this module is never loaded and nothing changes.
 
-Routing (part 1, before replication): a stream's data lives on its open range's primary, so
-APPEND, FETCH and TRIM_STREAMS are served there; another node answers each entry with
+Routing: APPEND and TRIM_STREAMS are served by the stream's open range's primary (its sequencer,
+node/cluster/replication.py); FETCH by any node holding a replica of the stream, up to the confirm
+offset it has learned. Another node answers each entry with
 PD_NOT_LEADER and the primary's SBP ``host:port`` as the message (clients follow it). A frame
 naming streams served on different nodes gets PD_NOT_LEADER for every entry, each naming the node
 for its stream (this node's own address for its own streams), so a client resends entry by entry.
@@ -76,8 +77,9 @@ class ClusterRouter:
             sids = [i.stream_id for i in req.fetch_requests]
         where = {}
         waits = []
+        read = frame.opcode == codec.FETCH
         for sid in set(sids):
-            w = self.pd.route(sid)
+            w = self.pd.route(sid, read)
             if isinstance(w, defer.Deferred):
                 waits.append(w.addCallback(lambda a, sid=sid: where.__setitem__(sid, a)))
             else:
@@ -253,7 +255,9 @@ class ClusterAdmin(RangeAdmin):
             def found(rec):
                 for r in rec["ranges"]:
                     if r["index"] == rid.range_index:
-                        return T.DescribeRangesResult(rid.stream_id, codec.status(), self._range_of(rec, r))
+                        # per-replica progress (issue 17) as this node knows it: status.detail JSON
+                        detail = self.cluster.replicator.progress_json(rid.stream_id) if r["end"] < 0 else b""
+                        return T.DescribeRangesResult(rid.stream_id, codec.status(codec.OK, None, detail), self._range_of(rec, r))
                 return T.DescribeRangesResult(rid.stream_id, codec.status(codec.RANGE_NOT_FOUND, "no range %d" % rid.range_index), None)
 
             return self.pd.get(rid.stream_id).addCallback(found)

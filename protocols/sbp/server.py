@@ -82,11 +82,13 @@ class SbpServerFactory(Factory):
         # CONTRACT §9: with --cluster, the placement driver answers from etcd and APPEND / FETCH
         # are routed to the stream's node (protocols/sbp/cluster.py)
         self.router = None
+        self.appender = None  # what APPEND writes through: None the store's log; in a cluster the replicator
         if getattr(node, "cluster", None) is not None:
             from protocols.sbp.cluster import ClusterAdmin, ClusterRouter
 
             self.admin_class = ClusterAdmin
             self.router = ClusterRouter(node.cluster, self)
+            self.appender = getattr(node.cluster, "replicator", None)
         if hasattr(node, "on_shutdown"):
             node.on_shutdown(self.shutdown)
 

@@ -1,0 +1,571 @@
+"""Primary-sequenced replication of a stream's open range (CONTRACT §9 Appends and Reads).
+
+The open range's primary is its only sequencer. An APPEND on it (``Replicator.append``, what the
+SBP append handler calls in cluster mode) gets the next offset at once, is written to the local
+store (``log.append_replica``: the batch with its base offset set) and sent to every other replica
+of the range over the replica channel (protocols/replica/), without waiting for anything: appends
+are pipelined and each store still group-commits. Every replica answers ``K`` with its durable end
+as its batches become durable under its own ``--fsync``. The confirm offset is the ack_count-th
+largest durable end among the range's replicas, the primary included (elastic-stream's confirm
+offset, research note §3.6); an APPEND is answered once the confirm offset covers it, so it is
+answered only after every earlier offset is acknowledged too.
+
+Reads: each replica's local stream is held at its confirm offset (``log.hold_at_confirm``): FETCH
+and long-poll FETCH see nothing above it. The primary tells the replicas each new confirm offset
+(``C``, at most one per stream per reactor turn).
+
+A replica that was down or fell behind is brought up to date on reconnect: it answers ``S`` with
+where it is, and the primary sends what it misses, from its own store up to the confirm offset
+and from the in-memory window above it (batches not yet confirmed).
+
+Sealing (CONTRACT §9 Failover): ``seal`` asks a replica, ``seal_here`` is a replica's side (it
+fences the epoch: 1460 for that epoch's appends); node/cluster/failover.py decides when and what.
+Not here yet (docs/cluster.md): re-replication of a range to other nodes; trim reaches the
+replicas through the stream record's watch only.
+"""
+
+import collections
+import json
+
+from twisted.internet import defer, protocol, reactor as default_reactor
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from node.cluster import placement
+from protocols.replica import codec as rcodec
+from protocols.replica.channel import ReplicaChannel, ReplicaChannelFactory
+from storage import errors as store_errors
+from storage import record_batch
+
+SEALED = 1460  # CONTRACT §3 status: the range is sealed, or the append comes from a stale epoch
+SEAL_TIMEOUT_S = 3.0  # a replica that does not answer a seal within this counts as not answering
+SEAL_DRAIN_S = 5.0  # longest a replica waits for its received batches to be durable before answering a seal
+CATCH_UP_READ = 1 << 20  # bytes read from the store at once while catching a replica up
+RETRY_S = 0.5  # seconds between attempts to reach a replica
+
+
+
+class PeerStream:
+    """What the primary knows of one replica of one stream."""
+
+    __slots__ = ("acked", "sent", "pumping")
+
+    def __init__(self):
+        self.acked = 0  # the replica's durable end, as it last said
+        self.sent = None  # where the next batch sent to it starts; None: not in sync (asked with S)
+        self.pumping = False
+
+
+class PrimaryStream:
+    """The primary's state of one replicated stream (its open range)."""
+
+    def __init__(self, sid, rec, assigned, durable):
+        self.sid = sid
+        self.epoch = rec.get("epoch", 0)
+        self.ack_count = rec.get("ack_count") or placement.ack_count(rec["replica_nums"])
+        rng = placement.open_range(rec)
+        self.peers = {s["id"]: PeerStream() for s in rng["servers"]} if rng else {}
+        self.assigned = assigned
+        self.local = durable  # this node's durable end
+        self.confirm = durable
+        self.pending = collections.OrderedDict()  # end -> (base, Deferred), in offset order
+        self.window = collections.OrderedDict()  # base -> (end, batch) of batches above the confirm offset
+        self.confirm_queued = False
+        self.sealed = False  # a replica refused this epoch's appends (1460): the range was sealed
+
+
+class Link:
+    """The primary's connection to one replica node (reconnecting)."""
+
+    def __init__(self, replicator, node_id):
+        self.replicator = replicator
+        self.node_id = node_id
+        self.channel = None
+        self.connecting = False
+        self.stopped = False
+
+
+class Replicator:
+    log = Logger()
+
+    def __init__(self, node, tls=None, reactor=None):
+        self.node = node
+        self.pd = None  # set by ClusterNode.start once the placement driver runs
+        self.membership = None
+        self.tls = tls  # (cert, key, ca) or None
+        self.reactor = reactor or default_reactor
+        self.primaries = {}  # stream id -> PrimaryStream (streams this node sequences)
+        self.links = {}  # node id -> Link
+        self.port = None
+        self._inbound = {}  # stream id -> [messages waiting for the local replica to exist]
+        self.refused_epochs = {}  # stream id -> epoch below which appends are refused (sealed here)
+        self._seals = {}  # (node id, stream id, epoch) -> [Deferred of the replica's end]
+
+    @property
+    def node_id(self):
+        return self.node.node_id
+
+    @property
+    def store(self):
+        return self.node.store
+
+    # -- the listener (replica side) -------------------------------------------------------------
+
+    def listen(self, interface):
+        factory = ReplicaChannelFactory(_ReplicaSide(self))
+        if self.tls:
+            from node.cluster.tls import server_options
+
+            self.port = self.reactor.listenSSL(0, factory, server_options(*self.tls), interface=interface)
+        else:
+            self.port = self.reactor.listenTCP(0, factory, interface=interface)
+        return self.port.getHost().port
+
+    def stop(self):
+        for link in self.links.values():
+            link.stopped = True
+            if link.channel is not None:
+                link.channel.transport.loseConnection()
+        if self.port is not None:
+            return self.port.stopListening()
+
+    # -- the primary's append ---------------------------------------------------------------------
+
+    def append(self, sid, batch, expect_offset=None):
+        """SBP APPEND in cluster mode: sequenced and replicated for a replicated stream this node
+        leads; the local store's append for anything else."""
+        log = self.store.log
+        st = self._primary(sid)
+        if st is None:
+            return log.append(sid, batch, expect_offset)
+        try:
+            if st.sealed:
+                raise store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
+            if expect_offset is not None and expect_offset != st.assigned:
+                raise store_errors.ExpectationFailed("next offset is %d, not %d" % (st.assigned, expect_offset))
+            if len(batch) < record_batch.HEADER_SIZE:
+                raise store_errors.InvalidRequest("a record batch is at least 29 bytes")
+            count = int.from_bytes(batch[9:13], "big", signed=True)
+            if count < 1:
+                raise store_errors.InvalidRequest("record_count must be >= 1")
+        except store_errors.StoreError:
+            return defer.fail()
+        base = st.assigned
+        stored = bytearray(batch)
+        stored[1:9] = base.to_bytes(8, "big", signed=True)
+        stored = bytes(stored)
+        d_local = log.append_replica(sid, stored)
+        if d_local.called and isinstance(d_local.result, Failure):
+            return d_local  # refused by the store (busy, failed): nothing was assigned
+        end = base + count
+        st.assigned = end
+        done = defer.Deferred()
+        st.pending[end] = (base, done)
+        st.window[base] = (end, stored)
+        d_local.addCallbacks(self._local_durable, self._local_failed, callbackArgs=(st,), errbackArgs=(st, end))
+        for nid, ps in st.peers.items():
+            if nid == self.node_id:
+                continue
+            link = self._link(nid)
+            if ps.sent == base and link.channel is not None:
+                link.channel.send(rcodec.APPEND, sid, st.epoch, stored)
+                ps.sent = end
+        return done
+
+    def _primary(self, sid):
+        st = self.primaries.get(sid)
+        rec = self.pd.streams.get(sid)
+        if rec is None:
+            return st
+        rng = placement.open_range(rec)
+        primary = placement.primary_of(rng) if rng else None
+        if primary is None or primary["id"] != self.node_id:
+            return None
+        if st is not None and st.epoch == rec.get("epoch", 0):
+            return st
+        try:
+            self.store.log.hold_at_confirm(sid)
+            assigned = self.store.log.assigned_end(sid)
+            durable = self.store.log.durable_end(sid)
+        except store_errors.StreamNotFound:
+            return None
+        self._drop(sid, "a new range")
+        st = PrimaryStream(sid, rec, assigned, durable)
+        st.peers.pop(self.node_id, None)
+        # everything below the open range's start was sealed (a majority has it, CONTRACT §9
+        # Failover); above it only acknowledgements count
+        st.confirm = rng["start"]
+        self.store.log.confirm(sid, st.confirm)
+        self.primaries[sid] = st
+        for nid in st.peers:
+            link = self._link(nid)
+            if link.channel is not None:
+                link.channel.send(rcodec.SYNC, sid)
+        self._advance(st)
+        return st
+
+    def _drop(self, sid, why):
+        """This node no longer sequences ``sid`` under the state it had: its unanswered appends
+        fail with 1460 (the client retries on the new range)."""
+        st = self.primaries.pop(sid, None)
+        if st is None:
+            return
+        st.sealed = True
+        pending, st.pending = st.pending, collections.OrderedDict()
+        for _end, (_base, d) in pending.items():
+            d.errback(store_errors.RangeAlreadySealed("stream %d: range sealed (%s); retry on the new range" % (sid, why)))
+
+    def record_changed(self, rec):
+        """The placement driver saw a new record of a stream (its watch)."""
+        sid = rec["stream_id"]
+        st = self.primaries.get(sid)
+        if st is None:
+            return
+        rng = placement.open_range(rec)
+        primary = placement.primary_of(rng) if rng else None
+        if rec.get("epoch", 0) != st.epoch or primary is None or primary["id"] != self.node_id:
+            self._drop(sid, "epoch %d" % rec.get("epoch", 0))
+
+    def _local_durable(self, _base, st):
+        try:
+            st.local = max(st.local, self.store.log.durable_end(st.sid))
+        except store_errors.StreamNotFound:
+            return
+        self._advance(st)
+
+    def _local_failed(self, f, st, end):
+        entry = st.pending.pop(end, None)
+        if entry is not None:
+            entry[1].errback(f)
+
+    def _advance(self, st):
+        """Recompute the confirm offset; answer the appends it covers, in offset order."""
+        ends = sorted([st.local] + [ps.acked for ps in st.peers.values()], reverse=True)
+        confirm = ends[st.ack_count - 1] if len(ends) >= st.ack_count else st.confirm
+        if confirm > st.confirm:
+            st.confirm = confirm
+            self.store.log.confirm(st.sid, confirm)
+            while st.pending:
+                end, (base, d) = next(iter(st.pending.items()))
+                if end > confirm:
+                    break
+                del st.pending[end]
+                d.callback(base)
+            if not st.confirm_queued:
+                st.confirm_queued = True
+                self.reactor.callLater(0, self._send_confirm, st)
+        readable = min(st.confirm, st.local)  # below it, a lagging replica is sent batches from the store
+        while st.window:
+            base, (end, _) = next(iter(st.window.items()))
+            if end > readable:
+                break
+            del st.window[base]
+
+    def _send_confirm(self, st):
+        st.confirm_queued = False
+        for nid in st.peers:
+            link = self.links.get(nid)
+            if link is not None and link.channel is not None:
+                link.channel.send(rcodec.CONFIRM, st.sid, st.confirm)
+
+    # -- links to the replicas ----------------------------------------------------------------------
+
+    def _link(self, nid):
+        link = self.links.get(nid)
+        if link is None:
+            link = self.links[nid] = Link(self, nid)
+        if link.channel is None and not link.connecting and not link.stopped:
+            self._connect(link)
+        return link
+
+    def _connect(self, link):
+        rec = self.membership.members.get(link.node_id)
+        addr = rec.get("replica") if rec else None
+        if not addr:
+            link.connecting = True
+            self.reactor.callLater(RETRY_S, self._retry, link)
+            return
+        host, port = addr.rsplit(":", 1)
+        host = host.strip("[]")
+        link.connecting = True
+        cc = protocol.ClientCreator(self.reactor, ReplicaChannel, _PrimarySide(self, link))
+        if self.tls:
+            from node.cluster.tls import client_options
+
+            d = cc.connectSSL(host, int(port), client_options(host, *self.tls), timeout=3)
+        else:
+            d = cc.connectTCP(host, int(port), timeout=3)
+
+        def failed(f):
+            self.log.debug("replica link to node {nid} failed: {e}", nid=link.node_id, e=f.value)
+            self.reactor.callLater(RETRY_S, self._retry, link)
+
+        d.addErrback(failed)
+
+    def _retry(self, link):
+        link.connecting = False
+        if link.stopped or link.channel is not None:
+            return
+        if any(link.node_id in st.peers for st in self.primaries.values()) or \
+                any(k[0] == link.node_id for k in self._seals):
+            self._connect(link)
+
+    def linked(self, link, channel):
+        link.channel = channel
+        link.connecting = False
+        for (nid, sid, epoch) in list(self._seals):
+            if nid == link.node_id:
+                channel.send(rcodec.SEAL, sid, epoch)
+        for st in self.primaries.values():
+            if link.node_id in st.peers:
+                st.peers[link.node_id].sent = None
+                channel.send(rcodec.SYNC, st.sid)
+
+    def unlinked(self, link, channel):
+        if link.channel is channel:
+            link.channel = None
+            for st in self.primaries.values():
+                ps = st.peers.get(link.node_id)
+                if ps is not None:
+                    ps.sent = None
+            if not link.stopped:
+                link.connecting = True
+                self.reactor.callLater(RETRY_S, self._retry, link)
+
+    def from_replica(self, link, msg):
+        kind, sid = msg[0], msg[1]
+        if kind == rcodec.SEALED:
+            for d in self._seals.pop((link.node_id, sid, msg[2]), []):
+                if not d.called:
+                    d.callback(msg[3])
+            return
+        st = self.primaries.get(sid)
+        ps = st.peers.get(link.node_id) if st is not None else None
+        if ps is None:
+            return
+        if kind == rcodec.ACK:
+            durable, assigned = msg[2], msg[3]
+            if durable > ps.acked:
+                ps.acked = durable
+                self._advance(st)
+            if ps.sent is None:
+                # its answer to SYNC, after (re)connecting: the confirm offset it may not have
+                # heard, then what it misses
+                link.channel.send(rcodec.CONFIRM, sid, st.confirm)
+                ps.sent = assigned
+                self._pump(st, ps, link)
+        elif kind == rcodec.GAP:
+            if ps.sent is not None and msg[2] < ps.sent:
+                ps.sent = msg[2]
+                self._pump(st, ps, link)
+        elif kind == rcodec.ERROR:
+            if msg[2] == SEALED and self.primaries.get(sid) is st:
+                # fenced: the range was sealed behind this node's back (it was paused or cut
+                # off); it acknowledges nothing more of this epoch
+                self._drop(sid, "fenced by node %d" % link.node_id)
+            self.log.warn("replica {nid} refuses stream {sid}: {code} {message}", nid=link.node_id, sid=sid,
+                          code=msg[2], message=msg[3])
+
+    @defer.inlineCallbacks
+    def _pump(self, st, ps, link):
+        """Send the replica what it misses, from ``ps.sent`` to the stream's assigned end."""
+        if ps.pumping:
+            return
+        ps.pumping = True
+        try:
+            while ps.sent is not None and ps.sent < st.assigned and link.channel is not None \
+                    and self.primaries.get(st.sid) is st:
+                entry = st.window.get(ps.sent)
+                if entry is not None:
+                    link.channel.send(rcodec.APPEND, st.sid, st.epoch, entry[1])
+                    ps.sent = entry[0]
+                    continue
+                start = ps.sent
+                try:
+                    batches = yield self.store.log.read(st.sid, start, CATCH_UP_READ)
+                except store_errors.StoreError as e:
+                    self.log.warn("cannot catch replica {nid} up on stream {sid} from {offset}: {e}",
+                                  nid=link.node_id, sid=st.sid, offset=start, e=e)
+                    return
+                if ps.sent != start or link.channel is None:
+                    continue
+                if not batches:
+                    return
+                for b in batches:
+                    b = bytes(b)
+                    link.channel.send(rcodec.APPEND, st.sid, st.epoch, b)
+                    ps.sent = int.from_bytes(b[1:9], "big", signed=True) + int.from_bytes(b[9:13], "big", signed=True)
+        finally:
+            ps.pumping = False
+
+    # -- the replica side ---------------------------------------------------------------------------
+
+    def to_replica(self, channel, msg):
+        sid = msg[1]
+        waiting = self._inbound.get(sid)
+        if waiting is not None:
+            waiting.append((channel, msg))
+            return
+        try:
+            self.store.log.stream(sid)
+        except store_errors.StreamNotFound:
+            # the stream's record has not reached this node's watch yet: learn it first, keep order
+            self._inbound[sid] = [(channel, msg)]
+            self.pd.learn(sid).addBoth(self._learned, sid)
+            return
+        self._serve(channel, msg)
+
+    def _learned(self, result, sid):
+        waiting = self._inbound.pop(sid, [])
+        if isinstance(result, Failure):
+            self.log.warn("replica of stream {sid} unavailable: {e}", sid=sid, e=result.value)
+        for channel, msg in waiting:
+            self._serve(channel, msg)
+
+    def _serve(self, channel, msg):
+        kind, sid = msg[0], msg[1]
+        log = self.store.log
+        try:
+            log.hold_at_confirm(sid)
+        except store_errors.StreamNotFound:
+            channel.send(rcodec.ERROR, sid, 1404, "no replica of stream %d here" % sid)
+            return
+        if kind == rcodec.CONFIRM:
+            log.confirm(sid, msg[2])
+            return
+        if kind == rcodec.SYNC:
+            self._ack(channel, sid)
+            return
+        if kind == rcodec.SEAL:
+            epoch = msg[2]
+            self.seal_here(sid, epoch).addCallbacks(
+                lambda end: channel.send(rcodec.SEALED, sid, epoch, end),
+                lambda f: self.log.warn("seal of stream {sid} failed: {e}", sid=sid, e=f.value))
+            return
+        # APPEND
+        epoch, batch = msg[2], msg[3]
+        mine = self.primaries.get(sid)
+        if mine is not None and mine.epoch >= epoch:
+            channel.send(rcodec.ERROR, sid, SEALED, "this node sequences stream %d at epoch %d" % (sid, mine.epoch))
+            return
+        rec = self.pd.streams.get(sid) if self.pd is not None else None
+        if epoch < max(self.refused_epochs.get(sid, 0), rec.get("epoch", 0) if rec else 0):
+            channel.send(rcodec.ERROR, sid, SEALED, "epoch %d is stale" % epoch)
+            return
+        base = int.from_bytes(batch[1:9], "big", signed=True)
+        assigned = log.assigned_end(sid)
+        if base < assigned:
+            self._ack(channel, sid)  # a copy of a batch it holds (resent after a reconnect)
+            return
+        if base > assigned:
+            channel.send(rcodec.GAP, sid, assigned)  # it misses batches: where to resend from
+            return
+        d = log.append_replica(sid, batch)
+        d.addCallbacks(lambda _: self._ack(channel, sid),
+                       lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
+
+    # -- sealing (CONTRACT §9 Failover) ---------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def seal_here(self, sid, epoch):
+        """Seal this node's replica of ``sid``'s range of ``epoch``: appends of that epoch or
+        older are refused from now on (1460); fires with the durable end once every batch
+        received is durable (so nothing can be acknowledged above the answer)."""
+        self.refused_epochs[sid] = max(self.refused_epochs.get(sid, 0), epoch + 1)
+        st = self.primaries.get(sid)
+        if st is not None and st.epoch <= epoch:
+            self._drop(sid, "sealed")
+        log = self.store.log
+        waited = 0.0
+        while log.durable_end(sid) < log.assigned_end(sid) and waited < SEAL_DRAIN_S:
+            yield deferLater(self.reactor, 0.005, lambda: None)
+            waited += 0.005
+        return log.durable_end(sid)
+
+    def seal(self, nid, sid, epoch):
+        """Ask node ``nid`` to seal its replica of ``sid`` (epoch ``epoch``); a Deferred of its
+        durable end, failing after SEAL_TIMEOUT_S without an answer."""
+        if nid == self.node_id:
+            return self.seal_here(sid, epoch)
+        d = defer.Deferred()
+        key = (nid, sid, epoch)
+        first = key not in self._seals
+        self._seals.setdefault(key, []).append(d)
+        link = self._link(nid)
+        if first and link.channel is not None:
+            link.channel.send(rcodec.SEAL, sid, epoch)
+
+        def timeout():
+            waiting = self._seals.get(key, [])
+            if d in waiting:
+                waiting.remove(d)
+                if not waiting:
+                    del self._seals[key]
+            if not d.called:
+                d.errback(defer.TimeoutError("node %d did not answer the seal of stream %d" % (nid, sid)))
+
+        call = self.reactor.callLater(SEAL_TIMEOUT_S, timeout)
+        d.addBoth(lambda r: (call.active() and call.cancel(), r)[1])
+        return d
+
+    def _ack(self, channel, sid):
+        try:
+            log = self.store.log
+            channel.send(rcodec.ACK, sid, log.durable_end(sid), log.assigned_end(sid))
+        except store_errors.StreamNotFound:
+            pass
+
+    # -- what DESCRIBE_RANGES and the status show ---------------------------------------------------
+
+    def progress(self, sid):
+        """{"confirm_offset", "replica_ends": {node id: durable end}} as this node knows them."""
+        st = self.primaries.get(sid)
+        if st is not None:
+            ends = {str(nid): ps.acked for nid, ps in st.peers.items()}
+            ends[str(self.node_id)] = st.local
+            return {"confirm_offset": st.confirm, "replica_ends": ends, "sequencer": self.node_id}
+        try:
+            meta = self.store.log.stream(sid)
+            return {"confirm_offset": meta.next_offset,
+                    "replica_ends": {str(self.node_id): self.store.log.durable_end(sid)}}
+        except store_errors.StreamNotFound:
+            return {"confirm_offset": None, "replica_ends": {}}
+
+    def progress_json(self, sid) -> bytes:
+        return json.dumps(self.progress(sid), sort_keys=True).encode()
+
+
+class _ReplicaSide:
+    """Channel handler of an accepted connection (this node is a replica)."""
+
+    def __init__(self, replicator):
+        self.replicator = replicator
+
+    def connected(self, channel):
+        pass
+
+    def disconnected(self, channel):
+        pass
+
+    def message(self, channel, msg):
+        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL):
+            self.replicator.to_replica(channel, msg)
+
+
+class _PrimarySide:
+    """Channel handler of a connection this node opened to a replica."""
+
+    def __init__(self, replicator, link):
+        self.replicator = replicator
+        self.link = link
+
+    def connected(self, channel):
+        self.replicator.linked(self.link, channel)
+
+    def disconnected(self, channel):
+        self.replicator.unlinked(self.link, channel)
+
+    def message(self, channel, msg):
+        if msg[0] in (rcodec.ACK, rcodec.GAP, rcodec.ERROR, rcodec.SEALED):
+            self.replicator.from_replica(self.link, msg)

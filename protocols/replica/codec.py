@@ -1,0 +1,54 @@
+"""The replica channel's messages (CONTRACT §9 Appends): pure functions over bytes.
+
+A message is one msgpack array, carried in a 4-byte big-endian length prefix (the channel,
+protocols/replica/channel.py). Primary -> replica:
+
+- ``["S", stream_id]``: where are you? (answered with ``K``)
+- ``["A", stream_id, epoch, batch]``: store this record batch; its base offset is in its bytes 1..8
+  (storage/record_batch.py), assigned by the primary, the range's only sequencer
+- ``["C", stream_id, confirm_offset]``: every offset below this is acknowledged: readers may see it
+
+Placement-driver leader -> replica (failover, CONTRACT §9):
+
+- ``["X", stream_id, epoch]``: seal the stream's open range of ``epoch``: refuse appends of that
+  epoch or older from now on, and answer ``Z`` once everything received is durable
+
+Replica -> primary:
+
+- ``["K", stream_id, durable_end, assigned_end]``: batches below ``durable_end`` are durable here
+  (under this node's ``--fsync``); ``assigned_end`` is where the next batch must start
+- ``["G", stream_id, assigned_end]``: a batch did not start at ``assigned_end``: resend from there
+- ``["Z", stream_id, epoch, durable_end]``: sealed; this replica's end
+- ``["E", stream_id, code, message]``: the stream's appends are refused (1460: sealed range or stale
+  epoch; 1404: no such stream here)
+"""
+
+import msgpack
+
+SYNC, APPEND, CONFIRM, ACK, GAP, ERROR = "S", "A", "C", "K", "G", "E"
+SEAL, SEALED = "X", "Z"
+MAX_MESSAGE = 32 << 20  # a batch is at most 16 MiB (CONTRACT §3)
+
+_ARITY = {SYNC: 2, APPEND: 4, CONFIRM: 3, ACK: 4, GAP: 3, ERROR: 4, SEAL: 3, SEALED: 4}
+
+
+class BadMessage(ValueError):
+    pass
+
+
+def encode(*fields) -> bytes:
+    return msgpack.packb(list(fields), use_bin_type=True)
+
+
+def decode(data: bytes) -> list:
+    try:
+        msg = msgpack.unpackb(data, raw=False, use_list=True)
+    except Exception as e:
+        raise BadMessage("undecodable replica message (%s)" % type(e).__name__)
+    if not isinstance(msg, list) or not msg or msg[0] not in _ARITY or len(msg) != _ARITY[msg[0]]:
+        raise BadMessage("malformed replica message")
+    if not isinstance(msg[1], int):
+        raise BadMessage("replica message without a stream id")
+    if msg[0] == APPEND and not isinstance(msg[3], bytes):
+        raise BadMessage("replica append without a batch")
+    return msg

@@ -1,0 +1,299 @@
+"""Replicated streams (CONTRACT §9 Appends, Reads; issue 17): real etcd, three real nodes."""
+
+import pytest
+
+from protocols.sbp import codec
+from protocols.sbp.client import BlockingSbpClient, SbpError
+from storage import record_batch
+from tests.etcdproc import EtcdCluster, etcd_available
+from tests.test_cluster import batch, client, start_nodes, wait_for
+
+pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    base = tmp_path_factory.mktemp("repl3")
+    etcd = EtcdCluster(base, members=1).start()
+    nodes = start_nodes(base, etcd.client_urls, [1, 2, 3])
+    yield etcd, nodes
+    for n in nodes:
+        n.kill9()
+    etcd.stop()
+
+
+def roles(nodes, sid):
+    (r0,) = client(nodes[0]).list_ranges(sid)
+    by_id = {n.node_id: n for n in nodes}
+    primary = by_id[next(s["server_id"] for s in r0["servers"] if s["is_primary"])]
+    return primary, [n for n in nodes if n is not primary]
+
+
+def fetch_all(node, sid, upto):
+    """Every batch of ``sid`` on ``node`` from 0 (FETCH, plain client: no following), as bytes."""
+    out = []
+    offset = 0
+    with client(node) as c:
+        while offset < upto:
+            data = c.fetch(sid, offset)
+            if not data:
+                break
+            for b in record_batch.split(data):
+                out.append(bytes(b))
+                offset = int.from_bytes(b[1:9], "big", signed=True) + int.from_bytes(b[9:13], "big", signed=True)
+    return offset, out
+
+
+def test_appends_on_the_primary_are_fetched_byte_identical_from_every_replica(trio):
+    etcd, nodes = trio
+    with client(nodes[0]) as c:
+        sid = c.create_stream(replica_nums=3)["stream_id"]
+    primary, others = roles(nodes, sid)
+
+    # pipelined appends on the primary: consecutive offsets, answered once a majority holds them
+    entries = [(sid, batch(1 + i % 5, tag=b"b%d-" % i)) for i in range(200)]
+    with client(primary) as c:
+        bases = c.append_pipelined(entries, window=16)
+    counts = [1 + i % 5 for i in range(200)]
+    expected = [sum(counts[:i]) for i in range(200)]
+    assert bases == expected
+    total = sum(counts)
+
+    # FETCH from all three: the same bytes (base offsets included). An acknowledged batch may be
+    # durable on the two other replicas before the primary's own disk: wait for it there too
+    wait_for(lambda: fetch_all(primary, sid, total)[0] == total, what="the primary serves the stream")
+    end, want = fetch_all(primary, sid, total)
+    assert len(want) == 200
+    for n in others:
+        wait_for(lambda: fetch_all(n, sid, total) == (total, want), what="node %d serves the stream" % n.node_id)
+
+    # a replica's long-poll FETCH wakes on the next acknowledged append
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        with client(others[0]) as rc:
+            fut = pool.submit(rc.fetch, sid, total, 1 << 20, 10000)
+            with client(primary) as c:
+                assert c.append(sid, batch(2, tag=b"late")) == total
+            data = fut.result(timeout=15)
+    (b,) = list(record_batch.split(data))
+    assert int.from_bytes(b[1:9], "big") == total and record_batch.decode(bytes(b))[0].record_count == 2
+
+    # APPEND on a non-primary: PD_NOT_LEADER naming the primary
+    for n in others:
+        with client(n) as c:
+            with pytest.raises(SbpError) as info:
+                c.append(sid, batch(1))
+        assert info.value.code == codec.PD_NOT_LEADER and info.value.message == primary.endpoint("sbp")
+
+    # DESCRIBE_RANGES shows each replica's progress (on the primary: every replica's durable end)
+    def progressed():
+        d = client(primary).describe_range(sid, 0)
+        p = d.get("progress") or {}
+        return d["next_offset"] == total + 2 and p.get("confirm_offset") == total + 2 \
+            and sorted(p["replica_ends"].values()) == [total + 2] * 3 and p
+    p = wait_for(progressed, what="every replica's progress on the primary")
+    assert sorted(p["replica_ends"]) == sorted(str(n.node_id) for n in nodes)
+    for n in others:
+        wait_for(lambda: client(n).describe_range(sid, 0)["next_offset"] == total + 2, what="confirm learned")
+
+
+def test_reads_stop_at_the_confirm_offset_and_a_restarted_replica_catches_up(trio):
+    etcd, nodes = trio
+    with client(nodes[1]) as c:
+        sid = c.create_stream(replica_nums=3)["stream_id"]
+    primary, (r1, r2) = roles(nodes, sid)
+    with client(primary) as c:
+        assert c.append(sid, batch(3)) == 0
+    wait_for(lambda: fetch_all(r1, sid, 3)[0] == 3 and fetch_all(r2, sid, 3)[0] == 3, what="replicas hold 3")
+
+    # one replica down: a majority (primary + the other) still acknowledges
+    r2.kill9()
+    with client(primary) as c:
+        bases = c.append_pipelined([(sid, batch(2, tag=b"x%d-" % i)) for i in range(50)], window=16)
+    assert bases == list(range(3, 103, 2))
+
+    # it comes back and catches up what it missed (the primary resends from its store)
+    r2.restart()
+    wait_for(lambda: fetch_all(primary, sid, 103)[0] == 103, what="the primary serves 103")
+    end, want = fetch_all(primary, sid, 103)
+    wait_for(lambda: fetch_all(r2, sid, 103) == (103, want), timeout=30, what="the restarted replica caught up")
+
+    # and it takes part again: appends go on, every replica converges
+    with client(primary) as c:
+        assert c.append(sid, batch(1)) == 103
+    wait_for(lambda: fetch_all(primary, sid, 104)[0] == 104, what="the primary serves 104")
+    end, want = fetch_all(primary, sid, 104)
+    for n in (r1, r2):
+        wait_for(lambda: fetch_all(n, sid, 104) == (104, want), what="node %d converged" % n.node_id)
+
+
+def test_a_fetch_on_a_node_without_a_replica_names_one(trio):
+    etcd, nodes = trio
+    with client(nodes[0]) as c:
+        sid = c.create_stream(replica_nums=1)["stream_id"]
+    primary, others = roles(nodes, sid)
+    with client(primary) as c:
+        assert c.append(sid, batch(2)) == 0
+        assert len(list(record_batch.split(c.fetch(sid, 0)))) == 1
+    with client(others[0]) as c:
+        with pytest.raises(SbpError) as info:
+            c.fetch(sid, 0)
+    assert info.value.code == codec.PD_NOT_LEADER and info.value.message == primary.endpoint("sbp")
+    with BlockingSbpClient("127.0.0.1", others[0].ports["sbp"], timeout=10, follow_cluster=True) as c:
+        assert len(list(record_batch.split(c.fetch(sid, 0)))) == 1
+
+
+class Writer:
+    """Appends batches with distinct bodies to ``sid`` on whichever node is the open range's
+    primary (LIST_RANGES on a live node), retrying on any error; records what was acknowledged."""
+
+    def __init__(self, nodes, sid):
+        import threading
+
+        self.nodes = nodes
+        self.sid = sid
+        self.acked = []  # (offset, batch as sent, monotonic time of the ack)
+        self.stale = []  # status codes of refused appends
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.n = 0
+
+    def primary(self):
+        for n in self.nodes:
+            if n.proc is None or n.proc.poll() is not None:
+                continue
+            try:
+                ranges = client(n, timeout=3).list_ranges(self.sid)
+            except Exception:
+                continue
+            r = ranges[-1]
+            pid = next(s["server_id"] for s in r["servers"] if s["is_primary"])
+            return next(x for x in self.nodes if x.node_id == pid)
+        return None
+
+    def run(self):
+        import time
+
+        c = None
+        while not self.stop.is_set():
+            b = batch(1 + self.n % 3, tag=b"w%d-" % self.n)
+            try:
+                if c is None:
+                    p = self.primary()
+                    if p is None:
+                        time.sleep(0.05)
+                        continue
+                    c = BlockingSbpClient("127.0.0.1", p.ports["sbp"], timeout=5)
+                off = c.append(self.sid, b)
+            except Exception as e:
+                if isinstance(e, SbpError):
+                    self.stale.append(e.code)
+                try:
+                    c and c.close()
+                except Exception:
+                    pass
+                c = None
+                time.sleep(0.02)
+                continue
+            self.acked.append((off, b, time.monotonic()))
+            self.n += 1
+        if c is not None:
+            c.close()
+
+
+def stored(b, offset):
+    return b[:1] + offset.to_bytes(8, "big", signed=True) + b[9:]
+
+
+@pytest.mark.slow
+def test_kill9_of_the_primary_under_load_loses_no_acknowledged_batch(tmp_path):
+    import time
+
+    etcd = EtcdCluster(tmp_path, members=1).start()
+    nodes = start_nodes(tmp_path, etcd.client_urls, [1, 2, 3])
+    try:
+        with client(nodes[0]) as c:
+            sid = c.create_stream(replica_nums=3)["stream_id"]
+        primary, survivors = roles(nodes, sid)
+        w = Writer(nodes, sid)
+        w.thread.start()
+        wait_for(lambda: len(w.acked) >= 200, timeout=60, what="200 acknowledged appends")
+        killed_at = time.monotonic()
+        primary.kill9()
+        before = len(w.acked)
+        wait_for(lambda: len(w.acked) >= before + 100, timeout=40, what="appends resumed after the failover")
+        w.stop.set()
+        w.thread.join(20)
+        first_after = next(t for off, b, t in w.acked[before:] if t > killed_at)
+        failover_s = first_after - killed_at
+        print("failover: kill -9 of the primary to the first acknowledged append: %.2f s" % failover_s)
+        # the range was sealed and the next one opened on the survivors
+        ranges = client(survivors[0]).list_ranges(sid)
+        assert len(ranges) == 2 and ranges[0]["end_offset"] == ranges[1]["start_offset"] and ranges[1]["end_offset"] == -1
+        assert {s["server_id"] for s in ranges[-1]["servers"]} == {n.node_id for n in survivors}
+        # every acknowledged batch is readable at its acknowledged offset on every live replica;
+        # offsets contiguous and ordered
+        end = max(off + record_batch.decode(b)[0].record_count for off, b, _ in w.acked)
+        for n in survivors:
+            wait_for(lambda: fetch_all(n, sid, end)[0] >= end, timeout=20, what="node %d serves up to %d" % (n.node_id, end))
+            upto, got = fetch_all(n, sid, end)
+            at = {int.from_bytes(x[1:9], "big"): x for x in got}
+            for off, b, _ in w.acked:
+                assert at.get(off) == stored(b, off), "acknowledged batch at %d missing or different on node %d" % (off, n.node_id)
+        acked_offsets = [off for off, _, _ in w.acked]
+        assert acked_offsets == sorted(acked_offsets) and len(set(acked_offsets)) == len(acked_offsets)
+        assert fetch_all(survivors[0], sid, end) == fetch_all(survivors[1], sid, end)
+        assert failover_s < 20
+    finally:
+        for n in nodes:
+            n.kill9()
+        etcd.stop()
+
+
+@pytest.mark.slow
+def test_a_paused_old_primary_acknowledges_nothing_after_the_seal(tmp_path):
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    etcd = EtcdCluster(tmp_path, members=1).start()
+    nodes = start_nodes(tmp_path, etcd.client_urls, [1, 2, 3])
+    try:
+        with client(nodes[0]) as c:
+            sid = c.create_stream(replica_nums=3)["stream_id"]
+        old, survivors = roles(nodes, sid)
+        with client(old) as c:
+            assert c.append(sid, batch(2)) == 0
+        stale = client(old, timeout=60)
+        old.proc.send_signal(signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                # sent while it is paused: it reads it only after the seal
+                fut = pool.submit(stale.append, sid, batch(1, tag=b"stale"))
+                wait_for(lambda: len(client(survivors[0]).list_ranges(sid)) == 2, timeout=30, what="the seal")
+                ranges = client(survivors[0]).list_ranges(sid)
+                pid = next(s["server_id"] for s in ranges[-1]["servers"] if s["is_primary"])
+                new = next(n for n in survivors if n.node_id == pid)
+                with client(new) as c:
+                    assert c.append(sid, batch(3, tag=b"new")) == 2
+                old.proc.send_signal(signal.SIGCONT)
+                with pytest.raises(SbpError) as info:
+                    fut.result(timeout=30)
+                assert info.value.code in (codec.RANGE_ALREADY_SEALED, codec.PD_NOT_LEADER)
+        finally:
+            old.proc.send_signal(signal.SIGCONT)
+            stale.close()
+        # the survivors hold exactly the acknowledged batches, the stale one nowhere
+        for n in survivors:
+            wait_for(lambda: fetch_all(n, sid, 5)[0] == 5, what="node %d serves 5" % n.node_id)
+            upto, got = fetch_all(n, sid, 10)
+            assert upto == 5 and b"stale" not in b"".join(got)
+        # the old primary, back, takes no appends and sends readers to the new range
+        with client(old) as c:
+            with pytest.raises(SbpError) as info:
+                c.append(sid, batch(1))
+            assert info.value.code == codec.PD_NOT_LEADER
+    finally:
+        for n in nodes:
+            n.kill9()
+        etcd.stop()

@@ -1,0 +1,29 @@
+"""The replica channel's messages (protocols/replica/codec.py): byte vectors."""
+
+import pytest
+
+from protocols.replica import codec
+
+
+def test_messages_round_trip_as_msgpack_arrays():
+    assert codec.encode(codec.SYNC, 7) == b"\x92\xa1S\x07"
+    assert codec.decode(b"\x92\xa1S\x07") == ["S", 7]
+    raw = codec.encode(codec.APPEND, 1 << 32, 3, b"\x22batch")
+    assert raw == b"\x94\xa1A\xcf\x00\x00\x00\x01\x00\x00\x00\x00\x03\xc4\x06\x22batch"
+    assert codec.decode(raw) == ["A", 1 << 32, 3, b"\x22batch"]
+    assert codec.decode(codec.encode(codec.ACK, 5, 10, 12)) == ["K", 5, 10, 12]
+    assert codec.decode(codec.encode(codec.SEALED, 5, 2, 99)) == ["Z", 5, 2, 99]
+
+
+@pytest.mark.parametrize("raw", [
+    b"",  # nothing
+    b"\xc1",  # never used msgpack byte
+    b"\x91\xa1S",  # SYNC without a stream id
+    b"\x92\xa1Q\x01",  # unknown kind
+    b"\x92\xa1S\xa1x",  # stream id not an integer
+    b"\x94\xa1A\x01\x00\xa1x",  # an append whose batch is a string, not bytes
+    b"\x81\xa1S\x01",  # a map, not an array
+])
+def test_malformed_messages_are_refused(raw):
+    with pytest.raises(codec.BadMessage):
+        codec.decode(raw)
