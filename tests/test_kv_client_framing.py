@@ -6,6 +6,7 @@ import socket
 import struct
 
 import pytest
+from twisted.internet import task
 from twisted.internet.testing import StringTransport
 
 from protocols.framing import Framer, read_frame
@@ -14,13 +15,22 @@ from protocols.partition import codec as c
 from protocols.partition.client import BlockingKvClient
 from protocols.partition.client_server import KvClientServerFactory
 from tests.test_kv_integration import spread_keys
-from tests.test_kv_protocol import BatchedMemoryKv, MemoryKv
+from tests.storage_helpers.inline import close, complete, hold, open_inline
+from tests.test_kv_protocol import record_runs
 
 OFF = dict(sbp="none", meta="none", chunks="none", swarm="none", http="none")
 
 
-def connect(kv):
-    proto = KvClientServerFactory(kv).buildProtocol(None)
+@pytest.fixture
+def store(tmp_path):
+    """The real store (LMDB and the WAL in tmp_path), written inline (tests/storage_helpers/inline.py)."""
+    s = open_inline(tmp_path / "store", task.Clock())
+    yield s
+    close(s)
+
+
+def connect(store):
+    proto = KvClientServerFactory(store.kv, store=store).buildProtocol(None)
     tr = StringTransport()
     proto.makeConnection(tr)
     return proto, tr
@@ -37,8 +47,8 @@ def err(code):
 # -- byte vectors -----------------------------------------------------------------------------
 
 
-def test_set_get_remove_bytes():
-    proto, tr = connect(MemoryKv())
+def test_set_get_remove_bytes(store):
+    proto, tr = connect(store)
     # SET "k" = "vv": total 18 + 2 + 1 + 4 + 2 = 27, NumElems 1 as yesSQL's clients send it
     proto.dataReceived(bytes.fromhex("000000000000001b" "0000000000000001" "0003" "0001" "6b" "00000002" "7676"))
     assert tr.value() == bytes.fromhex("0000000000000012" "0000000000000000" "0000")
@@ -52,11 +62,10 @@ def test_set_get_remove_bytes():
     assert tr.value() == ok() + ok() + struct.pack(">QQH", 18, 0, c.DATA_NOT_FOUND)
 
 
-def test_cursor_commands_and_scans_have_no_next_key_and_no_footer():
-    kv = MemoryKv()
+def test_cursor_commands_and_scans_have_no_next_key_and_no_footer(store):
     for k in (b"\x01a", b"\x01b", b"\xf0z"):  # partitions 0 and 7
-        kv._apply_put(k, b"v" + k)
-    proto, tr = connect(kv)
+        store.kv.put(k, b"v" + k)
+    proto, tr = connect(store)
     proto.dataReceived(y.encode_create_cursor(b"cur") + y.encode_scan(c.GET_FF, 2, b"cur"))
     elems = b"\x00\x02\x01a\x00\x00\x00\x03v\x01a" + b"\x00\x02\x01b\x00\x00\x00\x03v\x01b"
     assert tr.value() == ok() + struct.pack(">QQH", 18 + len(elems), 2, c.OK) + elems
@@ -72,19 +81,18 @@ def test_cursor_commands_and_scans_have_no_next_key_and_no_footer():
     assert tr.value() == struct.pack(">QQH", 18, 0, c.OK)  # at END: nothing
 
 
-def test_trailing_bytes_after_a_scan_name_and_prefix_are_ignored():
-    kv = MemoryKv()
+def test_trailing_bytes_after_a_scan_name_and_prefix_are_ignored(store):
     for k in (b"pa", b"pb", b"q"):
-        kv._apply_put(k, b"v")
-    proto, tr = connect(kv)
+        store.kv.put(k, b"v")
+    proto, tr = connect(store)
     msg = y.encode_scan(c.GET_KEYS_PREFIX, 10, b"x", prefix=b"p") + b"trailing"
     msg = struct.pack(">Q", len(msg)) + msg[8:]
     proto.dataReceived(y.encode_create_cursor(b"x") + msg)
     assert tr.value() == ok() + struct.pack(">QQH", 18 + 8, 2, c.OK) + b"\x00\x02pa\x00\x02pb"
 
 
-def test_unknown_or_deleted_cursor_is_err0():
-    proto, tr = connect(MemoryKv())
+def test_unknown_or_deleted_cursor_is_err0(store):
+    proto, tr = connect(store)
     proto.dataReceived(
         y.encode_scan(c.GET_FF, 1, b"nope")
         + y.encode_delete_cursor(b"nope")
@@ -95,8 +103,8 @@ def test_unknown_or_deleted_cursor_is_err0():
     assert tr.value() == err(0) + err(0) + ok() + ok() + err(0)
 
 
-def test_count_rules_and_short_messages_keep_the_connection():
-    proto, tr = connect(MemoryKv())
+def test_count_rules_and_short_messages_keep_the_connection(store):
+    proto, tr = connect(store)
     proto.dataReceived(
         y.encode_create_cursor(b"c")
         + y.encode_scan(c.GET_FF, 0, b"c")
@@ -112,34 +120,35 @@ def test_count_rules_and_short_messages_keep_the_connection():
 
 
 @pytest.mark.parametrize("total", [0, 7])
-def test_total_len_below_8_is_err3_then_close(total):
-    kv = MemoryKv(manual=True)
-    proto, tr = connect(kv)
+def test_total_len_below_8_is_err3_then_close(store, total):
+    hold(store)
+    proto, tr = connect(store)
     proto.dataReceived(y.encode_set(b"a", b"1") + struct.pack(">Q", total) + b"more bytes")
     assert tr.value() == b"" and not tr.disconnecting
-    kv.complete()
+    complete(store)
     assert tr.value() == ok() + err(3) and tr.disconnecting
 
 
-def test_total_len_over_32_mib_is_err3_and_close_without_the_body():
-    proto, tr = connect(MemoryKv())
+def test_total_len_over_32_mib_is_err3_and_close_without_the_body(store):
+    proto, tr = connect(store)
     proto.dataReceived(y.encode_get(b"a") + struct.pack(">QQH", 32 * 1024 * 1024 + 1, 1, c.SET))
     assert tr.value() == struct.pack(">QQH", 18, 0, c.DATA_NOT_FOUND) + err(3) and tr.disconnecting
 
 
-def test_pipelined_set_get_read_pending_writes_in_order():
-    kv = BatchedMemoryKv(manual=True)
-    proto, tr = connect(kv)
+def test_pipelined_set_get_read_pending_writes_in_order(store):
+    hold(store)
+    runs = record_runs(store)
+    proto, tr = connect(store)
     proto.dataReceived(y.encode_set(b"a", b"1") + y.encode_get(b"a") + y.encode_remove(b"zz") + y.encode_get(b"zz"))
-    assert len(kv.runs) == 1 and tr.value() == b""
-    kv.complete()
+    assert len(runs) == 1 and tr.value() == b""
+    complete(store)
     assert tr.value() == (ok() + struct.pack(">QQHH", 18 + 8, 1, c.OK, 1) + b"a" + struct.pack(">I", 1) + b"1"
                           + ok() + struct.pack(">QQH", 18, 0, c.DATA_NOT_FOUND))
 
 
 @pytest.mark.parametrize("step", [1, 5])
-def test_split_reads(step):
-    proto, tr = connect(MemoryKv())
+def test_split_reads(store, step):
+    proto, tr = connect(store)
     wire = y.encode_set(b"k", b"v") + y.encode_get(b"k") + y.encode_create_cursor(b"c") + y.encode_scan(c.GET_FF, 3, b"c")
     for i in range(0, len(wire), step):
         proto.dataReceived(wire[i : i + step])

@@ -48,6 +48,20 @@ def load_or_create_incarnation(data_dir: str) -> str:
     return token
 
 
+
+def member_records(kvs, log=None) -> dict:
+    """node_id -> member record from the etcd key-values under ``members/``; an unreadable record
+    is skipped (and logged when ``log`` is given)."""
+    members = {}
+    for kv in kvs:
+        try:
+            rec = kv.json()
+            members[int(rec["node_id"])] = rec
+        except (ValueError, KeyError, TypeError):
+            if log is not None:
+                log.warn("ignoring an unreadable member record at {key}", key=kv.key)
+    return members
+
 class Membership:
     log = Logger()
 
@@ -162,13 +176,7 @@ class Membership:
     @defer.inlineCallbacks
     def refresh(self):
         kvs, rev = yield self.client.get_prefix(self.prefix + "members/")
-        members = {}
-        for kv in kvs:
-            try:
-                rec = kv.json()
-                members[int(rec["node_id"])] = rec
-            except (ValueError, KeyError, TypeError):
-                self.log.warn("ignoring an unreadable member record at {key}", key=kv.key)
+        members = member_records(kvs, self.log)
         self._revision = rev
         self._set(members)
 

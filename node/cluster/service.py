@@ -14,7 +14,7 @@ from twisted.logger import Logger
 from node.cluster import etcd, placement
 from node.cluster.election import Election
 from node.cluster.failover import Failover
-from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation
+from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation, member_records
 from node.cluster.placement import PlacementDriver
 from node.cluster.replication import Replicator
 
@@ -98,13 +98,7 @@ class ClusterNode:
     def describe(self):
         """Live members (node_id -> record) and the leader's node id, as etcd says now."""
         kvs, _ = yield self.client.get_prefix(self.prefix + "members/")
-        members = {}
-        for kv in kvs:
-            try:
-                rec = kv.json()
-                members[int(rec["node_id"])] = rec
-            except (ValueError, KeyError, TypeError):
-                continue
+        members = member_records(kvs)
         leader = yield self.election.current_leader()
         return members, leader
 
