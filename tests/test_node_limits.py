@@ -118,7 +118,10 @@ def test_half_frames_then_gone_free_everything(node_factory):
     before = rss_bytes(pid)
     for k in range(200):
         s = socket.create_connection(node.address("sbp" if k % 2 else "kv"))
-        s.sendall(prefix + payload[: 1 << 20] if k % 2 == 0 else prefix + payload)
+        try:
+            s.sendall(prefix + payload[: 1 << 20] if k % 2 == 0 else prefix + payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the node may refuse the frame's length and close before all of it is sent
         s.close()
     wait_for(lambda: connections(node)["open"] == 1, what="all gone")
     grown = rss_bytes(pid) - before
