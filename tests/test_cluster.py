@@ -1,5 +1,6 @@
 """Cluster mode (CONTRACT §9): real etcd, real nodes on loopback, kill -9."""
 
+import contextlib
 import os
 import subprocess
 import threading
@@ -73,26 +74,32 @@ def start_nodes(base, etcd_urls, ids, **options):
     return nodes
 
 
+@contextlib.contextmanager
+def three_nodes(base):
+    """One etcd member and nodes 1, 2, 3 under ``base``: (etcd, nodes); killed and stopped after."""
+    etcd = EtcdCluster(base, members=1).start()
+    try:
+        nodes = start_nodes(base, etcd.client_urls, [1, 2, 3])
+        try:
+            yield etcd, nodes
+        finally:
+            for n in nodes:
+                n.kill9()
+    finally:
+        etcd.stop()
+
+
 @pytest.fixture
 def cluster3(tmp_path):
-    etcd = EtcdCluster(tmp_path, members=1).start()
-    nodes = start_nodes(tmp_path, etcd.client_urls, [1, 2, 3])
-    yield etcd, nodes
-    for n in nodes:
-        n.kill9()
-    etcd.stop()
+    with three_nodes(tmp_path) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
 def shared3(tmp_path_factory):
     """3 nodes + 1 etcd for the tests that kill nothing."""
-    base = tmp_path_factory.mktemp("shared3")
-    etcd = EtcdCluster(base, members=1).start()
-    nodes = start_nodes(base, etcd.client_urls, [1, 2, 3])
-    yield etcd, nodes
-    for n in nodes:
-        n.kill9()
-    etcd.stop()
+    with three_nodes(tmp_path_factory.mktemp("shared3")) as cluster:
+        yield cluster
 
 
 @pytest_twisted.ensureDeferred

@@ -6,20 +6,15 @@ from protocols.sbp import codec
 from protocols.sbp.client import BlockingSbpClient, SbpError
 from storage import record_batch
 from tests.etcdproc import EtcdCluster, etcd_available
-from tests.test_cluster import batch, client, start_nodes, wait_for
+from tests.test_cluster import batch, client, start_nodes, three_nodes, wait_for
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
 
 
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory):
-    base = tmp_path_factory.mktemp("repl3")
-    etcd = EtcdCluster(base, members=1).start()
-    nodes = start_nodes(base, etcd.client_urls, [1, 2, 3])
-    yield etcd, nodes
-    for n in nodes:
-        n.kill9()
-    etcd.stop()
+    with three_nodes(tmp_path_factory.mktemp("repl3")) as cluster:
+        yield cluster
 
 
 def roles(nodes, sid):
