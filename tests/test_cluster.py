@@ -71,6 +71,17 @@ def start_nodes(base, etcd_urls, ids, **options):
         for n in nodes:
             n.kill9()
         raise errors[0]
+
+    def settled():  # every new node sees all of them live, and a leader
+        views = [view(n) for n in nodes]
+        return all(set(ids) <= set(live) and leader is not None for live, leader in views)
+
+    try:
+        wait_for(settled, timeout=30, what="every started node to see %s live" % (ids,))
+    except AssertionError:
+        for n in nodes:
+            n.kill9()
+        raise
     return nodes
 
 

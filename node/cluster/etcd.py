@@ -242,6 +242,13 @@ class EtcdClient:
         d = self.call("/v3/kv/range", {"key": b64(prefix), "range_end": b64(prefix_end(prefix))})
         return d.addCallback(lambda a: ([KV(kv) for kv in a.get("kvs", [])], int(a["header"]["revision"])))
 
+    def newest_under(self, prefix):
+        """The highest mod_revision of any key under ``prefix`` (0 when there is none)."""
+        body = {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "limit": 1, "keys_only": True,
+                "sort_order": "DESCEND", "sort_target": "MOD"}
+        d = self.call("/v3/kv/range", body)
+        return d.addCallback(lambda a: KV(a["kvs"][0]).mod_revision if a.get("kvs") else 0)
+
     def put(self, key, value, lease=0):
         body = {"key": b64(key), "value": b64(value)}
         if lease:

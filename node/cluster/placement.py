@@ -33,6 +33,7 @@ import json
 import time
 
 from twisted.internet import defer
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from node.cluster import etcd
@@ -107,6 +108,7 @@ class PlacementDriver:
         self._watch = None
         self._ensuring = {}  # stream_id -> Deferred of a local replica being created
         self._revision = 0
+        self._seen = 0  # the newest stream-record revision this cache has taken in
         self._id_lock = defer.DeferredLock()
         self._id_next = self._id_end = 0  # the reserved block of stream-id counters [next, end)
         self.listeners = []  # fn(rec) for every new record seen (the replicator's)
@@ -130,6 +132,7 @@ class PlacementDriver:
     def _load(self):
         kvs, rev = yield self.client.get_prefix(self.prefix + "streams/")
         self._revision = rev
+        self._seen = max(self._seen, rev)
         streams = {}
         for kv in kvs:
             rec = _decode(kv)
@@ -162,6 +165,7 @@ class PlacementDriver:
                     self._remember(rec)
 
     def _remember(self, rec):
+        self._seen = max(self._seen, rec.get("_rev", 0))
         old = self.streams.get(rec["stream_id"])
         if old is not None and old.get("_rev", 0) > rec.get("_rev", 0):
             return  # an older view arriving late
@@ -401,6 +405,7 @@ class PlacementDriver:
     @defer.inlineCallbacks
     def create_stream(self, replica_nums=0, retention_period_ms=0):
         r = int(replica_nums) or self.replication_factor
+        yield self._catch_up()
         choice = self.choose(r)  # 1502 before an id is spent
         sid = yield self._new_stream_id()
         rec = {
@@ -416,6 +421,15 @@ class PlacementDriver:
         rec["_rev"] = result.revision
         self._remember(rec)
         return rec
+
+    @defer.inlineCallbacks
+    def _catch_up(self, timeout=1.0):
+        """Wait (at most ``timeout``) until the watch has delivered every stream record written
+        before now, so that placement counts the streams other nodes just created."""
+        newest = yield self.client.newest_under(self.prefix + "streams/")
+        deadline = self.reactor.seconds() + timeout
+        while self._seen < newest and self.reactor.seconds() < deadline:
+            yield deferLater(self.reactor, 0.005, lambda: None)
 
     @defer.inlineCallbacks
     def get(self, sid):
