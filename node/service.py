@@ -17,7 +17,7 @@ import sys
 import time
 
 from twisted.application import service
-from twisted.internet import defer, endpoints
+from twisted.internet import defer, endpoints, error
 from twisted.logger import Logger
 
 from node import guard, listeners
@@ -202,7 +202,8 @@ class NodeService(service.MultiService):
             max=self.node.guard.max_connections, nofile=guard.raise_fd_limit(),
             idle=" ".join("%s=%gs" % kv for kv in sorted(self.config.idle_timeouts.items())),
         )
-        self.node.reactor.callWhenRunning(self._install_signal_handlers)
+        self._install_signal_handlers()  # before the reactor runs: SIGTERM never finds SIG_DFL
+        self.node.reactor.callWhenRunning(self._install_signal_handlers)  # over the reactor's own
         for name in LISTENERS:
             port = self.node.ports.get(name)
             self.log.info(
@@ -250,6 +251,8 @@ class NodeService(service.MultiService):
 
     def _ready(self):
         node = self.node
+        # whatever ran since start-up, a SIGTERM after the ready file means a clean exit 0
+        self._install_signal_handlers()
         try:
             self._write_ready_file()
         except OSError as e:  # a supervisor waiting for the file would wait forever: stop instead
@@ -299,9 +302,15 @@ class NodeService(service.MultiService):
         # CONTRACT §1: SIGTERM/SIGINT mean a clean shutdown that exits 0. twistd's own handlers
         # re-raise the signal after stopping (exit status -15), so ours replace them once the
         # reactor runs.
+        def stop_reactor():
+            try:
+                self.node.reactor.stop()
+            except error.ReactorNotRunning:
+                pass  # a second signal while shutting down: already on the way out
+
         def stop(signum, frame):
             self.log.info("received {signal}; stopping", signal=signal.Signals(signum).name)
-            self.node.reactor.callFromThread(self.node.reactor.stop)
+            self.node.reactor.callFromThread(stop_reactor)
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
