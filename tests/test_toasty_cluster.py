@@ -189,20 +189,26 @@ def test_10mib_across_nodes_kill9_holder_and_rereplication(cluster):
     base, etcd, nodes = cluster
     a, b, c = nodes[:3]
     data = blob(10 * 1024 * 1024, b"ten")
+    small = blob(200_000, b"small")
     with BlockingToastyClient(*a.address("meta")) as ca:
         ca.write("/shared/ten", data, truncate=True)
+        ca.write("/shared/small", small, truncate=True)
     for n in (b, c):
         with BlockingToastyClient(*n.address("meta")) as cl:
             assert cl.read("/shared/ten") == data
     span = 1024 * 4096
+    first = holders_of(b, b"/shared/ten", 0, span)
     assert all(len(h) == 3 for off in range(0, len(data), span) for h in holders_of(b, b"/shared/ten", off, span))
-    c.kill9()
+    # kill -9 the holder listed first (the writer, a): both clients go on to the next holder
+    assert first[0][0] == a.address("chunks")
+    a.kill9()
     with BlockingToastyClient(*b.address("meta")) as cl:
-        assert cl.read("/shared/ten") == data  # the client tries the next holder
-    dead = c.address("chunks")
+        assert cl.read("/shared/ten") == data
+    check_twisted_read(c, "/shared/small", small)
+    dead = a.address("chunks")
 
-    def only_live_holders():  # c leaves the member list when its lease expires
-        return all(dead not in h and len(h) == 2 for h in holders_of(a, b"/shared/ten", 0, span))
+    def only_live_holders():  # a leaves the member list when its lease expires
+        return all(dead not in h and len(h) == 2 for h in holders_of(b, b"/shared/ten", 0, span))
 
     wait_for(only_live_holders, timeout=20, what="READ to list only live holders")
     # a new member takes the copies that bring every chunk back to R = 3 live holders
@@ -211,11 +217,36 @@ def test_10mib_across_nodes_kill9_holder_and_rereplication(cluster):
     new = d.address("chunks")
 
     def every_chunk_has_r_live_holders():
-        return all(len(h) == 3 and new in h for off in range(0, len(data), span)
-                   for h in holders_of(a, b"/shared/ten", off, span))
+        return all(len(h) == 3 and new in h for path, size in ((b"/shared/ten", len(data)), (b"/shared/small", len(small)))
+                   for off in range(0, size, span) for h in holders_of(c, path, off, span))
 
     wait_for(every_chunk_has_r_live_holders, timeout=60, what="every chunk with 3 live holders")
     with BlockingToastyClient(*d.address("meta")) as cl:
         assert cl.read("/shared/ten") == data
-    with BlockingToastyClient(*a.address("meta")) as cl:
+    with BlockingToastyClient(*b.address("meta")) as cl:
         assert cl.read("/shared/ten") == data
+
+
+def check_twisted_read(node, path, expected):
+    """The Twisted client's read of ``path`` through ``node``, in a process of its own (this test
+    is synchronous: its blocking waits would stall pytest-twisted's reactor)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from twisted.internet import task\n"
+        "from protocols.toasty.client import ToastyClient\n"
+        "async def main(reactor):\n"
+        "    c = await ToastyClient.connect(reactor, '127.0.0.1', %d)\n"
+        "    try:\n"
+        "        data = await c.read(%r)\n"
+        "    finally:\n"
+        "        c.close()\n"
+        "    sys.stdout.buffer.write(data)\n"
+        "from twisted.internet.defer import ensureDeferred\n"
+        "task.react(lambda r: ensureDeferred(main(r)))\n"
+    ) % (node.ports["meta"], path)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout == expected

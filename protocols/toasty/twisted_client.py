@@ -4,7 +4,7 @@
 
 from collections import deque
 
-from twisted.internet import defer, endpoints, protocol, task
+from twisted.internet import defer, endpoints, error, protocol, task
 from twisted.logger import Logger
 
 from protocols import tcp_internals
@@ -293,7 +293,7 @@ class ToastyClient:
         for address in holders:
             try:
                 reply = yield self.chunk_request(address, codec.DownloadChunk(h, True))
-            except ConnectionError as e:
+            except (ConnectionError, error.ConnectError) as e:  # a dead holder: try the next (CONTRACT §9)
                 last = ToastyError(str(e))
                 continue
             if isinstance(reply, codec.ErrorReply):
