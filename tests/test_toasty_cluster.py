@@ -10,6 +10,7 @@ from contextlib import closing
 import pytest
 import pytest_twisted
 
+from protocols.sbp.client import BlockingSbpClient, call_status
 from protocols.toasty import codec
 from protocols.toasty.client import BlockingConnection, BlockingToastyClient, ToastyClient
 from tests.etcdproc import EtcdCluster, etcd_available
@@ -183,6 +184,30 @@ async def test_twisted_client_across_nodes(cluster):
     finally:
         wa.close()
         rc.close()
+
+
+def toasty_status(node):
+    with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=10) as c:
+        return c.call(call_status())["cluster"]["toasty"]
+
+
+def test_unreferenced_chunks_are_released_cluster_wide(cluster):
+    """Every holder keeps a local reference per chunk the tree lists it for, and drops it when no
+    file does (the store's sweep then reclaims the chunk after its grace period)."""
+    _, _, nodes = cluster
+    before = [toasty_status(n)["pinned"] for n in nodes]
+
+    def pinned_are(extra):
+        return all(toasty_status(n)["pinned"] == b0 + extra for n, b0 in zip(nodes, before))
+
+    with BlockingToastyClient(*nodes[1].address("meta")) as cl:
+        cl.write("/shared/gc", blob(40 * 4096, b"gc"), truncate=True)
+        wait_for(lambda: pinned_are(40), timeout=10, what="40 new chunks referenced on every holder")
+        cl.write("/shared/gc", blob(4096, b"gc-short"), truncate=True)
+        wait_for(lambda: pinned_are(1), timeout=10, what="the overwritten chunks released")
+        cl.delete("/shared/gc")
+        wait_for(lambda: pinned_are(0), timeout=10, what="the deleted file's chunks released")
+    assert all(toasty_status(n)["under_replicated"] == 0 for n in nodes)
 
 
 def test_10mib_across_nodes_kill9_holder_and_rereplication(cluster):

@@ -161,6 +161,7 @@ class ClusterNode:
             "is_leader": bool(self.election and self.election.is_leader),
             "streams_known": len(self.pd.streams) if self.pd else 0,
             "replication_factor": self.node.config.replication_factor,
+            "toasty": self.toasty.status() if self.toasty is not None else None,
         }
 
 
