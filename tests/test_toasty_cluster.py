@@ -12,7 +12,7 @@ import pytest_twisted
 
 from protocols.sbp.client import BlockingSbpClient, call_status
 from protocols.toasty import codec
-from protocols.toasty.client import BlockingConnection, BlockingToastyClient, ToastyClient
+from protocols.toasty.client import BlockingConnection, BlockingToastyClient, ToastyClient, ToastyError
 from tests.etcdproc import EtcdCluster, etcd_available
 from tests.test_cluster import start_nodes, wait_for
 from tests.nodeproc import NodeProcess
@@ -73,6 +73,51 @@ def test_one_tree_and_r_write_locations(cluster):
         assert locs == {n.address("chunks") for n in (a, b, c)}
         again = cb.call(codec.Create(b"/dir", True, 0))
         assert isinstance(again, codec.ErrorReply) and again.message.startswith("File or directory already exists")
+
+
+def test_tree_semantics_through_any_node(cluster):
+    """CONTRACT §5's rules hold in the cluster's tree, whichever node each request goes to."""
+    _, _, (a, b, c) = cluster
+    with BlockingToastyClient(*a.address("meta")) as ca, BlockingToastyClient(*b.address("meta")) as cb:
+        ca.mkdir("/t")
+        dir_gen = cb.stat("/t")["gen"]
+        data = blob(100_000, b"sem")
+        gen = cb.write("/t/f", data)
+        assert ca.stat("/t")["gen"] == dir_gen  # a directory keeps its generation
+        assert ca.stat("/t/f") == {"is_dir": False, "gen": gen, "chunk_size": 4096, "size": len(data)}
+        assert ca.read("/t/f", 5000, 20_000) == data[5000:25_000]
+        cb.write("/t/f", b"W", offset=6)
+        assert ca.read("/t/f")[:10] == data[:6] + b"W" + data[7:10]
+        cb.write("/t/f", b"hello world", truncate=True)
+        assert ca.read("/t/f") == b"hello world"
+        cb.write("/t/f", b"!", offset=9000)  # a hole in between reads as zeros
+        assert ca.read("/t/f") == b"hello world" + bytes(9000 - 11) + b"!"
+        ca.write("/t/k64", data, chunk_size=65536)
+        assert cb.stat("/t/k64")["chunk_size"] == 65536 and cb.read("/t/k64") == data
+        for i in range(130):
+            cb.mkdir("/t/d%03d" % i)
+        _, items = ca.list("/t")  # 132 names: LIST continuation past the first 128
+        assert [i.name for i in items] == sorted([b"f", b"k64"] + [b"d%03d" % i for i in range(130)])
+        with pytest.raises(ToastyError):
+            ca.delete("/t")  # not empty
+        with pytest.raises(ToastyError):
+            cb.mkdir("/nope/x")  # no parent
+    with meta(c) as m:
+        st = m.call(codec.Read(0, b"/t/f", 0, 1))
+        assert isinstance(m.call(codec.Read(st.gen + 1, b"/t/f", 0, 1)), codec.ReadError)  # READ checks gen
+        assert isinstance(m.call(codec.List_(1, b"/")), codec.ListSuccess)  # the root has generation 1
+        assert m.call(codec.Read(0, b"/t", 0, 1)).message.startswith("Entity is a directory")
+        w0 = m.call(codec.Write(0, 0, b"/t/f", 0, 0, []))
+        assert w0.message.startswith("Generation counter mismatch")  # WRITE refuses expect_gen 0
+        assert isinstance(m.call(codec.Delete(MISSING, b"/t/none")), codec.DeleteSuccess)
+        assert isinstance(m.call(codec.Delete(0, b"/t/none")), codec.ErrorReply)
+        assert isinstance(m.call(codec.Delete(st.gen + 1, b"/t/f")), codec.ErrorReply)
+        assert isinstance(m.call(codec.Delete(st.gen, b"/t/f")), codec.DeleteSuccess)
+        # pipelined: a READ sees the WRITE sent before it on its connection
+        m.send(codec.Create(b"/t/p", False, 4096))
+        m.send(codec.Read(0, b"/t/p", 0, 10))
+        created, read = m.recv(), m.recv()
+        assert isinstance(created, codec.CreateSuccess) and read.gen == created.gen
 
 
 def test_toastyfs_style_client(cluster):

@@ -54,6 +54,7 @@ from protocols.toasty.file_tree import (
 )
 
 PAGE = 256  # chunk references per etcd key
+SHAPES = 100_000  # chunk sizes remembered (cleared when full)
 ATTEMPTS = 20  # re-reads when a transaction's compare lost to a concurrent change of another kind
 _PAGE_NO = struct.Struct(">I")
 
@@ -125,6 +126,7 @@ class ClusterFileTree:
         base = (prefix + "toasty/").encode()
         self.ent_prefix = base + b"e/"
         self.chk_prefix = base + b"c/"
+        self._shapes = {}  # file key -> (create_revision, chunk_size), for one-read READs
 
     # -- keys -------------------------------------------------------------------------------------
 
@@ -142,15 +144,20 @@ class ClusterFileTree:
 
     # -- reads ------------------------------------------------------------------------------------
 
-    @defer.inlineCallbacks
     def _entity(self, components, with_parent=False):
         """(entity or None, its kv, parent entity or None, parent kv) in one etcd read."""
+        return self._entity_and(components, with_parent).addCallback(lambda r: r[:4])
+
+    @defer.inlineCallbacks
+    def _entity_and(self, components, with_parent=False, extra=()):
+        """``_entity``'s four, plus the kvs of each range in ``extra``, all in one etcd read."""
         if not components:
-            return ROOT, None, None, None
+            return ROOT, None, None, None, []
         ops = [_range(self.ent_key(components))]
         parent_key = self.ent_key(components[:-1]) if len(components) > 1 and with_parent else None
         if parent_key is not None:
             ops.append(_range(parent_key))
+        ops.extend(extra)
         r = yield self.client.txn([], ops)
         kvs = r.kvs(0)
         entity = Entity.of(kvs[0]) if kvs else None
@@ -162,7 +169,8 @@ class ClusterFileTree:
                 pk = r.kvs(1)
                 if pk:
                     parent_kv, parent = pk[0], Entity.of(pk[0])
-        return entity, (kvs[0] if kvs else None), parent, parent_kv
+        skip = len(ops) - len(extra)
+        return entity, (kvs[0] if kvs else None), parent, parent_kv, [r.kvs(skip + i) for i in range(len(extra))]
 
     @defer.inlineCallbacks
     def list(self, components, expect_gen, after=None, limit=file_tree.MAX_LIST):
@@ -191,38 +199,83 @@ class ClusterFileTree:
 
     @defer.inlineCallbacks
     def read(self, components, expect_gen, offset, length, max_chunks=file_tree.MAX_CHUNKS_PER_OP):
-        """-> ReadResult with ``holders`` (node ids per chunk) for the readable part of the range."""
+        """-> ReadResult with ``holders`` (node ids per chunk) for the readable part of the range.
+        One etcd read when the file's chunk size is known from an earlier request (the entity
+        and the pages it would need, in one snapshot), else two."""
+        if not components:
+            raise IsADirectory("/ is a directory")
+        key = self.ent_key(components)
+        shape = self._shapes.get(key)
+        if shape is not None:
+            lo, hi = self._page_span(offset, length, shape[1], max_chunks)
+            r = yield self.client.txn([], [_range(key), _range(self.page_key(components, lo), self.page_key(components, hi + 1))])
+            kvs = r.kvs(0)
+            if kvs and kvs[0].create_revision == shape[0]:
+                return self._read_result(components, Entity.of(kvs[0]), expect_gen, offset, length, max_chunks, r.kvs(1))
+            self._shapes.pop(key, None)  # deleted or made anew since: read it afresh
         for _ in range(ATTEMPTS):
             entity, kv, _, _ = yield self._entity(components)
-            if entity is None:
-                raise NotFound("%s does not exist" % _show(components))
-            if entity.is_dir:
-                raise IsADirectory("%s is a directory" % _show(components))
-            check_gen(entity, expect_gen, _show(components))
-            end = min(entity.size, offset + length)
-            readable = max(0, end - offset)
-            first, count = span(offset, readable, entity.chunk_size)
-            if count > max_chunks:
-                raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
-            result = ClusterReadResult(entity.gen, entity.chunk_size, readable, first, [ZERO_HASH] * count, entity.size)
-            result.holders = [[] for _ in range(count)]
-            if not count:
+            if kv is not None:
+                self._remember(kv, entity)
+            result = self._read_result(components, entity, expect_gen, offset, length, max_chunks, None)
+            if result is not None:
                 return result
             # the pages, read only if the entity is still the one just read (one snapshot)
-            lo, hi = first // PAGE, (first + count - 1) // PAGE
+            lo, hi = self._page_span(offset, length, entity.chunk_size, max_chunks)
             r = yield self.client.txn([etcd.compare_mod_revision(kv.key, kv.mod_revision)],
                                       [_range(self.page_key(components, lo), self.page_key(components, hi + 1))])
-            if not r.succeeded:
-                continue
-            for page_kv in r.kvs(0):
-                page = _PAGE_NO.unpack(page_kv.key[-4:])[0]
-                for slot, (h, ids) in decode_page(page_kv.value).items():
-                    i = page * PAGE + slot - first
-                    if 0 <= i < count:
-                        result.hashes[i] = h
-                        result.holders[i] = ids
-            return result
+            if r.succeeded:
+                return self._read_result(components, entity, expect_gen, offset, length, max_chunks, r.kvs(0))
         raise BadGeneration("%s kept changing while being read" % _show(components))
+
+    def _remember(self, kv, entity):
+        """A file's chunk size never changes while its key lives (same create_revision)."""
+        if not entity.is_dir:
+            if len(self._shapes) >= SHAPES:
+                self._shapes.clear()
+            self._shapes[kv.key] = (kv.create_revision, entity.chunk_size)
+
+    @staticmethod
+    def _page_span(offset, length, chunk_size, max_chunks):
+        """The pages a READ of [offset, offset+length) may need (at most max_chunks chunks)."""
+        first = offset // chunk_size
+        last = first if length <= 0 else min((offset + length - 1) // chunk_size, first + max_chunks - 1)
+        return first // PAGE, last // PAGE
+
+    @staticmethod
+    def _wanted_pages(first, count, keep):
+        """The pages a WRITE rewrites: those of its chunks, and the one the new end falls in."""
+        wanted = set(range(first // PAGE, (first + count - 1) // PAGE + 1)) if count else set()
+        if keep is not None and keep % PAGE:
+            wanted.add(keep // PAGE)
+        return sorted(wanted)
+
+    def _read_result(self, components, entity, expect_gen, offset, length, max_chunks, page_kvs):
+        """The ReadResult, or None if it needs pages and ``page_kvs`` is None (not read yet)."""
+        if entity is None:
+            raise NotFound("%s does not exist" % _show(components))
+        if entity.is_dir:
+            raise IsADirectory("%s is a directory" % _show(components))
+        check_gen(entity, expect_gen, _show(components))
+        end = min(entity.size, offset + length)
+        readable = max(0, end - offset)
+        first, count = span(offset, readable, entity.chunk_size)
+        if count > max_chunks:
+            raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
+        result = ClusterReadResult(entity.gen, entity.chunk_size, readable, first, [ZERO_HASH] * count, entity.size)
+        result.holders = [[] for _ in range(count)]
+        if not count:
+            return result
+        if page_kvs is None:
+            return None
+        for page_kv in page_kvs:
+            page = _PAGE_NO.unpack(page_kv.key[-4:])[0]
+            for slot, (h, ids) in decode_page(page_kv.value).items():
+                i = page * PAGE + slot - first
+                if 0 <= i < count:
+                    result.hashes[i] = h
+                    result.holders[i] = ids
+        return result
 
     read_queued = read
 
@@ -245,6 +298,8 @@ class ClusterFileTree:
             value = Entity(0, is_dir, 0 if is_dir else chunk_size).value()
             r = yield self.client.txn(compares, [etcd.op_put(key, value)])
             if r.succeeded:
+                if not is_dir:
+                    self._shapes[key] = (r.revision, chunk_size)
                 return r.revision
         raise AlreadyExists("%s kept changing while being created" % _show(components))
 
@@ -293,7 +348,16 @@ class ClusterFileTree:
         holders = holders if holders is not None else [[] for _ in hashes]
         key = self.ent_key(components)
         for _ in range(ATTEMPTS):
-            entity, kv, parent, parent_kv = yield self._entity(components, with_parent=True)
+            # with the chunk size known from an earlier request, the pages come in the same read
+            shape = self._shapes.get(key)
+            guess = []
+            if shape is not None:
+                f, c = span(offset, length, shape[1])
+                guess = self._wanted_pages(f, c, -(-(offset + length) // shape[1]) if flags & TRUNCATE_AFTER else None)
+            extra = [_range(self.page_key(components, p)) for p in guess]
+            entity, kv, parent, parent_kv, guessed = yield self._entity_and(components, True, extra)
+            if kv is not None:
+                self._remember(kv, entity)
             compares = []
             if entity is None:
                 if not (expect_gen == MISSING_GENERATION and flags & CREATE_IF_MISSING):
@@ -317,11 +381,12 @@ class ClusterFileTree:
                 raise InvalidOperation("in a cluster, a truncation inside a chunk needs the chunk's new bytes "
                                        "(write them with TRUNCATE_AFTER)")
             keep = -(-size // cs) if flags & TRUNCATE_AFTER else None  # chunks [0, keep) stay
-            wanted = set(range(first // PAGE, (first + count - 1) // PAGE + 1)) if count else set()
-            if keep is not None and keep % PAGE:
-                wanted.add(keep // PAGE)
+            wanted = self._wanted_pages(first, count, keep)
             pages = {}
-            if wanted and kv is not None:
+            if wanted and kv is not None and shape is not None and kv.create_revision == shape[0] and wanted == guess:
+                for p, got in zip(wanted, guessed):
+                    pages[p] = (got[0].mod_revision, decode_page(got[0].value)) if got else (0, {})
+            elif wanted and kv is not None:
                 ops = [_range(self.page_key(components, p)) for p in sorted(wanted)]
                 r = yield self.client.txn([etcd.compare_mod_revision(key, kv.mod_revision)], ops)
                 if not r.succeeded:
@@ -352,6 +417,8 @@ class ClusterFileTree:
             ops.append(etcd.op_put(key, entity.value()))
             r = yield self.client.txn(compares, ops)
             if r.succeeded:
+                if kv is None:  # made by CREATE_IF_MISSING in this transaction
+                    self._shapes[key] = (r.revision, cs)
                 return r.revision
             # lost a race: the next pass re-reads and (if the generation moved) fails check_gen
         raise BadGeneration("%s kept changing while being written" % _show(components))
