@@ -95,6 +95,7 @@ class ToastyCluster:
         self._loop = None
         self._running = None
         self._again = False
+        self._dirty = True  # pages or members changed, or the last pass left work: scan again
         self.copied = 0  # chunks this node copied for repair (status, tests)
 
     # -- start / stop ---------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class ToastyCluster:
         self._loop = task.LoopingCall(self.tick)
         self._loop.clock = self.reactor
         self._loop.start(REPAIR_EVERY, now=True)
-        self.membership.on_change(lambda _: self.reactor.callLater(0, self.tick))
+        self.membership.on_change(lambda _: self._changed())
 
     @defer.inlineCallbacks
     def _load(self):
@@ -120,6 +121,7 @@ class ToastyCluster:
                 self.log.warn("ignoring an unreadable toasty page at {key!r}", key=kv.key)
         self.pages = pages
         self.loaded = True
+        self._dirty = True
         if self._watch is not None:
             self._watch.stop()
         self._watch = self.client.watch_prefix(self.tree.chk_prefix, revision + 1, self._events, on_reset=self._reset)
@@ -137,6 +139,10 @@ class ToastyCluster:
                 self.pages[kv.key] = (kv.mod_revision, decode_page(kv.value))
             except (ValueError, TypeError, msgpack.UnpackException):
                 self.log.warn("ignoring an unreadable toasty page at {key!r}", key=kv.key)
+        self._changed()
+
+    def _changed(self):
+        self._dirty = True
         self.reactor.callLater(0, self.tick)
 
     def stop(self):
@@ -226,13 +232,15 @@ class ToastyCluster:
     # -- repair and collection ------------------------------------------------------------------
 
     def tick(self):
-        """One pass: pins follow the index, then under-replicated chunks this node should copy
-        are copied. Passes never overlap; a request during one runs another after it."""
-        if not self.loaded:
+        """One pass, when something changed since the last: pins follow the index, then
+        under-replicated chunks this node should copy are copied. Passes never overlap; a
+        request during one runs another after it."""
+        if not self.loaded or not self._dirty:
             return None
         if self._running is not None:
             self._again = True
             return self._running
+        self._dirty = False
         d = self._running = self._pass()
 
         def done(result):
@@ -242,7 +250,11 @@ class ToastyCluster:
                 self.reactor.callLater(0, self.tick)
             return None
 
-        d.addErrback(lambda f: self.log.warn("toasty repair pass failed: {e}", e=f.value))
+        def failed(f):
+            self._dirty = True  # try again at the next period
+            self.log.warn("toasty repair pass failed: {e}", e=f.value)
+
+        d.addErrback(failed)
         d.addBoth(done)
         return d
 
@@ -305,6 +317,7 @@ class ToastyCluster:
                     break
         if not mine:
             return
+        self._dirty = True  # look again next period: a copy may fail, or more may be due
         got = {}
         for h, sources in mine.items():
             for nid in sources:
