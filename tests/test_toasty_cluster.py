@@ -247,11 +247,11 @@ def test_unreferenced_chunks_are_released_cluster_wide(cluster):
 
     with BlockingToastyClient(*nodes[1].address("meta")) as cl:
         cl.write("/shared/gc", blob(40 * 4096, b"gc"), truncate=True)
-        wait_for(lambda: pinned_are(40), timeout=10, what="40 new chunks referenced on every holder")
+        wait_for(lambda: pinned_are(40), timeout=30, what="40 new chunks referenced on every holder")
         cl.write("/shared/gc", blob(4096, b"gc-short"), truncate=True)
-        wait_for(lambda: pinned_are(1), timeout=10, what="the overwritten chunks released")
+        wait_for(lambda: pinned_are(1), timeout=30, what="the overwritten chunks released")
         cl.delete("/shared/gc")
-        wait_for(lambda: pinned_are(0), timeout=10, what="the deleted file's chunks released")
+        wait_for(lambda: pinned_are(0), timeout=30, what="the deleted file's chunks released")
     assert all(toasty_status(n)["under_replicated"] == 0 for n in nodes)
 
 

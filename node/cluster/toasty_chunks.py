@@ -37,6 +37,7 @@ PIN_TABLE = "toasty.cpin"
 REPAIR_EVERY = 1.0  # seconds between passes over the chunk index
 REPAIR_BATCH = 256  # chunks fetched per pass at most
 PROBES_IN_FLIGHT = 512
+PEER_TIMEOUT = 10.0  # seconds a peer's chunk listener may take to answer one request
 
 
 def _rank(h, node_id):
@@ -44,10 +45,13 @@ def _rank(h, node_id):
 
 
 class PeerChunks:
-    """Connections to other members' chunk listeners, one per address, made on first use."""
+    """Connections to other members' chunk listeners, one per address, made on first use. A
+    request not answered within ``timeout`` seconds aborts its connection (every request pending
+    on it fails): a hung peer fails a holder check or a copy instead of holding it forever."""
 
-    def __init__(self, reactor):
+    def __init__(self, reactor, timeout=PEER_TIMEOUT):
         self.reactor = reactor
+        self.timeout = timeout
         self._conns = {}
 
     @defer.inlineCallbacks
@@ -64,8 +68,18 @@ class PeerChunks:
                 self._conns.pop(address, None)
                 raise
             self._conns[address] = conn = proto
-        reply = yield conn.request(msg)
+        timer = self.reactor.callLater(self.timeout, self._expire, address, conn)
+        try:
+            reply = yield conn.request(msg)
+        finally:
+            if timer.active():
+                timer.cancel()
         return reply
+
+    def _expire(self, address, conn):
+        if self._conns.get(address) is conn:
+            del self._conns[address]
+        conn.transport.abortConnection()
 
     def close(self):
         for conn in self._conns.values():
