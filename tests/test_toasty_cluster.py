@@ -255,6 +255,7 @@ def test_unreferenced_chunks_are_released_cluster_wide(cluster):
     assert all(toasty_status(n)["under_replicated"] == 0 for n in nodes)
 
 
+@pytest.mark.slow
 def test_10mib_across_nodes_kill9_holder_and_rereplication(cluster):
     base, etcd, nodes = cluster
     a, b, c = nodes[:3]
@@ -291,6 +292,9 @@ def test_10mib_across_nodes_kill9_holder_and_rereplication(cluster):
                    for off in range(0, size, span) for h in holders_of(c, path, off, span))
 
     wait_for(every_chunk_has_r_live_holders, timeout=60, what="every chunk with 3 live holders")
+    assert toasty_status(d)["copied"] >= 2560 + 49  # every chunk of both files, copied by the new node
+    wait_for(lambda: all(toasty_status(n)["under_replicated"] == 0 for n in (b, c, d)), timeout=30,
+             what="no node seeing an under-replicated chunk")
     with BlockingToastyClient(*d.address("meta")) as cl:
         assert cl.read("/shared/ten") == data
     with BlockingToastyClient(*b.address("meta")) as cl:

@@ -111,6 +111,7 @@ class ToastyCluster:
         self._again = False
         self._dirty = True  # pages or members changed, or the last pass left work: scan again
         self.copied = 0  # chunks this node copied for repair (status, tests)
+        self.under = 0  # chunks with fewer than R live holders, as of the last pass (status)
 
     # -- start / stop ---------------------------------------------------------------------------
 
@@ -276,6 +277,7 @@ class ToastyCluster:
     def _pass(self):
         yield self._reconcile_pins()
         yield self._repair()
+        self.under = len(self.under_replicated())
 
     def _wanted_pins(self):
         me = self.node_id
@@ -371,4 +373,4 @@ class ToastyCluster:
 
     def status(self):
         return {"pages": len(self.pages), "pinned": len(self.pinned), "copied": self.copied,
-                "under_replicated": len(self.under_replicated()), "page_size": PAGE}
+                "under_replicated": self.under, "page_size": PAGE}
