@@ -276,6 +276,13 @@ def test_10mib_across_nodes_kill9_holder_and_rereplication(cluster):
     with BlockingToastyClient(*b.address("meta")) as cl:
         assert cl.read("/shared/ten") == data
     check_twisted_read(c, "/shared/small", small)
+    # a write through another node goes on: READ offers the dead node until its lease expires,
+    # the upload to it fails, and the client starts again from the READ
+    after = blob(100_000, b"after")
+    with BlockingToastyClient(*b.address("meta")) as cl:
+        cl.write("/shared/after", after)
+    with BlockingToastyClient(*c.address("meta")) as cl:
+        assert cl.read("/shared/after") == after
     dead = a.address("chunks")
 
     def only_live_holders():  # a leaves the member list when its lease expires

@@ -280,7 +280,12 @@ class BlockingToastyClient:
             uploads = []
             if length:
                 reader.rewind()
-                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate, self._hasher().submit), uploads, report if not attempt else None)
+                try:
+                    self._upload_all(plan_uploads(state, offset, length, reader.read, truncate, self._hasher().submit), uploads, report if not attempt else None)
+                except OSError:
+                    # a write location is down: it leaves the member list (and the locations
+                    # READ offers) within the cluster's lease TTL, so start again from the READ
+                    continue
             reply = self.meta.call(write_message(state, path, offset, length, flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
                 return reply.gen

@@ -224,7 +224,10 @@ class ToastyClient:
                 continue
             flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
             uploads = list(plan_uploads(state, offset, len(data), bytes_reader(data, offset), truncate))
-            yield self._upload_all(uploads)
+            try:
+                yield self._upload_all(uploads)
+            except (ConnectionError, error.ConnectError):
+                continue  # a write location is down: READ again for live ones (as the blocking client)
             reply = yield self.meta.request(write_message(state, path, offset, len(data), flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
                 return reply.gen
