@@ -24,7 +24,7 @@ copies that keep R of them live, and the collection of chunks no file references
 import hashlib
 
 import msgpack
-from twisted.internet import defer, task
+from twisted.internet import defer, task, threads
 from twisted.logger import Logger
 
 from node.cluster import etcd
@@ -36,6 +36,7 @@ from protocols.toasty.twisted_client import open_connection
 PIN_TABLE = "toasty.cpin"
 REPAIR_EVERY = 1.0  # seconds between passes over the chunk index
 REPAIR_BATCH = 256  # chunks fetched per pass at most
+COPIES_IN_FLIGHT = 16  # downloads of one pass at a time
 PROBES_IN_FLIGHT = 512
 PEER_TIMEOUT = 10.0  # seconds a peer's chunk listener may take to answer one request
 
@@ -322,33 +323,45 @@ class ToastyCluster:
         live = set(servers)
         mine = {}  # hash -> live holder ids to copy it from
         for key, (_, slots) in self.pages.items():
+            if len(mine) >= REPAIR_BATCH:
+                break
             for slot, (h, ids) in slots.items():
                 alive = [i for i in ids if i in live]
-                if not alive or len(alive) >= self.rf or self.node_id in ids:
+                if not alive or len(alive) >= self.rf or self.node_id in ids or h in mine:
                     continue
                 candidates = sorted(live - set(ids), key=lambda n: _rank(h, n))
                 if self.node_id in candidates[: self.rf - len(alive)]:
-                    mine.setdefault(h, alive)
-                if len(mine) >= REPAIR_BATCH:
-                    break
+                    mine[h] = alive
         if not mine:
             return
         self._dirty = True  # look again next period: a copy may fail, or more may be due
-        got = {}
-        for h, sources in mine.items():
-            for nid in sources:
-                try:
-                    reply = yield self.peers.request(servers[nid], codec.DownloadChunk(h, True))
-                except Exception:
-                    continue
-                if isinstance(reply, codec.DownloadChunkSuccess) and hashlib.sha256(reply.data).digest() == h:
-                    got[h] = bytes(reply.data)
-                    break
+        sem = defer.DeferredSemaphore(COPIES_IN_FLIGHT)
+        hashes = list(mine)
+        datas = yield defer.gatherResults([sem.run(self._download, servers, h, mine[h]) for h in hashes])
+        fetched = [(h, data) for h, data in zip(hashes, datas) if data is not None]
+        # SHA-256 off the reactor, as swarm checks every delivered item before storing it
+        digests = yield threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(),
+                                                  lambda: [hashlib.sha256(data).digest() for _, data in fetched])
+        got = [(h, data) for (h, data), digest in zip(fetched, digests) if digest == h]
+        if len(got) < len(fetched):
+            self.log.warn("{n} copied chunks failed their hash check", n=len(fetched) - len(got))
         if not got:
             return
-        yield self.store.chunks.put_many(list(got.values()), addrs=list(got.keys()))
+        yield self.store.chunks.put_many([data for _, data in got], addrs=[h for h, _ in got])
         self.copied += len(got)
-        yield self._add_holder(set(got))
+        yield self._add_holder({h for h, _ in got})
+
+    @defer.inlineCallbacks
+    def _download(self, servers, h, sources):
+        """Chunk ``h`` from the first of its live holders that serves it, or None."""
+        for nid in sources:
+            try:
+                reply = yield self.peers.request(servers[nid], codec.DownloadChunk(h, True))
+            except Exception:
+                continue
+            if isinstance(reply, codec.DownloadChunkSuccess):
+                return bytes(reply.data)
+        return None
 
     @defer.inlineCallbacks
     def _add_holder(self, hashes):

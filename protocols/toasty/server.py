@@ -10,7 +10,10 @@ Metadata requests run against ``storage.file_tree.FileTree``; pipelined requests
 order (CONTRACT §5). A read (LIST, READ) with no unacknowledged mutation (CREATE, DELETE, WRITE) of
 its connection ahead of it is answered at once from the committed state. One behind such a mutation
 joins the tree's mutation batch as an entry of its own, so it sees the mutations sent before it and
-none sent after it, while pipelined mutations keep sharing one transaction. Chunk requests run
+none sent after it, while pipelined mutations keep sharing one transaction. In cluster mode
+(CONTRACT §9) the metadata requests go instead to the cluster's tree in etcd and its chunk
+holders (``node.cluster.toasty``, node/cluster/toasty_tree.py and toasty_chunks.py), one request
+of a connection at a time. Chunk requests run
 against ``store.chunks`` (content addressed, SHA-256 of the zero-padded chunk).
 """
 
