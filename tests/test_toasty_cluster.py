@@ -92,12 +92,28 @@ def test_tree_semantics_through_any_node(cluster):
         assert ca.read("/t/f") == b"hello world"
         cb.write("/t/f", b"!", offset=9000)  # a hole in between reads as zeros
         assert ca.read("/t/f") == b"hello world" + bytes(9000 - 11) + b"!"
+        # truncation across pages of 256 chunk references: nothing past the new end comes back
+        long = blob(700 * 4096 + 5, b"pages")
+        cb.write("/t/long", long)
+        assert ca.read("/t/long", 256 * 4096 - 10, 20) == long[256 * 4096 - 10 : 256 * 4096 + 10]
+        ca.write("/t/long", long[:3000], truncate=True)
+        cb.write("/t/long", b"!", offset=600 * 4096)
+        assert ca.read("/t/long") == long[:3000] + bytes(600 * 4096 - 3000) + b"!"
+        with pytest.raises(ToastyError, match="truncation inside a chunk"):
+            cb.write("/t/long", b"", offset=11, truncate=True)  # the cluster's one refusal
+        # a file made anew with another chunk size: a node that read the old one is not misled
+        cb.write("/t/re", data[:9000])
+        assert ca.read("/t/re") == data[:9000]
+        cb.delete("/t/re")
+        cb.write("/t/re", data[:70_000], chunk_size=1000)
+        assert ca.read("/t/re") == data[:70_000]
+        cb.delete("/t/re")
         ca.write("/t/k64", data, chunk_size=65536)
         assert cb.stat("/t/k64")["chunk_size"] == 65536 and cb.read("/t/k64") == data
         for i in range(130):
             cb.mkdir("/t/d%03d" % i)
         _, items = ca.list("/t")  # 132 names: LIST continuation past the first 128
-        assert [i.name for i in items] == sorted([b"f", b"k64"] + [b"d%03d" % i for i in range(130)])
+        assert [i.name for i in items] == sorted([b"f", b"k64", b"long"] + [b"d%03d" % i for i in range(130)])
         with pytest.raises(ToastyError):
             ca.delete("/t")  # not empty
         with pytest.raises(ToastyError):
