@@ -17,6 +17,7 @@ from node.cluster.failover import Failover
 from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation, member_records
 from node.cluster.placement import PlacementDriver
 from node.cluster.replication import Replicator
+from node.cluster.toasty_chunks import ToastyCluster
 
 ETCD_OPERATION = "etcd"  # node.observe_latency's name for one etcd round trip (node/metrics.py)
 START_DEADLINE = 10.0  # seconds of retrying etcd at start before giving up
@@ -41,6 +42,7 @@ class ClusterNode:
         self.pd = None
         self.replicator = Replicator(node, tls=tls, reactor=node.reactor)
         self.failover = None
+        self.toasty = None  # the Toasty file tree and chunk holders of the cluster (toasty_chunks.py)
         self.started = False
 
     @property
@@ -72,6 +74,10 @@ class ClusterNode:
             self.pd.listeners.append(self.replicator.record_changed)
             self.failover = Failover(self.pd, self.membership, self.election, self.replicator, node.reactor)
             self.failover.start()
+            toasty = ToastyCluster(node, self.client, self.prefix, self.membership, node.config.replication_factor,
+                                   node.reactor)
+            yield toasty.start()
+            self.toasty = toasty
         except BaseException:
             yield self.stop()
             raise
@@ -83,6 +89,8 @@ class ClusterNode:
 
     @defer.inlineCallbacks
     def stop(self):
+        if self.toasty is not None:
+            self.toasty.stop()
         if self.failover is not None:
             self.failover.stop()
         yield self.replicator.stop()
@@ -153,6 +161,7 @@ class ClusterNode:
             "is_leader": bool(self.election and self.election.is_leader),
             "streams_known": len(self.pd.streams) if self.pd else 0,
             "replication_factor": self.node.config.replication_factor,
+            "toasty": self.toasty.status() if self.toasty is not None else None,
         }
 
 

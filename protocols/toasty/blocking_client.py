@@ -280,7 +280,12 @@ class BlockingToastyClient:
             uploads = []
             if length:
                 reader.rewind()
-                self._upload_all(plan_uploads(state, offset, length, reader.read, truncate, self._hasher().submit), uploads, report if not attempt else None)
+                try:
+                    self._upload_all(plan_uploads(state, offset, length, reader.read, truncate, self._hasher().submit), uploads, report if not attempt else None)
+                except OSError:
+                    # a write location is down: it leaves the member list (and the locations
+                    # READ offers) within the cluster's lease TTL, so start again from the READ
+                    continue
             reply = self.meta.call(write_message(state, path, offset, length, flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
                 return reply.gen
@@ -372,6 +377,7 @@ class BlockingToastyClient:
         cs = rs.chunk_size
         out = [None] * len(rs.chunks)
         jobs = []
+        unreachable = set()
         holder_lists = {}  # the decoder shares AddrList objects: resolve each distinct list once
         for i, c in enumerate(rs.chunks):
             index = offset // cs + i
@@ -387,7 +393,9 @@ class BlockingToastyClient:
                 holders = holder_lists[key] = [a for a in (server_address(h) for h in c.holders) if a]
             if not holders:
                 raise ToastyError("no chunk server holds chunk %s" % c.hash.hex())
-            jobs.append((holders[0], codec.DownloadChunk(c.hash, True), (i, c.hash, lo, hi, holders)))
+            # CONTRACT §9: holders are tried in order; one that refuses connections is skipped
+            k = self._reachable(c.hash, holders, unreachable)
+            jobs.append((holders[k], codec.DownloadChunk(c.hash, True), (i, c.hash, lo, hi, holders[k:])))
 
         checks = []
         hasher = self._hasher() if verify else None
@@ -417,10 +425,25 @@ class BlockingToastyClient:
         for piece in out:
             sink(piece)
 
+    def _reachable(self, h, holders, unreachable):
+        """Index of the first holder a connection can be made to."""
+        for k, address in enumerate(holders):
+            if address in unreachable:
+                continue
+            try:
+                self.chunk_conn(address)
+                return k
+            except OSError:
+                unreachable.add(address)
+        raise ToastyError("no holder of chunk %s is reachable" % h.hex())
+
     def _download_fallback(self, h, holders, first_error):
         for address in holders:
             # A connection of its own: the pooled ones have pipelined requests outstanding.
-            conn = BlockingConnection(address[0], address[1], self.timeout, self.tls_ca)
+            try:
+                conn = BlockingConnection(address[0], address[1], self.timeout, self.tls_ca)
+            except OSError:
+                continue
             try:
                 reply = conn.call(codec.DownloadChunk(h, True))
             finally:

@@ -10,7 +10,10 @@ Metadata requests run against ``storage.file_tree.FileTree``; pipelined requests
 order (CONTRACT §5). A read (LIST, READ) with no unacknowledged mutation (CREATE, DELETE, WRITE) of
 its connection ahead of it is answered at once from the committed state. One behind such a mutation
 joins the tree's mutation batch as an entry of its own, so it sees the mutations sent before it and
-none sent after it, while pipelined mutations keep sharing one transaction. Chunk requests run
+none sent after it, while pipelined mutations keep sharing one transaction. In cluster mode
+(CONTRACT §9) the metadata requests go instead to the cluster's tree in etcd and its chunk
+holders (``node.cluster.toasty``, node/cluster/toasty_tree.py and toasty_chunks.py), one request
+of a connection at a time. Chunk requests run
 against ``store.chunks`` (content addressed, SHA-256 of the zero-padded chunk).
 """
 
@@ -360,6 +363,7 @@ class MetaServerProtocol(_ToastyServerProtocol):
         self.tree = tree
         self.factory = factory
         self._writes = 0  # unacknowledged mutations of this connection
+        self._order = defer.DeferredLock()  # cluster mode: one request of this connection at a time
 
     def error_reply(self, msg, text):
         if msg.TYPE == codec.READ:
@@ -367,6 +371,8 @@ class MetaServerProtocol(_ToastyServerProtocol):
         return codec.ErrorReply(_ERROR_TYPE[msg.TYPE], text)
 
     def handle(self, msg):
+        if self.factory.clustered:
+            return self._cluster_op(msg)
         if msg.TYPE in (codec.LIST, codec.READ):
             return self._read_op(msg)
         self._writes += 1
@@ -435,6 +441,63 @@ class MetaServerProtocol(_ToastyServerProtocol):
         d.addErrback(self._fs_error, msg)
         return d
 
+    # -- cluster mode (CONTRACT §9): the tree in etcd, chunks on R nodes -----------------------
+
+    def _cluster_op(self, msg):
+        """Requests of one connection run one after another (CONTRACT §5: each sees exactly the
+        ones sent before it); each is linearizable at its etcd transaction."""
+        return self._order.run(self._cluster_run, msg)
+
+    def _cluster_run(self, msg):
+        cluster = self.factory.cluster()
+        if cluster is None:
+            return defer.succeed(self.error_reply(msg, ErrorCode.IO_ERROR.message("the node has not joined its cluster yet")))
+        tree = cluster.tree
+        t = msg.TYPE
+        try:
+            if t == codec.LIST:
+                components, after = paths.split_list_path(msg.path)
+                d = tree.list(components, msg.expect_gen, after, codec.MAX_LIST_ITEMS)
+                d.addCallback(self._list_reply)
+            else:
+                components = paths.normalize(msg.path)
+                if t == codec.READ:
+                    d = tree.read(components, msg.expect_gen, msg.offset, msg.length, codec.MAX_READ_CHUNKS)
+                    d.addCallback(self._cluster_read_reply, cluster)
+                elif t == codec.CREATE:
+                    d = tree.create(components, msg.is_dir, msg.chunk_size)
+                    d.addCallback(codec.CreateSuccess)
+                elif t == codec.DELETE:
+                    d = tree.delete(components, msg.expect_gen)
+                    d.addCallback(lambda _: codec.DeleteSuccess())
+                else:
+                    d = cluster.confirm_holders(msg.chunks)
+                    d.addCallback(lambda holders: tree.write(components, msg.expect_gen, msg.flags, msg.offset,
+                                                             msg.length, [c.hash for c in msg.chunks], holders))
+                    d.addCallback(codec.WriteSuccess)
+        except paths.InvalidPath as e:
+            return defer.succeed(self.error_reply(msg, str(e)))
+        d.addErrback(self._cluster_error, msg, cluster)
+        return d
+
+    def _cluster_read_reply(self, r, cluster):
+        lists = {}  # one AddrList per distinct holder set
+        chunks = []
+        for h, ids in zip(r.hashes, r.holders):
+            key = tuple(ids)
+            if key not in lists:
+                lists[key] = [codec.AddrList.of([a]) for a in cluster.holder_addresses(ids)]
+            chunks.append(codec.ReadChunk(h, [] if h == codec.ZERO_HASH else lists[key]))
+        return codec.ReadSuccess(r.gen, r.chunk_size, r.file_length, chunks, self.factory.write_locations())
+
+    def _cluster_error(self, failure, msg, cluster):
+        if failure.check(file_tree.FsError):
+            return self.error_reply(msg, str(failure.value))
+        if failure.check(*cluster.unavailable):
+            self.log.warn("toasty request {type} failed on etcd: {error}", type=type(msg).__name__, error=failure.value)
+            return self.error_reply(msg, ErrorCode.IO_ERROR.message("cluster metadata store: %s" % failure.value))
+        return failure
+
     def _fs_error(self, failure, msg):
         failure.trap(file_tree.FsError)
         return self.error_reply(msg, str(failure.value))
@@ -449,8 +512,17 @@ class MetaServerFactory(Factory):
         self.tree = file_tree.FileTree(node.store)
         self.replication_factor = max(1, int(getattr(node.config, "replication_factor", 1) or 1))
         self._locations = None
+        # CONTRACT §9: with --cluster every request goes to the cluster's tree (node/cluster/toasty_*)
+        self.clustered = bool(getattr(node.config, "cluster", None))
+
+    def cluster(self):
+        """The cluster's Toasty part (node.cluster.toasty), None until the node has joined."""
+        c = getattr(self.node, "cluster", None)
+        return getattr(c, "toasty", None) if c is not None else None
 
     def startFactory(self):
+        if self.clustered:
+            return  # the root is implicit in the cluster's tree
         d = self.tree.ensure_root()
         d.addErrback(lambda f: self.log.failure("could not create the toasty root", f))
 
@@ -468,8 +540,11 @@ class MetaServerFactory(Factory):
         return self._locations
 
     def write_locations(self):
-        """CONTRACT §5: this node's chunk listener (empty when --chunks is none). With peers, the
-        chunk servers they advertise would join this list, up to the replication factor."""
+        """CONTRACT §5: this node's chunk listener (empty when --chunks is none); in a cluster
+        (CONTRACT §9) R distinct live members' chunk listeners."""
+        if self.clustered:
+            cluster = self.cluster()
+            return [codec.AddrList.of([a]) for a in cluster.write_locations()] if cluster is not None else []
         a = self._chunk_server()
         return [a] if a is not None else []
 

@@ -4,7 +4,7 @@
 
 from collections import deque
 
-from twisted.internet import defer, endpoints, protocol, task
+from twisted.internet import defer, endpoints, error, protocol, task
 from twisted.logger import Logger
 
 from protocols import tcp_internals
@@ -224,7 +224,10 @@ class ToastyClient:
                 continue
             flags = (codec.TRUNCATE_AFTER if truncate else 0) | (codec.CREATE_IF_MISSING if not state.exists else 0)
             uploads = list(plan_uploads(state, offset, len(data), bytes_reader(data, offset), truncate))
-            yield self._upload_all(uploads)
+            try:
+                yield self._upload_all(uploads)
+            except (ConnectionError, error.ConnectError):
+                continue  # a write location is down: READ again for live ones (as the blocking client)
             reply = yield self.meta.request(write_message(state, path, offset, len(data), flags, uploads))
             if isinstance(reply, codec.WriteSuccess):
                 return reply.gen
@@ -293,7 +296,7 @@ class ToastyClient:
         for address in holders:
             try:
                 reply = yield self.chunk_request(address, codec.DownloadChunk(h, True))
-            except ConnectionError as e:
+            except (ConnectionError, error.ConnectError) as e:  # a dead holder: try the next (CONTRACT §9)
                 last = ToastyError(str(e))
                 continue
             if isinstance(reply, codec.ErrorReply):
