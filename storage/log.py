@@ -278,6 +278,12 @@ class RecordLog:
         s.assigned = base + count
         return core.submit(AppendBatch(sid, bytes(batch), None, count))
 
+    def forget_unwritten(self):
+        """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused
+        while the disk was full gave back their offsets, so each stream continues at its durable end."""
+        for s in self._streams.values():
+            s.assigned = s.durable
+
     def advance(self, sid, base, count):
         """The commit core's ``on_batch_durable`` hook (reactor thread, in log order): the batch at
         ``base`` is durable and readable."""

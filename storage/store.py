@@ -69,6 +69,7 @@ class Store:
         self.chunks.load()
         core.on_batch_durable = self.log.advance
         core.on_close += [self.log.close_waiters, self.chunks.close_waiters]
+        core.on_resume.append(self.log.forget_unwritten)
         self._timers = []
         if retention_check_s:
             self._timers.append(self._every(retention_check_s, self.log.retention_tick))
@@ -160,6 +161,7 @@ class Store:
             "meta_keys": entries["meta"],
             "queued_bytes": self.core.queued_bytes(),
             "failed": self.core.failed,
+            "disk_full": self.core.full,
         }
 
     # -- close ------------------------------------------------------------------------------------

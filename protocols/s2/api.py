@@ -147,6 +147,8 @@ class S2Api:
             return codec.invalid(str(e))
         if isinstance(e, errors.StoreBusy):
             return S2Error(503, "unavailable", "the store is busy; retry")
+        if isinstance(e, errors.DiskFault):  # a full disk, or read-only after a disk error (issue 21)
+            return S2Error(503, "unavailable", str(e))
         if isinstance(e, errors.StoreClosed):
             return S2Error(503, "server_draining", "the node is shutting down")
         if isinstance(e, errors.OffsetOutOfRange):
