@@ -623,7 +623,7 @@ class RecordLog:
     def retention_tick(self):
         """Trim what outlived its stream's retention period, then collect WAL segments."""
         core = self._core
-        if core.closed or core.failed:
+        if core.closed or core.failed or core.full:
             return
         aged = [(s.sid, s.retention_period_ms, s.next_offset) for s in self._streams.values()
                 if s.retention_period_ms > 0 and s.next_offset > s.trim_offset]

@@ -16,7 +16,7 @@ import time
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from storage import index
+from storage import errors, index
 from storage.chunks import ChunkStore, Packs
 from storage.commit import (MAX_GROUP_BYTES, POSTPONED_POLL_S, QUEUE_HARD, QUEUE_HIGH, CommitCore,
                             interval_sync_wait, now_ms, recover)
@@ -92,7 +92,9 @@ class Store:
         return loop
 
     def _tick_failed(self, failure, fn):
-        if not self.closed:  # a tick racing close() fails with StoreClosed: not worth a line
+        # a tick racing close() fails with StoreClosed, one during a disk fault with it (logged
+        # once by the core): neither is worth a line
+        if not self.closed and not failure.check(errors.DiskFault):
             self.logger.failure("periodic store task {task} failed", failure, task=fn.__name__)
 
     # -- the commit core's surface ---------------------------------------------------------------
