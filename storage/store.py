@@ -5,7 +5,7 @@ How a write becomes durable is in ``storage/commit.py``; each facade owns its da
 ``log`` (record streams and ranges), ``kv`` (key-value partitions), ``chunks`` (content-addressed
 chunks in packs), ``meta`` (transactional metadata). Import direction, one way::
 
-    errors, crc, record_batch, policy  <-  wal, index, presync  <-  commit  <-  log, kv, chunks, meta  <-  store
+    errors, crc, record_batch, policy, fileops  <-  wal, index, presync  <-  commit  <-  log, kv, chunks, meta  <-  store
 
 See docs/storage.md and docs/architecture.md.
 """
