@@ -179,6 +179,12 @@ class ConnectionGuard:
 
         def connection_lost(reason=None):
             self._forget(conn)
+            # This closure, stored on the protocol, holds the protocol through ``lost`` and
+            # ``conn``: a reference cycle that only the cycle collector frees, a full collection
+            # in a connect flood (docs/operations.md "Floods"). Unhooked, nothing of the guard's
+            # keeps a closed connection's objects alive.
+            protocol.__dict__.pop("connectionLost", None)
+            conn.protocol = None
             return lost(reason)
 
         protocol.connectionLost = connection_lost  # the reactor calls the instance attribute

@@ -382,6 +382,9 @@ class NodeCollector:
         g = _gauge("sbpnode_store_failed", "1 once an I/O error made the store refuse writes.")
         g.add_metric([], 1 if stats.get("failed") else 0)
         yield g
+        g = _gauge("sbpnode_store_disk_full", "1 while writes are refused because the disk is full (ENOSPC).")
+        g.add_metric([], 1 if stats.get("disk_full") else 0)
+        yield g
         wal = getattr(store, "wal", None)
         if wal is not None and hasattr(wal, "flushes"):
             c = _counter("sbpnode_store_group_commits", "Writer groups committed to the write-ahead log "

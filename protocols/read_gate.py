@@ -77,6 +77,11 @@ class ReadGate:
     def stop(self) -> None:
         """The connection is lost: keep the reasons, stop driving the transport."""
         self.stopped = True
+        # Let go of the protocol (``on_open`` is its bound method) and the transport: the gate is
+        # the transport's producer, so these close a reference cycle that would leave the whole
+        # closed connection to a full garbage collection (docs/operations.md "Floods").
+        self.on_open = None
+        self.transport = None
 
     def _update(self):
         if self.stopped:

@@ -28,8 +28,16 @@ The path of a write:
    packs, WAL and LMDB together at most every MS ms (``interval_sync_wait``; the ``PreSync``
    thread writes the WAL and packs back early so that sync is short). Under ``never`` only close
    syncs.
-4. A failed write or sync *poisons* the core: ``failed`` is set, the group's operations fail, and
-   every later ``check_writable`` refuses (a disk that lost a write is never trusted again).
+4. Disk faults (docs/storage.md "Disk faults"): the group's operations fail and its WAL bytes are
+   cut from the segment (``Wal.rollback``), so nothing answered with an error comes back at the
+   next start. ENOSPC (or EDQUOT) from a write sets ``full``: every write is refused with
+   ``DiskFull``, and once nothing is queued and the file system has ``RESUME_FREE_BYTES`` free
+   again the core takes writes again (``on_resume`` lets the log take back the offsets of the
+   refused appends). Any other error, and any failed fdatasync whatever its errno, sets
+   ``failed``: the store is read-only (``StoreReadOnly``) until the node restarts. A failed
+   fsync is never retried: Linux reports a write-back error once and may have dropped the dirty
+   pages, so a later fsync that succeeds proves nothing (PostgreSQL's "fsyncgate", 2018).
+   Reads go on in both states; each change of state is logged once.
 5. The group goes back to the reactor thread (``_deliver``): the reused read snapshot is dropped
    (so every acknowledged write is visible to reads), each ``AppendBatch``'s durability is passed
    to the ``on_batch_durable`` hook (the log advances its stream's visible ``next_offset``, in log
@@ -51,10 +59,13 @@ files, on ``task.Clock``, deterministically.
 """
 
 import collections
+import errno
+import os
 import struct
 import threading
 import time
 
+import lmdb
 import msgpack
 from twisted.internet import defer
 from twisted.internet.threads import deferToThreadPool
@@ -75,6 +86,41 @@ QUEUE_HIGH = 64 << 20  # above this many queued bytes the store reports congesti
 QUEUE_HARD = 512 << 20  # above this, writes fail with StoreBusy instead of growing memory
 
 POSTPONED_POLL_S = 0.002
+
+# After ENOSPC: how often the reactor looks for free space, and how much it waits for (one full
+# group, so that the first group after the resume does not meet ENOSPC again at once).
+RESUME_POLL_S = 0.5
+RESUME_FREE_BYTES = MAX_GROUP_BYTES
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class SyncFailed(Exception):
+    """An fdatasync (of the WAL, the chunk packs or LMDB) failed, whatever its errno."""
+
+    def __init__(self, what, error):
+        super().__init__("fdatasync of %s failed: %s" % (what, error))
+        self.error = error
+
+
+def disk_full(e) -> bool:
+    """``e`` (raised while writing a group) says the file system is full: ENOSPC or EDQUOT from a
+    write, or LMDB's message for them (py-lmdb raises ``lmdb.Error`` with the errno's text). A
+    failed sync is never "full", whatever its errno: its pages may be lost."""
+    if isinstance(e, SyncFailed):
+        return False
+    if isinstance(e, OSError):
+        return e.errno in _FULL_ERRNOS
+    if isinstance(e, lmdb.Error):
+        text = str(e)
+        return any(os.strerror(code) in text for code in _FULL_ERRNOS)
+    return False
+
+
+def _synced(what, fn):
+    try:
+        fn()
+    except Exception as e:
+        raise SyncFailed(what, e) from e
 
 
 def now_ms() -> int:
@@ -225,7 +271,10 @@ class CommitCore:
         self.policy = policy
         self.reactor = reactor
         self.closed = False  # reactor thread
-        self.failed = None  # set after an I/O error in the writer: every later write is refused
+        self.failed = None  # why the store is read-only (a disk error in the writer); never cleared
+        self.full = None  # why writes are refused until space returns (ENOSPC); the reactor clears it
+        self.ops = wal.ops  # the disk-fault seam (storage/fileops.py): free_bytes after ENOSPC
+        self.on_resume = []  # reactor thread: called when writes resume after ENOSPC
         # Hooks the assembly (store.py) sets, all called on the reactor thread:
         self.on_batch_durable = None  # (stream_id, base_offset, record_count), in log order
         self.on_close = []  # callables run once the writer stopped, before the files close
@@ -264,7 +313,9 @@ class CommitCore:
         if self.closed:
             raise errors.StoreClosed("the store is closed")
         if self.failed is not None:
-            raise errors.StoreError("the store stopped accepting writes after an I/O error: %s" % self.failed)
+            raise errors.StoreReadOnly("the store is read-only after a disk error: %s" % self.failed)
+        if self.full is not None:
+            raise errors.DiskFull("the disk is full (%s): writes resume when space returns" % self.full)
         if self._queued_bytes + nbytes > QUEUE_HARD:
             raise errors.StoreBusy("the store's write queue is full")
 
@@ -365,7 +416,7 @@ class CommitCore:
 
     def _write(self, group, sync_due) -> (bool, bool):
         """Commit ``group`` and sync as the policy says (``sync_due()``: the interval's sync is
-        due); returns (synced, a stop was in it). An I/O error fails the group's operations."""
+        due); returns (synced, a stop was in it). A disk fault fails the group's operations."""
         force_sync = stopping = False
         work = []
         for op in group:
@@ -376,27 +427,73 @@ class CommitCore:
                 force_sync = True
             else:
                 work.append(op)
+        answered = [op for op in group if type(op) is not _Stop]  # a stop always goes on to close
+        if self.failed is not None:
+            # Nothing more reaches the disk, not even a sync: after a failed one, a sync that
+            # succeeds proves nothing (the module's docstring).
+            self._refuse(answered, errors.StoreReadOnly("the store is read-only after a disk error: %s" % self.failed))
+            return False, stopping
+        if self.full is not None and work:
+            # Queued behind the refused group: appends here carry offsets assigned after its own.
+            self._refuse(work, errors.DiskFull("the disk is full (%s): writes resume when space returns" % self.full))
+            work = []
+        group_start = self.wal.end
+        kv_floor = self.kv_floor
+        committed = False
         try:
+            presync = self.presync
+            if presync is not None and presync.error is not None:
+                raise SyncFailed("the WAL or a chunk pack (pre-sync)", presync.error)
             if work:
                 self._commit_group(work, self.policy.always or force_sync)
+            committed = True
             if force_sync or stopping or sync_due():
                 self._sync_all()
                 return True, stopping
-        except Exception as e:  # an I/O error: fail this group and refuse later writes
-            self.failed = "%s: %s" % (type(e).__name__, e)
-            failure = Failure()
-            for op in work:
-                op.ok, op.value = False, failure
+        except Exception as e:
+            self._disk_fault(e, answered, None if committed else group_start, kv_floor)
         return False, stopping
+
+    def _refuse(self, ops, error):
+        failure = Failure(error)
+        for op in ops:
+            op.ok, op.value = False, failure
+
+    def _disk_fault(self, e, ops, group_start, kv_floor):
+        """Writer thread: fail ``ops`` with ``e``; cut the group's WAL bytes (``group_start`` is
+        None when LMDB committed it already: the index names them); enter ``full`` or ``failed``."""
+        full = disk_full(e)
+        reason = "%s: %s" % (type(e).__name__, e)
+        if group_start is not None:
+            self.kv_floor = kv_floor
+            try:
+                self.wal.rollback(group_start)
+            except Exception as cut:  # the disk refuses even that: stop writing
+                full = False
+                reason += "; then cutting the group from the WAL failed: %s" % cut
+        if full:
+            error = errors.DiskFull("the disk is full (%s): writes resume when space returns" % reason)
+        else:
+            error = errors.StoreReadOnly("the store is read-only after a disk error: %s" % reason)
+        error.__cause__ = e
+        self._refuse(ops, error)
+        if full:
+            first = self.full is None
+            self.full = reason
+        else:
+            first = self.failed is None
+            self.failed = reason
+        if first:
+            self.reactor.callFromThread(self._fault_seen, full, reason)
 
     def unsynced(self) -> bool:
         """Written but not yet synced (the interval policy syncs it when due)."""
         return self.wal.dirty or self.packs.dirty or self._env_dirty
 
     def _sync_all(self):
-        self.packs.sync()
-        self.wal.sync()
-        self.env.sync(True)
+        _synced("the chunk packs", self.packs.sync)
+        _synced("the WAL", self.wal.sync)
+        _synced("the LMDB index", lambda: self.env.sync(True))
         self._env_dirty = False
 
     @property
@@ -452,8 +549,10 @@ class CommitCore:
                     raw = RawTxn(sub, dbs, wal)
                     try:
                         result = op.fn(raw)
-                    except Exception:
+                    except Exception as e:
                         sub.abort()
+                        if isinstance(e, OSError) or disk_full(e):
+                            raise  # the disk's (a chunk pack's write), not the caller's: the group fails
                         op.ok, op.value = False, Failure()
                         continue
                     sub.commit()
@@ -465,7 +564,7 @@ class CommitCore:
             if merged:
                 wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
             if self.packs.dirty and durable:
-                self.packs.sync()  # chunk bytes are durable before the WAL entry naming them
+                _synced("the chunk packs", self.packs.sync)  # chunk bytes are durable before the WAL entry naming them
             wal.flush()
             # Under --fsync always every group's WAL bytes are synced before the LMDB commit names
             # them: batch bytes live only in the WAL, and LMDB's commit (metasync=False) syncs its
@@ -473,7 +572,7 @@ class CommitCore:
             # previous commit. Recovery then replays this group from the synced WAL. A group of
             # metadata/kv/chunk-index changes alone is not durable through the commit by itself.
             if durable:
-                wal.sync()
+                _synced("the WAL", wal.sync)
             live.flush(txn, dbs)
             checkpoint = wal.end if self.kv_floor is None else min(wal.end, self.kv_floor)
             if checkpoint != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
@@ -526,6 +625,40 @@ class CommitCore:
             waiters, self._drain_waiters = self._drain_waiters, []
             for d in waiters:
                 d.callback(None)
+
+    # -- disk faults (reactor thread) -------------------------------------------------------------
+
+    def _fault_seen(self, full, reason):
+        """The writer entered ``full`` or ``failed`` (once per entry): one log line, and after ENOSPC
+        the wait for space."""
+        if not full:
+            self.logger.critical(
+                "the store is read-only after a disk error ({reason}): writes get errors until the node is "
+                "restarted on a working disk; reads go on; everything acknowledged before is kept",
+                reason=reason)
+            return
+        self.logger.error(
+            "the disk is full ({reason}): writes get errors until {need} bytes are free in {dir}; reads go on",
+            reason=reason, need=RESUME_FREE_BYTES, dir=self.wal.dir)
+        self.reactor.callLater(RESUME_POLL_S, self._wait_for_space)
+
+    def _wait_for_space(self):
+        if self.closed or self.failed is not None or self.full is None:
+            return
+        try:
+            free = self.ops.free_bytes(self.wal.dir)
+        except OSError:
+            free = 0
+        # Nothing queued: every operation refused while full has been answered, so no queued
+        # append carries an offset the log is about to hand out again.
+        if self._queued_bytes or free < RESUME_FREE_BYTES:
+            self.reactor.callLater(RESUME_POLL_S, self._wait_for_space)
+            return
+        for fn in self.on_resume:
+            fn()
+        self.full = None
+        self.logger.info("disk space is back ({free} bytes free in {dir}): the store takes writes again",
+                         free=free, dir=self.wal.dir)
 
     # -- reads ------------------------------------------------------------------------------------
 

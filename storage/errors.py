@@ -55,3 +55,16 @@ class StoreBusy(StoreError):
 
 class StoreClosed(StoreError):
     pass
+
+
+class DiskFault(StoreError):
+    """The disk refused a write or a sync: the write was not stored (docs/operations.md)."""
+
+
+class DiskFull(DiskFault):
+    """ENOSPC (or the quota): writes are refused until the file system has room again."""
+
+
+class StoreReadOnly(DiskFault):
+    """A write or fdatasync failed with an I/O error: the store takes no write until the node is
+    restarted (a failed fsync is never retried, as PostgreSQL learned); reads go on."""

@@ -278,6 +278,12 @@ class RecordLog:
         s.assigned = base + count
         return core.submit(AppendBatch(sid, bytes(batch), None, count))
 
+    def forget_unwritten(self):
+        """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused
+        while the disk was full gave back their offsets, so each stream continues at its durable end."""
+        for s in self._streams.values():
+            s.assigned = s.durable
+
     def advance(self, sid, base, count):
         """The commit core's ``on_batch_durable`` hook (reactor thread, in log order): the batch at
         ``base`` is durable and readable."""
@@ -617,7 +623,7 @@ class RecordLog:
     def retention_tick(self):
         """Trim what outlived its stream's retention period, then collect WAL segments."""
         core = self._core
-        if core.closed or core.failed:
+        if core.closed or core.failed or core.full:
             return
         aged = [(s.sid, s.retention_period_ms, s.next_offset) for s in self._streams.values()
                 if s.retention_period_ms > 0 and s.next_offset > s.trim_offset]

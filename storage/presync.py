@@ -15,7 +15,12 @@ pre-sync only makes bytes durable earlier. While a pre-sync is in ``fdatasync`` 
 writer postpones its due sync, up to twice the interval (``commit.interval_sync_wait``, like Redis's
 ``everysec``): on a stalled disk the appends keep committing instead of queueing behind a sync
 that waits for the same disk. It never syncs LMDB, which could make an index durable before the WAL
-bytes it names. I/O errors are left to the writer's sync, which reports them and stops the store.
+bytes it names.
+
+A failed pre-sync is kept in ``error`` and the writer's next sync fails with it (storage/commit.py):
+Linux reports a write-back error to one fdatasync per open file, and the duplicate shares the
+writer's, so the writer's own fdatasync would succeed after the pages were lost (PostgreSQL's
+"fsyncgate"). The pre-sync thread stops at the first failure.
 """
 
 import os
@@ -35,6 +40,7 @@ class PreSync:
         self._seen = {}  # "wal"/"packs" -> (active id, size) at the last pass
         self.passes = 0  # passes that synced something (tests, stats)
         self.busy = False  # True while an fdatasync runs (the writer postpones its sync meanwhile)
+        self.error = None  # the OSError of a failed fdatasync: the writer's next sync raises it
         self._thread = threading.Thread(target=self._run, name="storage-presync", daemon=True)
 
     def start(self):
@@ -54,7 +60,7 @@ class PreSync:
             self.busy = False
 
     def _loop(self):
-        while not self._stop.wait(self.period):
+        while self.error is None and not self._stop.wait(self.period):
             synced = self._sync_if_grown("wal", self._wal, lambda: self._wal.end)
             synced |= self._sync_if_grown("packs", self._packs, lambda: self._packs.size)
             if synced:
@@ -80,9 +86,10 @@ class PreSync:
             return False
         self.busy = True
         try:
-            os.fdatasync(dup)
+            owner_ops = getattr(owner, "ops", None) or self._wal.ops  # the disk-fault seam
+            owner_ops.fdatasync(dup)
         except OSError as e:
-            self.log.debug("pre-sync of {name} failed (the writer's sync will report it): {error}", name=name, error=e)
+            self.error = e  # the writer's next sync fails with it and the store stops writing
             return False
         finally:
             self.busy = False

@@ -5,7 +5,7 @@ How a write becomes durable is in ``storage/commit.py``; each facade owns its da
 ``log`` (record streams and ranges), ``kv`` (key-value partitions), ``chunks`` (content-addressed
 chunks in packs), ``meta`` (transactional metadata). Import direction, one way::
 
-    errors, crc, record_batch, policy  <-  wal, index, presync  <-  commit  <-  log, kv, chunks, meta  <-  store
+    errors, crc, record_batch, policy, fileops  <-  wal, index, presync  <-  commit  <-  log, kv, chunks, meta  <-  store
 
 See docs/storage.md and docs/architecture.md.
 """
@@ -16,7 +16,7 @@ import time
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from storage import index
+from storage import errors, index
 from storage.chunks import ChunkStore, Packs
 from storage.commit import (MAX_GROUP_BYTES, POSTPONED_POLL_S, QUEUE_HARD, QUEUE_HIGH, CommitCore,
                             interval_sync_wait, now_ms, recover)
@@ -69,6 +69,7 @@ class Store:
         self.chunks.load()
         core.on_batch_durable = self.log.advance
         core.on_close += [self.log.close_waiters, self.chunks.close_waiters]
+        core.on_resume.append(self.log.forget_unwritten)
         self._timers = []
         if retention_check_s:
             self._timers.append(self._every(retention_check_s, self.log.retention_tick))
@@ -91,7 +92,9 @@ class Store:
         return loop
 
     def _tick_failed(self, failure, fn):
-        if not self.closed:  # a tick racing close() fails with StoreClosed: not worth a line
+        # a tick racing close() fails with StoreClosed, one during a disk fault with it (logged
+        # once by the core): neither is worth a line
+        if not self.closed and not failure.check(errors.DiskFault):
             self.logger.failure("periodic store task {task} failed", failure, task=fn.__name__)
 
     # -- the commit core's surface ---------------------------------------------------------------
@@ -160,6 +163,7 @@ class Store:
             "meta_keys": entries["meta"],
             "queued_bytes": self.core.queued_bytes(),
             "failed": self.core.failed,
+            "disk_full": self.core.full,
         }
 
     # -- close ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import os
 import struct
 import time
 
+from storage import fileops
 from storage.crc import crc32, crc32_combine, crc32_held
 from storage.errors import DataCorrupted, OffsetOutOfRange
 
@@ -136,6 +137,9 @@ class Wal:
         # wrote bytes; on_sync(seconds) is told each fdatasync's duration (the node's histogram).
         self.flushes = 0
         self.on_sync = None
+        # Every write, sync and cut of a segment goes through ``ops`` (storage/fileops.py: the
+        # disk-fault seam; tests replace it).
+        self.ops = fileops.from_environment()
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -248,8 +252,9 @@ class Wal:
             fd = self.fds[self.active]
             view = memoryview(self._buf)
             off = self._buf_start - self.active
+            pwrite = self.ops.pwrite
             while view:
-                n = os.pwrite(fd, view, off)
+                n = pwrite(fd, view, off)
                 view = view[n:]
                 off += n
             self._dirty.add(self.active)
@@ -262,16 +267,40 @@ class Wal:
         self.end = self._buf_start
         self._buf = bytearray()
 
+    def rollback(self, position: int):
+        """Cut the log back to ``position``, the start of a group that failed (after ``discard``):
+        its bytes, flushed or not, leave the files (segments it opened are removed), and the cut
+        is synced, so a restart cannot replay a write that was answered with an error. Raises
+        OSError when the disk refuses; the caller then stops writing."""
+        self._buf = bytearray()
+        bases = self.bases
+        i = bisect.bisect_right(bases, position) - 1
+        for later in bases[i + 1:] if i >= 0 else bases:
+            self._unlink(later)
+        if i < 0:  # the group opened the first segment and it is gone: as if the log were new
+            self.active = None
+            self.end = self._buf_start = position
+            return
+        base = bases[i]
+        fd = self.fds[base]
+        if os.fstat(fd).st_size > position - base:
+            self.ops.ftruncate(fd, position - base)
+            self.ops.fdatasync(fd)
+        self._sizes.pop(base, None)
+        self.active = base
+        self.end = self._buf_start = position
+
     def sync(self):
         on_sync = self.on_sync
+        fdatasync = self.ops.fdatasync
         for base in self._dirty:
             fd = self.fds.get(base)
             if fd is not None:
                 if on_sync is None:
-                    os.fdatasync(fd)
+                    fdatasync(fd)
                     continue
                 t0 = time.perf_counter()
-                os.fdatasync(fd)
+                fdatasync(fd)
                 on_sync(time.perf_counter() - t0)
         self._dirty.clear()
 

@@ -285,3 +285,36 @@ def test_fd_exhaustion_is_a_log_line_not_a_crash(node_factory, tmp_path):
         c.close()
     finally:
         node.kill9()
+
+
+def test_the_guard_keeps_no_closed_connection_alive():
+    """The guard hooks each protocol's connectionLost with a closure holding the protocol; left in
+    place after the loss it is a reference cycle that only a full garbage collection frees (the
+    flood's long stall, docs/operations.md "Floods")."""
+    import gc
+    import weakref
+
+    from twisted.internet import task
+    from twisted.internet.protocol import Protocol
+
+    from node.guard import ConnectionGuard
+
+    lost = []
+
+    class P(Protocol):
+        def connectionLost(self, reason=None):
+            lost.append(reason)
+
+    guard = ConnectionGuard(task.Clock(), 10, {"kv": 300})
+    p = P()
+    guard.admit("kv", p)
+    assert guard.metrics["open"] == 1
+    p.connectionLost("gone")
+    assert lost == ["gone"] and guard.metrics["open"] == 0 and "connectionLost" not in vars(p)
+    alive = weakref.ref(p)
+    gc.disable()
+    try:
+        del p
+        assert alive() is None  # freed by reference counting alone
+    finally:
+        gc.enable()

@@ -73,3 +73,32 @@ def test_watch_store_holds_until_the_real_store_drains(store):
     complete(store, None)
     assert all(d.called for d in queued) and store.when_drained().called
     assert g.reading and tr.producerState == "producing" and opened == [True]
+
+
+def test_a_stopped_gate_lets_go_of_the_protocol_and_the_transport():
+    """The gate is its transport's producer and holds the protocol's callback: kept after the
+    connection is lost, that is a reference cycle only a full garbage collection frees (a connect
+    flood's long stall, docs/operations.md "Floods")."""
+    import gc
+    import weakref
+
+    class Protocol:
+        def reopened(self):
+            pass
+
+    p = Protocol()
+    tr = StringTransport()
+    g = ReadGate(tr, p.reopened)
+    tr.registerProducer(g, True)
+    p.gate, p.transport = g, tr
+    g.hold(BUDGET)
+    g.stop()
+    g.release(BUDGET)  # a late release after the loss touches nothing
+    assert g.on_open is None and g.transport is None and tr.producerState == "paused"
+    alive = weakref.ref(p)
+    gc.disable()
+    try:
+        del p, g, tr
+        assert alive() is None  # freed by reference counting alone
+    finally:
+        gc.enable()

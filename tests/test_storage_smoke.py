@@ -317,7 +317,7 @@ async def test_io_error_fails_the_group_and_later_writes(tmp_path):
     old_fd = st.wal.fds[st.wal.active]
     st.wal.fds = {**st.wal.fds, st.wal.active: os.open(path, os.O_RDONLY)}
     os.close(old_fd)
-    with pytest.raises(OSError):
+    with pytest.raises(errors.StoreReadOnly):
         await st.log.append(sid, batch())
     assert st.failed
     with pytest.raises(errors.StoreError):

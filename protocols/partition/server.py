@@ -51,6 +51,7 @@ from protocols.partition.codec import (
     REMOVE,
     SET,
 )
+from storage import errors
 
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
@@ -654,7 +655,8 @@ class KvServerProtocol(Protocol):
         self._add_write(cid, req.key, req.value if req.cmd == SET else None)
 
     def _store_error(self, cid, exc, cmd=0):
-        self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
+        if not isinstance(exc, errors.DiskFault):  # a disk fault is logged once, by the store
+            self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
         if cmd:
             self._count(cmd, ERR_STATUS + E_UNKNOWN)
         return codec.encode_error(cid, E_UNKNOWN)

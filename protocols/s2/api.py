@@ -147,6 +147,10 @@ class S2Api:
             return codec.invalid(str(e))
         if isinstance(e, errors.StoreBusy):
             return S2Error(503, "unavailable", "the store is busy; retry")
+        if isinstance(e, errors.DiskFault):  # a full disk, or read-only after a disk error (issue 21)
+            err = S2Error(503, "unavailable", str(e))
+            err.logged = True  # the store logged the condition once; no line per request
+            return err
         if isinstance(e, errors.StoreClosed):
             return S2Error(503, "server_draining", "the node is shutting down")
         if isinstance(e, errors.OffsetOutOfRange):
@@ -157,7 +161,7 @@ class S2Api:
         return S2Error(500, "storage" if isinstance(e, errors.StoreError) else "other", str(e) or type(e).__name__)
 
     def send_error(self, responder, err: S2Error):
-        if err.status >= 500 or err.status in (401, 403):
+        if (err.status >= 500 or err.status in (401, 403)) and not getattr(err, "logged", False):
             self.log.warn(
                 "S2 {method} {path} from {peer}: {status} {code} {message}",
                 method=responder.request.method, path=responder.request.raw_path,

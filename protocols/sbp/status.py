@@ -17,6 +17,8 @@ _STORE_STATUS = (
     (errors.DataCorrupted, codec.DATA_CORRUPTED, "stored data failed its CRC"),
     (errors.PayloadTooLarge, codec.PAYLOAD_TOO_LARGE, "payload too large"),
     (errors.StoreBusy, codec.TOO_MANY_REQUESTS, "store busy"),
+    # issue 21: a full disk or a read-only store after a disk error is UNKNOWN with the reason
+    (errors.DiskFault, codec.UNKNOWN, "disk fault"),
 )
 
 

@@ -267,7 +267,8 @@ class _ToastyServerProtocol(Protocol):
 
     def _internal_error(self, failure, msg):
         if failure.check(errors.StoreError):  # busy, closing, or failed after an I/O error
-            self.log.warn("toasty request {type} refused by the store: {error}", type=type(msg).__name__, error=failure.value)
+            if not failure.check(errors.DiskFault):  # a disk fault is logged once, by the store
+                self.log.warn("toasty request {type} refused by the store: {error}", type=type(msg).__name__, error=failure.value)
             return self.error_reply(msg, ErrorCode.IO_ERROR.message(failure.value))
         self.log.failure("toasty request {type} failed", failure, type=type(msg).__name__)
         return self.error_reply(msg, ErrorCode.IO_ERROR.message())

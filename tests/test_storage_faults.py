@@ -1,0 +1,188 @@
+"""Disk faults in the commit core (issue 21): a real store on real files, with the OS calls of its
+WAL made to fail through the disk-fault seam (storage/fileops.py ``Faults``), nothing else faked.
+
+- a failed fdatasync, and EIO from a write: the group fails with StoreReadOnly, the store stays
+  read-only (a failed fsync is never retried), reads go on, and after a restart every
+  acknowledged write is there and no refused one is;
+- ENOSPC: writes fail with DiskFull while the disk is full and resume once space returns, with the
+  refused appends' offsets given back (no gap in a stream);
+- a failed pre-sync (``--fsync interval``) makes the writer's next sync fail, not succeed.
+"""
+
+import errno
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor
+
+from storage import FsyncPolicy, Store, commit, errors
+from storage.fileops import Faults
+from tests.storage_helpers.util import base_of, batch, same_except_base
+from tests.waiting import reactor_until
+
+
+def open_store(path, fsync="always"):
+    return Store.open(str(path), fsync=FsyncPolicy.parse(fsync), reactor=reactor, node_id=7, retention_check_s=0)
+
+
+def with_faults(st):
+    faults = Faults()
+    st.wal.ops = st.core.ops = faults
+    return faults
+
+
+async def read_all(st, sid):
+    out, offset = [], 0
+    while offset < st.log.stream(sid).next_offset:
+        got = await st.log.read(sid, offset, 1 << 20)
+        out += got
+        last = got[-1]
+        offset = base_of(last) + int.from_bytes(last[9:13], "big")
+    return out
+
+
+async def refused(d, kind):
+    with pytest.raises(kind) as e:
+        await d
+    return e.value
+
+
+@pytest.fixture
+def logged():
+    """The log events of the test (``log_format`` rendered), to count the fault lines."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    lines = []
+
+    def observe(event):
+        lines.append(formatEvent(event))
+
+    globalLogPublisher.addObserver(observe)
+    yield lines
+    globalLogPublisher.removeObserver(observe)
+
+
+@pytest.mark.parametrize("call,code", [("fdatasync", errno.EIO), ("fdatasync", errno.ENOSPC), ("pwrite", errno.EIO)])
+@pytest_twisted.ensureDeferred
+async def test_a_failed_sync_or_write_makes_the_store_read_only_and_loses_nothing_acked(tmp_path, logged, call, code):
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    acked = [batch(2, 100, i) for i in range(3)]
+    for b in acked:
+        await st.log.append(sid, b)
+    await st.kv.put(b"k", b"v")
+    faults = with_faults(st)
+    faults.fail[call] = code
+    # three appends in one turn (one group or several): all refused, none acknowledged
+    results = await defer.DeferredList([st.log.append(sid, batch(2, 100, 10 + i)) for i in range(3)], consumeErrors=True)
+    assert all(not ok and f.check(errors.StoreReadOnly) for ok, f in results)
+    assert "Errno %d" % code in str(results[0][1].value) or "(injected)" in str(results[0][1].value)
+    assert st.failed and st.core.full is None
+    # the disk is fine again: the store still refuses, and never calls fdatasync again
+    del faults.fail[call]
+    syncs = faults.calls.get("fdatasync", 0)
+    await refused(st.log.append(sid, batch()), errors.StoreReadOnly)
+    await refused(st.kv.put(b"k2", b"v"), errors.StoreReadOnly)
+    await refused(st.meta.transact(lambda t: t.put("t", b"k", 1)), errors.StoreReadOnly)
+    await refused(st.sync(), errors.StoreReadOnly)
+    assert faults.calls.get("fdatasync", 0) == syncs
+    # reads go on
+    assert st.log.stream(sid).next_offset == 6
+    got = await read_all(st, sid)
+    assert [same_except_base(g, b) for g, b in zip(got, acked)] == [True] * 3
+    assert st.kv.get(b"k") == b"v"
+    assert sum("read-only after a disk error" in line for line in logged) == 1
+    await st.close()
+    # the refused group was cut from the WAL: a restart replays none of it
+    st = open_store(tmp_path)
+    assert st.log.stream(sid).next_offset == 6 and not st.failed
+    got = await read_all(st, sid)
+    assert [same_except_base(g, b) for g, b in zip(got, acked)] == [True] * 3
+    assert st.kv.get(b"k") == b"v" and st.kv.get(b"k2") is None
+    assert await st.log.append(sid, batch()) == 6
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_enospc_refuses_writes_until_space_returns_and_leaves_no_gap(tmp_path, logged, monkeypatch):
+    monkeypatch.setattr(commit, "RESUME_POLL_S", 0.02)
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch(3, 100, 0))
+    faults = with_faults(st)
+    faults.fail["pwrite"] = errno.ENOSPC
+    faults.free = 0
+    results = await defer.DeferredList(
+        [st.log.append(sid, batch(2, 100, 1)), st.kv.put(b"a", b"1"), st.chunks.put(b"c" * 5000)], consumeErrors=True)
+    assert all(not ok and f.check(errors.DiskFull) for ok, f in results), results
+    assert st.core.full and not st.failed
+    e = await refused(st.log.append(sid, batch()), errors.DiskFull)
+    assert "writes resume when space returns" in str(e)
+    assert st.log.stream(sid).next_offset == 3
+    assert len(await read_all(st, sid)) == 1  # reads go on
+    # the write error is gone but the disk is still full: still refused, without trying
+    del faults.fail["pwrite"]
+    writes = faults.calls["pwrite"]
+    await refused(st.log.append(sid, batch()), errors.DiskFull)
+    assert faults.calls["pwrite"] == writes
+    # space returns: writes resume at the stream's durable end (the refused appends' offsets back)
+    faults.free = commit.RESUME_FREE_BYTES
+    await reactor_until(lambda: st.core.full is None, what="writes to resume")
+    assert await st.log.append(sid, batch(2, 100, 2)) == 3
+    await st.kv.put(b"a", b"1")
+    assert sum("the disk is full" in line for line in logged) == 1
+    assert sum("disk space is back" in line for line in logged) == 1
+    await st.close()
+    st = open_store(tmp_path)
+    got = await read_all(st, sid)
+    assert [base_of(g) for g in got] == [0, 3] and st.log.stream(sid).next_offset == 5
+    assert st.kv.get(b"a") == b"1"
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_enospc_in_the_middle_of_a_group_cuts_its_bytes_from_the_wal(tmp_path, monkeypatch):
+    """A write that fails part-way leaves no torn entry behind: the next group starts where the
+    refused one did, and a restart between the two replays nothing refused."""
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch(1, 100, 0))
+    end = st.wal.end
+    faults = with_faults(st)
+    real = Faults.pwrite
+
+    def half_then_full(fd, data, offset):  # the file system had room for part of it
+        if len(data) > 64:
+            return real(faults, fd, memoryview(data)[:64], offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    faults.pwrite = half_then_full
+    await refused(st.log.append(sid, batch(1, 5000, 1)), errors.DiskFull)
+    assert st.wal.end == end and st.wal.segment_size(st.wal.active) == end - st.wal.active
+    import os
+    assert os.fstat(st.wal.fds[st.wal.active]).st_size == end - st.wal.active
+    await st.close()
+    st = open_store(tmp_path)
+    assert st.replayed == 0 and st.log.stream(sid).next_offset == 1
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_presync_fails_the_writers_next_sync(tmp_path, logged):
+    """Under ``--fsync interval`` the pre-sync thread's fdatasync shares the writer's open file:
+    once it has seen the error, the writer's own fdatasync would succeed. So its failure is kept
+    and the store goes read-only instead."""
+    st = open_store(tmp_path, fsync="interval:60000")
+    sid = (await st.log.create_stream()).stream_id
+    await st.log.append(sid, batch())
+    faults = with_faults(st)
+    faults.fail["fdatasync"] = errno.EIO
+    await st.log.append(sid, batch())  # interval: acknowledged before any sync
+    await reactor_until(lambda: st.presync.error is not None, what="the pre-sync to fail")
+    del faults.fail["fdatasync"]
+    await refused(st.sync(), errors.StoreReadOnly)
+    assert "pre-sync" in st.failed
+    await refused(st.log.append(sid, batch()), errors.StoreReadOnly)
+    assert st.log.stream(sid).next_offset == 2
+    assert sum("read-only after a disk error" in line for line in logged) == 1
+    await st.close()
