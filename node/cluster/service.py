@@ -8,6 +8,8 @@ within START_DEADLINE seconds); the node then exits non-zero with that one line,
 nothing registered.
 """
 
+import hashlib
+
 from twisted.internet import defer
 from twisted.logger import Logger
 
@@ -17,6 +19,7 @@ from node.cluster.failover import Failover
 from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation, member_records
 from node.cluster.placement import PlacementDriver
 from node.cluster.replication import Replicator
+from node.cluster.s2_catalog import S2Catalog
 
 ETCD_OPERATION = "etcd"  # node.observe_latency's name for one etcd round trip (node/metrics.py)
 START_DEADLINE = 10.0  # seconds of retrying etcd at start before giving up
@@ -41,6 +44,8 @@ class ClusterNode:
         self.pd = None
         self.replicator = Replicator(node, tls=tls, reactor=node.reactor)
         self.failover = None
+        # the S2 API's basins, stream names and access tokens (protocols/s2/cluster.py uses it)
+        self.s2_catalog = S2Catalog(self)
         self.started = False
 
     @property
@@ -72,6 +77,8 @@ class ClusterNode:
             self.pd.listeners.append(self.replicator.record_changed)
             self.failover = Failover(self.pd, self.membership, self.election, self.replicator, node.reactor)
             self.failover.start()
+            token = node.config.http_token
+            yield self.s2_catalog.start(hashlib.sha256(token.encode("utf-8")).hexdigest() if token else None)
         except BaseException:
             yield self.stop()
             raise
@@ -85,6 +92,7 @@ class ClusterNode:
     def stop(self):
         if self.failover is not None:
             self.failover.stop()
+        self.s2_catalog.stop()
         yield self.replicator.stop()
         if self.pd is not None:
             self.pd.stop()
