@@ -18,6 +18,7 @@ from s2_sdk import (
     AppendInput,
     BasinConfig,
     CommandRecord,
+    Encryption,
     Endpoints,
     ExactMatch,
     FencingTokenMismatchError,
@@ -167,6 +168,26 @@ def test_control_plane_and_data_through_different_nodes(trio):
     run(main())
 
 
+def test_an_encrypted_stream_across_nodes(trio):
+    a, b, c = trio
+    key = bytes(range(1, 33))
+
+    async def main():
+        async with s2(a) as on_a, s2(b) as on_b, s2(c) as on_c:
+            basin = unique("enc")
+            await on_a.create_basin(basin, config=BasinConfig(stream_cipher=Encryption.AES_256_GCM))
+            assert (await on_b.basin(basin).create_stream("s")).cipher == Encryption.AES_256_GCM
+            await on_c.basin(basin).stream("s", encryption_key=key).append(
+                AppendInput(records=[Record(body=b"secret", headers=[(b"h", b"v")])]))
+            batch = await on_a.basin(basin).stream("s", encryption_key=key).read(start=SeqNum(0))
+            assert [(r.body, r.headers) for r in batch.records] == [(b"secret", [(b"h", b"v")])]
+            with pytest.raises(S2ServerError) as e:
+                await on_b.basin(basin).stream("s", encryption_key=bytes(32)).read(start=SeqNum(0))
+            assert e.value.code == "decryption_failed"
+
+    run(main())
+
+
 def test_tokens_issued_on_one_node_work_on_every_node(trio):
     a, b, c = trio
 
@@ -206,6 +227,34 @@ def test_tokens_issued_on_one_node_work_on_every_node(trio):
                 with pytest.raises(S2ServerError) as e:
                     await wrong.list_basins()
                 assert e.value.status_code == 401
+
+    run(main())
+
+
+def test_a_node_without_a_replica_forwards_reads_and_appends(trio):
+    # an SBP stream with 2 replicas appears in the default basin under its decimal id; the third
+    # node holds no replica, so it forwards appends, unary reads, the tail and read sessions
+    with sbp_client(trio[0]) as c:
+        sid = c.create_stream(replica_nums=2)["stream_id"]
+    ranges = sbp_client(trio[0]).list_ranges(sid)
+    holders = {s["server_id"] for s in ranges[-1]["servers"]}
+    (outsider,) = [n for n in trio if n.node_id not in holders]
+
+    async def main():
+        async with s2(outsider) as client:
+            st = client.basin("sbpnode-default").stream(str(sid))
+            ack = await st.append(AppendInput(records=[Record(body=b"a%d" % i) for i in range(5)]))
+            assert (ack.start.seq_num, ack.end.seq_num) == (0, 5)
+            batch = await st.read(start=SeqNum(0), limit=ReadLimit(count=100))
+            assert [r.body for r in batch.records] == [b"a%d" % i for i in range(5)]
+            assert (await st.check_tail()).seq_num == 5
+            got = []
+            async for rb in st.read_session(start=SeqNum(2), limit=ReadLimit(count=3)):
+                got.extend(r.seq_num for r in rb.records)
+            assert got == [2, 3, 4]
+            async with st.append_session() as session:
+                acks = [await (await session.submit(AppendInput(records=[Record(body=b"s")]))) for _ in range(3)]
+            assert [x.start.seq_num for x in acks] == [5, 6, 7]
 
     run(main())
 
