@@ -8,6 +8,8 @@ within START_DEADLINE seconds); the node then exits non-zero with that one line,
 nothing registered.
 """
 
+import hashlib
+
 from twisted.internet import defer
 from twisted.logger import Logger
 
@@ -18,6 +20,7 @@ from node.cluster.membership import Membership, StartRefused, load_or_create_inc
 from node.cluster.placement import PlacementDriver
 from node.cluster.replication import Replicator
 from node.cluster.toasty_chunks import ToastyCluster
+from node.cluster.s2_catalog import S2Catalog
 
 ETCD_OPERATION = "etcd"  # node.observe_latency's name for one etcd round trip (node/metrics.py)
 START_DEADLINE = 10.0  # seconds of retrying etcd at start before giving up
@@ -43,6 +46,8 @@ class ClusterNode:
         self.replicator = Replicator(node, tls=tls, reactor=node.reactor)
         self.failover = None
         self.toasty = None  # the Toasty file tree and chunk holders of the cluster (toasty_chunks.py)
+        # the S2 API's basins, stream names and access tokens (protocols/s2/cluster.py uses it)
+        self.s2_catalog = S2Catalog(self)
         self.started = False
 
     @property
@@ -78,6 +83,8 @@ class ClusterNode:
                                    node.reactor)
             yield toasty.start()
             self.toasty = toasty
+            token = node.config.http_token
+            yield self.s2_catalog.start(hashlib.sha256(token.encode("utf-8")).hexdigest() if token else None)
         except BaseException:
             yield self.stop()
             raise
@@ -93,6 +100,7 @@ class ClusterNode:
             self.toasty.stop()
         if self.failover is not None:
             self.failover.stop()
+        self.s2_catalog.stop()
         yield self.replicator.stop()
         if self.pd is not None:
             self.pd.stop()

@@ -276,20 +276,20 @@ class S2Api:
         responder.respond(200, [JSON], codec.dumps(LOCAL_LOCATION))
 
     async def h_set_default_location(self, req, responder, body):
-        _check_location(codec.parse_json(body))
+        check_location(codec.parse_json(body))
         responder.respond(200, [JSON], codec.dumps(LOCAL_LOCATION))
 
     # -----------------------------------------------------------------------------------------
     # Basins
 
-    def _basin(self, name):
+    async def _basin(self, name):
         rec = self.store.meta.read(lambda txn: txn.get(BASINS_TABLE, name.encode()))
         if rec is None and name == DEFAULT_BASIN:
             rec = {"created_ms": 0, "config": codec.default_basin_config()}
         return rec
 
-    def _require_basin(self, name):
-        rec = self._basin(name)
+    async def _require_basin(self, name):
+        rec = await self._basin(name)
         if rec is None:
             raise S2Error(404, "basin_not_found", "basin %s not found" % name)
         return rec
@@ -304,11 +304,11 @@ class S2Api:
     async def h_list_basins(self, req, responder, body):
         prefix = req.query.get("prefix", "")
         start_after = req.query.get("start_after", "")
-        limit = _limit(req.query)
+        limit = limit_param(req.query)
         rows = self.store.meta.read(lambda txn: list(txn.scan(BASINS_TABLE, prefix=prefix.encode() or None)))
         names = {k.decode(): v for k, v in rows}
         if DEFAULT_BASIN not in names and DEFAULT_BASIN.startswith(prefix):
-            names[DEFAULT_BASIN] = self._basin(DEFAULT_BASIN)
+            names[DEFAULT_BASIN] = await self._basin(DEFAULT_BASIN)
         ordered = [n for n in sorted(names) if n > start_after and req.auth.sees("basins", n)]
         page = ordered[:limit]
         out = {"basins": [self._basin_info(n, names[n]) for n in page], "has_more": len(ordered) > limit}
@@ -320,9 +320,9 @@ class S2Api:
             raise codec.bad("bad_json", "expected {\"basin\": name}")
         name = codec.validate_basin_name(obj.get("basin"))
         req.auth.require("create-basin", basin=name)
-        _check_location(obj.get("location"))
+        check_location(obj.get("location"))
         config = codec.merge_basin_config(codec.default_basin_config(), obj.get("config"))
-        _check_cipher(config)
+        check_cipher(config)
         rec = {"created_ms": now_ms(), "config": config}
         key = name.encode()
 
@@ -342,10 +342,10 @@ class S2Api:
         if not isinstance(obj, dict):
             raise codec.bad("bad_json", "expected an object")
         patch = obj.get("config")
-        _check_location(obj.get("location"))
-        _check_cipher(codec.merge_basin_config({}, patch))
+        check_location(obj.get("location"))
+        check_cipher(codec.merge_basin_config({}, patch))
         key = name.encode()
-        if self._basin(name) is not None:
+        if await self._basin(name) is not None:
             req.auth.require("reconfigure-basin", basin=name)  # ensure of an existing basin
 
         def fn(txn):
@@ -366,14 +366,14 @@ class S2Api:
                           codec.dumps(self._basin_info(name, rec)))
 
     async def h_get_basin(self, req, responder, body):
-        rec = self._require_basin(req.segments[2])
+        rec = await self._require_basin(req.segments[2])
         responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
 
     async def h_reconfigure_basin(self, req, responder, body):
         name = req.segments[2]
-        self._require_basin(name)
+        await self._require_basin(name)
         patch = codec.parse_json(body) or {}
-        _check_cipher(codec.merge_basin_config({}, patch))
+        check_cipher(codec.merge_basin_config({}, patch))
         key = name.encode()
 
         def fn(txn):
@@ -387,7 +387,7 @@ class S2Api:
 
     async def h_delete_basin(self, req, responder, body):
         name = req.segments[2]
-        self._require_basin(name)
+        await self._require_basin(name)
         if name == DEFAULT_BASIN:
             raise S2Error(403, "permission_denied", "the default basin cannot be deleted")
         for meta in self.store.log.streams():
@@ -444,6 +444,10 @@ class S2Api:
             return None
         return meta
 
+    async def find_stream(self, basin, name):
+        """The stream's meta (S2 attrs included), or None."""
+        return self._find(basin, name)
+
     def _req_basin(self, req):
         # s2-basin first (s2-sdk with a plain endpoint, s2-lite style); else S2's cloud form
         # {basin}.b.<host> in Host / :authority; else the default basin.
@@ -455,16 +459,16 @@ class S2Api:
 
     async def _stream(self, req, auto_create=None):
         basin = self._req_basin(req)
-        rec = self._require_basin(basin)
+        rec = await self._require_basin(basin)
         name = req.segments[2]
-        meta = self._find(basin, name)
+        meta = await self.find_stream(basin, name)
         if meta is None:
             if auto_create and rec["config"].get(auto_create):
                 config = self._initial_config(rec, req.header("s2-stream-config"))
                 meta = await self._create(basin, name, config, rec)
                 if meta is not None:
                     return meta
-                meta = self._find(basin, name)
+                meta = await self.find_stream(basin, name)
                 if meta is not None:
                     return meta
             raise S2Error(404, "stream_not_found", "stream %s not found in basin %s" % (name, basin))
@@ -520,7 +524,7 @@ class S2Api:
         if not isinstance(obj, dict):
             raise codec.bad("bad_json", "expected {\"stream\": name}")
         basin = self._req_basin(req)
-        rec = self._require_basin(basin)
+        rec = await self._require_basin(basin)
         name = codec.validate_stream_name(req.auth.prefix + codec.validate_stream_name(obj.get("stream")))
         req.auth.require("create-stream", basin=basin, stream=name)
         config = self._initial_config(rec, obj.get("config"))
@@ -532,15 +536,15 @@ class S2Api:
 
     async def h_ensure_stream(self, req, responder, body):
         basin = self._req_basin(req)
-        rec = self._require_basin(basin)
+        rec = await self._require_basin(basin)
         name = codec.validate_stream_name(req.segments[2])
         patch = codec.parse_json(body)
-        meta = self._find(basin, name)
+        meta = await self.find_stream(basin, name)
         result = "noop"
         if meta is None:
             meta = await self._create(basin, name, self._initial_config(rec, patch), rec)
             if meta is None:
-                meta = self._find(basin, name)
+                meta = await self.find_stream(basin, name)
             else:
                 result = "created"
         if result != "created" and patch:
@@ -556,12 +560,12 @@ class S2Api:
 
     async def h_list_streams(self, req, responder, body):
         basin = self._req_basin(req)
-        self._require_basin(basin)
+        await self._require_basin(basin)
         auth = req.auth
         prefix = auth.prefix + req.query.get("prefix", "")
         start_after = req.query.get("start_after", "")
         start_after = auth.prefix + start_after if start_after else ""
-        limit = _limit(req.query)
+        limit = limit_param(req.query)
         found = []
         for meta in self.store.log.streams():
             b, n = self._name_of(meta)
@@ -608,7 +612,7 @@ class S2Api:
         sid = meta.stream_id
         st = self.states.get(sid)
         if st is None:
-            st = self.states[sid] = _StreamState(sid, (meta.attrs or {}).get("s2_fence", ""))
+            st = self.states[sid] = _StreamState(sid, self._fence_of(meta))
         if st.ready and meta.next_offset <= st.assigned:
             return st
         # Someone else (SBP, or a restart) moved the tail: reload the last timestamp. Waiters are
@@ -658,6 +662,9 @@ class S2Api:
                 st.ready = True
                 return
 
+    def _fence_of(self, meta):
+        return (meta.attrs or {}).get("s2_fence", "")
+
     async def _tail(self, meta):
         st = await self._state(meta)
         return (self.store.log.stream(meta.stream_id).next_offset, st.tail_ts)
@@ -679,7 +686,7 @@ class S2Api:
 
     async def append(self, sid, inp, auth=None, cipher=None):
         """Append one AppendInput; returns (start, end, tail) positions once durable."""
-        meta = self.store.log.stream(sid)
+        meta = self._append_meta(sid)
         if meta.origin is not None:
             raise S2Error(403, "permission_denied", "stream is a read-only replica of %s" % meta.origin)
         metered = codec.validate_append(inp.records)
@@ -688,7 +695,7 @@ class S2Api:
         st = self._state_now(meta)
         if st is None:
             st = await self._state(meta)
-            meta = self.store.log.stream(sid)
+            meta = self._append_meta(sid)
         # From here to store.log.append: no waiting (the store assigns offsets at call time).
         if inp.fencing_token is not None and inp.fencing_token != st.fence:
             raise codec.fencing_token_mismatch(st.fence)
@@ -736,7 +743,7 @@ class S2Api:
         batch = record_batch.encode_block(msgpack.packb(rows, use_bin_type=True), n, first)
         if len(batch) > self.max_batch_bytes:
             raise codec.invalid("batch of %d bytes exceeds --max-batch-bytes" % len(batch))
-        d = self.store.log.append(sid, batch, expect_offset=inp.match_seq_num)
+        d = self._log_append(sid, batch, inp.match_seq_num)
         st.last_ts = last
         st.assigned = start + n
         if commands:
@@ -752,10 +759,20 @@ class S2Api:
             st.tail_ts = last
         self.counters.appended(self._name_of(meta)[0], n, metered)
         if commands:
-            self._persist_fence(st, commands)
+            persisted = self._persist_fence(st, commands)
+            if persisted is not None:
+                await persisted  # cluster mode: the token is in etcd before the ack
             self._apply_trims(sid, base, commands)
         tail_seq = max(self.store.log.stream(sid).next_offset, base + n)
         return (base, first), (base + n, last), (tail_seq, st.tail_ts)
+
+    def _append_meta(self, sid):
+        """The meta an append works with (S2 attrs: config, cipher)."""
+        return self.store.log.stream(sid)
+
+    def _log_append(self, sid, batch, expect_offset):
+        """Deferred[base offset] once the batch is durable (cluster mode: acknowledged)."""
+        return self.store.log.append(sid, batch, expect_offset=expect_offset)
 
     def _apply_fences(self, st, commands):
         # Fencing is strongly consistent: appends after this one (even in the same session) are
@@ -1038,12 +1055,12 @@ LOCAL_LOCATION = {"name": "local", "is_private": True, "storage_classes": ["stan
                   "default_storage_class": "express"}
 
 
-def _check_location(value):
+def check_location(value):
     if value is not None and value != LOCAL_LOCATION["name"]:
         raise codec.invalid("unknown location %r: this node is the location %r" % (value, LOCAL_LOCATION["name"]))
 
 
-def _check_cipher(config):
+def check_cipher(config):
     cipher = config.get("stream_cipher")
     if cipher and not crypto.available(cipher):
         raise S2Error(501, "not_implemented", "%s is not available on this node" % cipher)
@@ -1081,7 +1098,7 @@ def _pick(method, table):
     return got
 
 
-def _limit(query):
+def limit_param(query):
     try:
         limit = int(query.get("limit", "1000"))
     except ValueError:

@@ -160,11 +160,11 @@ class MetricsApi:
                 values.append(_accumulation("total", "usd", interval, []))
         else:
             basin = seg[2]
-            self.api._require_basin(basin)
+            await self.api._require_basin(basin)
             if len(seg) == 4:
                 if metric_set not in STREAM_SETS:
                     raise codec.invalid("unknown stream metric set %r (%s)" % (metric_set, ", ".join(STREAM_SETS)))
-                meta = self.api._find(basin, seg[3])
+                meta = await self.api.find_stream(basin, seg[3])
                 if meta is None:
                     raise S2Error(404, "stream_not_found", "stream %s not found in basin %s" % (seg[3], basin))
                 _storage_interval(interval, "minute")

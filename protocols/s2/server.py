@@ -186,9 +186,9 @@ class S2Factory(Factory):
     log = Logger()
     noisy = False
 
-    def __init__(self, node, max_body=MAX_BODY):
+    def __init__(self, node, max_body=MAX_BODY, api_class=S2Api):
         self.node = node
-        self.api = S2Api(node)
+        self.api = api_class(node)
         self.max_body = max_body
         self.site = S2Site(self.api, max_body)
         self.connections = set()
@@ -223,7 +223,13 @@ def _tls_wrap(factory, cert_path, key_path):
 
 
 def build_factory(node):
-    factory = S2Factory(node)
+    api_class = S2Api
+    if getattr(node, "cluster", None) is not None:
+        # CONTRACT §9: one account on every node (protocols/s2/cluster.py); loaded only with --cluster
+        from protocols.s2.cluster import ClusterS2Api
+
+        api_class = ClusterS2Api
+    factory = S2Factory(node, api_class=api_class)
     node.on_shutdown(factory.shutdown)
     cert = getattr(node.config, "http_tls_cert", None)
     if cert:

@@ -84,8 +84,7 @@ class AccessTokens:
     def authenticate(self, req) -> Auth:
         header = req.header("authorization", "")
         presented = header[7:].strip() if header[:7].lower() == "bearer " else None
-        if self.root_token is not None and presented is not None and hmac.compare_digest(
-                presented.encode(), self.root_token.encode()):
+        if presented is not None and self._is_root(presented):
             return ROOT
         if presented is not None and presented.startswith(access.TOKEN_PREFIX):
             digest = access.hash_token(presented)
@@ -96,9 +95,58 @@ class AccessTokens:
                 raise S2Error(401, "authn", "access token expired")
             prefix = access.auto_prefix(rec["scope"]) if rec.get("auto_prefix_streams") else ""
             return Auth(token_id, rec["scope"], prefix, rec.get("expires_ms"))
-        if self.root_token is None:
+        if self._open():
             return ROOT  # an open node (no --http-token), as S2's lite server
         raise S2Error(401, "authn", "missing or wrong bearer token")
+
+    def _is_root(self, presented) -> bool:
+        return self.root_token is not None and hmac.compare_digest(presented.encode(), self.root_token.encode())
+
+    def _open(self) -> bool:
+        return self.root_token is None
+
+    # -- where tokens are kept (the node's metadata; etcd in a cluster: protocols/s2/cluster.py) --
+
+    def _insert(self, token_id, rec):
+        """Deferred[bool]: stored, or False if the id is taken."""
+        key = token_id.encode()
+
+        def fn(txn):
+            if txn.get(TOKENS_TABLE, key) is not None:
+                return False
+            txn.put(TOKENS_TABLE, key, rec)
+            return True
+
+        self._hashes()
+        d = self.store.meta.transact(fn)
+
+        def stored(ok):
+            if ok:
+                self._hashes()[rec["hash"]] = (token_id, rec)
+            return ok
+
+        return d.addCallback(stored)
+
+    async def _rows(self, prefix):
+        rows = self.store.meta.read(lambda txn: list(txn.scan(TOKENS_TABLE, prefix=prefix.encode() or None)))
+        return [(k.decode(), rec) for k, rec in rows]
+
+    def _remove(self, token_id):
+        """Deferred[the removed record or None]."""
+        key = token_id.encode()
+
+        def fn(txn):
+            rec = txn.get(TOKENS_TABLE, key)
+            if rec is not None:
+                txn.delete(TOKENS_TABLE, key)
+            return rec
+
+        def removed(rec):
+            if rec is not None:
+                self._hashes().pop(rec["hash"], None)
+            return rec
+
+        return self.store.meta.transact(fn).addCallback(removed)
 
     # -- handlers -------------------------------------------------------------------------------
 
@@ -131,18 +179,8 @@ class AccessTokens:
         token = access.new_token()
         rec = {"hash": access.hash_token(token), "scope": scope, "auto_prefix_streams": auto,
                "expires_ms": expires_ms, "created_ms": _now_ms()}
-        key = token_id.encode()
-
-        def fn(txn):
-            if txn.get(TOKENS_TABLE, key) is not None:
-                return False
-            txn.put(TOKENS_TABLE, key, rec)
-            return True
-
-        self._hashes()
-        if not await self.store.meta.transact(fn):
+        if not await self._insert(token_id, rec):
             raise S2Error(409, "resource_already_exists", "access token %s already exists" % token_id)
-        self._hashes()[rec["hash"]] = (token_id, rec)
         self.log.info("S2 access token {id} issued", id=token_id)
         responder.respond(201, [JSON], codec.dumps({"access_token": token}))
 
@@ -153,25 +191,15 @@ class AccessTokens:
             limit = max(1, min(int(req.query.get("limit", "1000")), 1000))
         except ValueError:
             raise codec.bad("bad_query", "limit must be an integer")
-        rows = self.store.meta.read(lambda txn: list(txn.scan(TOKENS_TABLE, prefix=prefix.encode() or None)))
-        found = [(k.decode(), rec) for k, rec in rows if k.decode() > start_after]
+        found = [(i, rec) for i, rec in await self._rows(prefix) if i > start_after]
         found = [(i, rec) for i, rec in found if req.auth.sees("access_tokens", i)]
         out = {"access_tokens": [self.info(i, rec) for i, rec in found[:limit]], "has_more": len(found) > limit}
         responder.respond(200, [JSON], codec.dumps(out))
 
     async def h_revoke(self, req, responder, body):
         token_id = req.segments[2]
-        key = token_id.encode()
-
-        def fn(txn):
-            rec = txn.get(TOKENS_TABLE, key)
-            if rec is not None:
-                txn.delete(TOKENS_TABLE, key)
-            return rec
-
-        rec = await self.store.meta.transact(fn)
+        rec = await self._remove(token_id)
         if rec is None:
             raise S2Error(404, "access_token_not_found", "access token %s not found" % token_id)
-        self._hashes().pop(rec["hash"], None)
         self.log.info("S2 access token {id} revoked", id=token_id)
         responder.respond(200, [JSON], codec.dumps(self.info(token_id, rec)))
