@@ -27,7 +27,9 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
   and protocols that watch the store stop reading.
 """
 
-from sortedcontainers import SortedDict
+import collections
+
+from sortedcontainers import SortedList
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
@@ -43,7 +45,10 @@ PARTITIONS = 8
 FLUSH_BYTES = 16 << 20  # merge the memtable into LMDB once it holds this many bytes
 HARD_BYTES = 256 << 20  # memtables over this: writes refused (StoreBusy) until a flush lands
 FLUSH_IDLE_S = 1.0  # and this long after the first write into an empty memtable
-ENTRY_OVERHEAD = 100  # per-entry bytes counted beyond key and value (dict + SortedList slots)
+ENTRY_OVERHEAD = 100  # per-entry bytes counted beyond key and value (objects' headers, dict slot)
+MERGE_CHUNK_KEYS = 8192  # keys merged into LMDB per transaction (see KeyValue.flush)
+MERGE_CHUNK_BYTES = 8 << 20  # and at most about this many value bytes
+KV_DB = index.KV
 _MISSING = object()
 
 
@@ -63,9 +68,10 @@ def _lmdb_item(key, value):
     return encode_key(b"", key), encode_value(key, b"", value)
 
 
-def _pairs(table, keys):
+def _pairs(entries, keys):
     for k in keys:
-        yield k, table[k]
+        stored = entries[k]
+        yield k, (None if stored is None else _stored_value(stored))
 
 
 def _merge(sources, descending):
@@ -92,19 +98,53 @@ def _merge(sources, descending):
             yield best, value
 
 
+class _Memtable:
+    """Writes not yet merged into LMDB, on the reactor thread: ``entries`` maps a user key to its
+    LMDB stored value (``_lmdb_item``: ``b"\\x00" + value`` for a key up to KEY_KEEP bytes) or None
+    for a remove. A plain dict: a write costs one dict store (a SortedDict insert cost ~2 us per
+    key on the reactor); the key order scans need is built on the first scan (``sorted_keys``)
+    and kept up to date from then on (the keys a write adds go to ``unsorted``, folded in by the
+    next scan). Keys are never dropped from a memtable (a remove is a None), so that order only
+    grows."""
+
+    __slots__ = ("entries", "nbytes", "sorted", "unsorted")
+
+    def __init__(self):
+        self.entries = {}
+        self.nbytes = 0  # bytes counted against FLUSH_BYTES / HARD_BYTES (an overwrite counts again)
+        self.sorted = None  # SortedList of the keys, once a scan asked for it
+        self.unsorted = []  # keys added since ``sorted`` was brought up to date
+
+    def sorted_keys(self):
+        if self.sorted is None:
+            self.sorted = SortedList(self.entries)
+            self.unsorted = []
+        elif self.unsorted:
+            self.sorted.update(self.unsorted)
+            self.unsorted = []
+        return self.sorted
+
+
+def _stored_value(stored):
+    """The user value of an LMDB stored value (``_lmdb_item``)."""
+    if stored[0] == 0:
+        return stored[1:]
+    return decode_value(stored)[1]
+
+
 class KeyValue:
     def __init__(self, core):
         self._core = core
         self._db = core.dbs[index.KV]
-        self._active = SortedDict()  # reactor thread: durable writes not yet merged
-        self._active_bytes = 0
-        self._flushing = None  # the frozen memtable the writer is merging into LMDB
-        self._flushing_bytes = 0
-        self._inflight = {}  # key -> [value or None, count]: submitted, not yet durable (for REMOVE's answer)
-        self._inflight_runs = 0
+        self._active = _Memtable()  # durable writes not yet merged
+        self._flushing = None  # the frozen _Memtable the writer is merging into LMDB
+        # The runs submitted and not yet durable, oldest first, each {key: stored value or None}
+        # (for REMOVE's answer: whether the key exists counts the writes submitted before it).
+        self._runs = collections.deque()
         self._idle_flush = None  # the pending FLUSH_IDLE_S call
         self._flush_waiters = []  # flush() callers waiting for the running merge
         self.flushes = 0  # merges landed (observability, tests)
+        self.merge_txns = 0  # LMDB transactions those merges took (MERGE_CHUNK_KEYS each at most)
         core.on_close.insert(0, self._cancel_idle_flush)
 
     # -- reads --------------------------------------------------------------------------------
@@ -122,34 +162,35 @@ class KeyValue:
     def get(self, key):
         if type(key) is not bytes:
             key = bytes(key)
-        value = self._active.get(key, _MISSING)
-        if value is _MISSING and self._flushing is not None:
-            value = self._flushing.get(key, _MISSING)
-        if value is not _MISSING:
-            return value
+        stored = self._active.entries.get(key, _MISSING)
+        if stored is _MISSING and self._flushing is not None:
+            stored = self._flushing.entries.get(key, _MISSING)
+        if stored is not _MISSING:
+            return None if stored is None else _stored_value(stored)
         return self._lmdb_get(self._core.snapshot().get, key)
 
     def get_many(self, keys):
         """[value or None] for each key (any bytes-like object), from one snapshot."""
         get = self._core.snapshot().get
-        active = self._active
-        flushing = self._flushing
+        active = self._active.entries
+        flushing = self._flushing.entries if self._flushing is not None else None
+        lmdb_get = self._lmdb_get
         out = []
         append = out.append
         for key in keys:
             if type(key) is not bytes:
                 key = bytes(key)
             if active:
-                value = active.get(key, _MISSING)
-                if value is not _MISSING:
-                    append(value)
+                stored = active.get(key, _MISSING)
+                if stored is not _MISSING:
+                    append(None if stored is None else _stored_value(stored))
                     continue
             if flushing is not None:
-                value = flushing.get(key, _MISSING)
-                if value is not _MISSING:
-                    append(value)
+                stored = flushing.get(key, _MISSING)
+                if stored is not _MISSING:
+                    append(None if stored is None else _stored_value(stored))
                     continue
-            append(self._lmdb_get(get, key))
+            append(lmdb_get(get, key))
         return out
 
     # -- writes -------------------------------------------------------------------------------
@@ -162,16 +203,20 @@ class KeyValue:
         """Fires with True if the key existed."""
         return self.write_many([(key, None)]).addCallback(lambda existed: existed[0])
 
-    def _exists(self, key, get):
-        entry = self._inflight.get(key)
-        if entry is not None:
-            return entry[0] is not None
-        value = self._active.get(key, _MISSING)
-        if value is _MISSING and self._flushing is not None:
-            value = self._flushing.get(key, _MISSING)
-        if value is not _MISSING:
-            return value is not None
-        return self._lmdb_get(get, key) is not None
+    def _exists(self, key, run, get):
+        stored = run.get(key, _MISSING)
+        if stored is _MISSING:
+            for earlier in reversed(self._runs):
+                stored = earlier.get(key, _MISSING)
+                if stored is not _MISSING:
+                    break
+            else:
+                stored = self._active.entries.get(key, _MISSING)
+                if stored is _MISSING and self._flushing is not None:
+                    stored = self._flushing.entries.get(key, _MISSING)
+                if stored is _MISSING:
+                    return self._lmdb_get(get, key) is not None
+        return stored is not None
 
     def write_many(self, ops):
         """Apply ``[(key, value or None to remove)]`` in order, atomically, in one group commit.
@@ -181,9 +226,13 @@ class KeyValue:
         not 1..65535 bytes (``InvalidRequest``), any value is over 16 MiB (``PayloadTooLarge``), or
         the memtables are full (``StoreBusy``). Keys and values may be any bytes-like object; they
         are copied before this returns."""
-        items = []
-        append = items.append
+        run = {}  # key -> stored value or None: this run's last write of each key
+        results = []
+        logged = []  # the WAL's raw ops (index.apply_ops replays them)
+        add_result = results.append
+        log = logged.append
         nbytes = 0
+        get = None
         try:
             for key, value in ops:
                 if key.__class__ is not bytes:
@@ -193,75 +242,69 @@ class KeyValue:
                 klen = len(key)
                 if not 0 < klen <= MAX_KEY:
                     raise errors.InvalidRequest("keys are 1..65535 bytes")
-                if value is not None:
-                    if len(value) > MAX_VALUE:
-                        raise errors.PayloadTooLarge("values are at most 16 MiB")
-                    if value.__class__ is not bytes:
-                        value = bytes(value)
-                    nbytes += len(value)
-                append((key, value))
-                nbytes += klen + ENTRY_OVERHEAD
-            if self._active_bytes + self._flushing_bytes + nbytes > HARD_BYTES:
+                if value is None:
+                    # Each answer is decided now, in submission order (the order the store applies
+                    # them): a remove finds the key in the writes submitted before it, the
+                    # memtables or LMDB.
+                    if get is None:
+                        get = self._core.snapshot().get
+                    existed = self._exists(key, run, get)
+                    add_result(existed)
+                    if existed:
+                        log((OP_DEL, KV_DB, encode_key(b"", key)))
+                    run[key] = None
+                    nbytes += klen + ENTRY_OVERHEAD
+                    continue
+                if value.__class__ is not bytes:
+                    value = bytes(value)
+                vlen = len(value)
+                if vlen > MAX_VALUE:
+                    raise errors.PayloadTooLarge("values are at most 16 MiB")
+                if klen <= KEY_KEEP:
+                    stored = b"\x00" + value
+                    log((OP_PUT, KV_DB, key, stored))
+                else:
+                    stored = encode_value(key, b"", value)
+                    log((OP_PUT, KV_DB, encode_key(b"", key), stored))
+                add_result(True)
+                run[key] = stored
+                nbytes += klen + vlen + ENTRY_OVERHEAD
+            if self._active.nbytes + self.flushing_bytes + nbytes > HARD_BYTES:
                 self.flush()
                 raise errors.StoreBusy("the key-value memtable is full; a merge into LMDB is running")
             self._core.check_writable(nbytes)
         except errors.StoreError:
             return defer.fail()
-        # Each op's answer is decided now, in submission order (the order the store applies them):
-        # a remove finds the key in the writes submitted before it, the memtables or LMDB.
-        get = self._core.snapshot().get
-        inflight = self._inflight
-        results = []
-        logged = []
-        for key, value in items:
-            if value is None:
-                existed = self._exists(key, get)
-                results.append(existed)
-                if existed:
-                    logged.append([OP_DEL, index.KV, encode_key(b"", key)])
-            else:
-                results.append(True)
-                lk, lv = _lmdb_item(key, value)
-                logged.append([OP_PUT, index.KV, lk, lv])
-            entry = inflight.get(key)
-            if entry is None:
-                inflight[key] = [value, 1]
-            else:
-                entry[0] = value
-                entry[1] += 1
-        self._inflight_runs += 1
+        self._runs.append(run)
 
-        def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next flush
+        def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next merge
             return results, logged
 
         d = self._core.submit(Direct(apply, nbytes, memtable=True))
-        d.addBoth(self._landed, items, nbytes)
+        d.addBoth(self._landed, run, nbytes)
         return d
 
-    def _landed(self, result, items, nbytes):
+    def _landed(self, result, run, nbytes):
         """Reactor thread, the run durable (or failed): into the active memtable, before the
         caller's callbacks run."""
-        self._inflight_runs -= 1
-        inflight = self._inflight
-        ok = not isinstance(result, Failure)
+        runs = self._runs
+        if runs[0] is run:  # runs are delivered in submission order
+            runs.popleft()
+        else:
+            runs.remove(run)
+        if isinstance(result, Failure):
+            return result
         active = self._active
-        was_empty = not active
-        for key, value in items:
-            entry = inflight[key]
-            entry[1] -= 1
-            if not entry[1]:
-                del inflight[key]
-            if ok:
-                old = active.get(key, _MISSING)
-                if old is not _MISSING:
-                    self._active_bytes -= len(key) + ENTRY_OVERHEAD + (len(old) if old is not None else 0)
-                active[key] = value
-                self._active_bytes += len(key) + ENTRY_OVERHEAD + (len(value) if value is not None else 0)
-        if ok:
-            if self._active_bytes >= FLUSH_BYTES:
-                self.flush()
-            elif was_empty and active and self._idle_flush is None and not self._core.closed:
-                self._idle_flush = self._core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
+        entries = active.entries
+        was_empty = not entries
+        if active.sorted is not None:
+            active.unsorted.extend([k for k in run if k not in entries])
+        entries.update(run)
+        active.nbytes += nbytes
+        if active.nbytes >= FLUSH_BYTES:
+            self.flush()
+        elif was_empty and self._idle_flush is None and not self._core.closed:
+            self._idle_flush = self._core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
         return result
 
     # -- merging into LMDB --------------------------------------------------------------------
@@ -276,68 +319,108 @@ class KeyValue:
         self._idle_flush = None
 
     @property
+    def flushing_bytes(self) -> int:
+        return self._flushing.nbytes if self._flushing is not None else 0
+
+    @property
     def congested(self) -> bool:
-        return self._active_bytes + self._flushing_bytes > 2 * FLUSH_BYTES
+        return self._active.nbytes + self.flushing_bytes > 2 * FLUSH_BYTES
 
     def memtable_bytes(self) -> int:
-        return self._active_bytes + self._flushing_bytes
+        return self._active.nbytes + self.flushing_bytes
 
     def memtable_keys(self) -> int:
         """Entries in the memtables (an upper bound of the keys they add to LMDB's count)."""
-        return len(self._active) + (len(self._flushing) if self._flushing is not None else 0)
+        return len(self._active.entries) + (len(self._flushing.entries) if self._flushing is not None else 0)
 
     def flush(self) -> defer.Deferred:
-        """Merge the active memtable into LMDB (one sorted run, in the writer thread); fires once
-        merged (at once if there is nothing to merge). One merge at a time: while one runs, this
-        fires when it lands and the rest waits for the next."""
+        """Merge the active memtable into LMDB (sorted, in the writer thread); fires once merged
+        (at once if there is nothing to merge). One merge at a time: while one runs, this fires
+        when it lands and the rest waits for the next.
+
+        A merge is a sequence of ``Direct`` operations, each one LMDB transaction of at most
+        MERGE_CHUNK_KEYS keys (or MERGE_CHUNK_BYTES), the next submitted when one lands: a
+        transaction of 80k random keys dirtied most pages of a 1M-key tree at once (hundreds of
+        MiB of LMDB's private dirty pages, and a map file twice the tree), and held the writer
+        (so every write) for its whole length. Reads go on seeing the frozen memtable first until
+        the last chunk lands, so a partly merged LMDB is never visible; only the last chunk moves
+        the kv floor (``CommitCore.kv_floor``), so a crash in between replays the whole memtable
+        again from the WAL (putting the same values: harmless)."""
         if self._flushing is not None:
             d = defer.Deferred()
             self._flush_waiters.append(d)
             return d
-        if not self._active or self._core.closed or self._core.failed is not None:
+        if not self._active.entries or self._core.closed or self._core.failed is not None:
             return defer.succeed(None)
         self._cancel_idle_flush()
-        frozen, self._flushing = self._active, self._active
-        self._flushing_bytes, self._active_bytes = self._active_bytes, 0
-        self._active = SortedDict()
+        frozen = self._flushing = self._active
+        self._active = _Memtable()
         core = self._core
-        # After this merge the oldest unmerged write is one not yet delivered when it was frozen:
+        # Every write not in ``frozen`` was delivered after this point (or is still in flight):
         # its WAL entry lies at or past the end of the last delivered group.
-        floor = core.delivered_wal_end if self._inflight_runs else None
+        floor_at_freeze = core.delivered_wal_end
         db = self._db
-
-        def merge(txn):  # writer thread
-            puts = []
-            cur = txn.cursor(db=db)
-            for key, value in frozen.items():
-                if value is None:
-                    txn.delete(encode_key(b"", key), db=db)
-                else:
-                    puts.append(_lmdb_item(key, value))
-            if puts:
-                cur.putmulti(puts)
-            core.kv_floor = floor
-            return None, None
-
-        d = core.submit(Direct(merge, 64))
+        entries = frozen.entries
+        state = {"keys": None, "at": 0}
         done = defer.Deferred()
         self._flush_waiters.append(done)
 
+        def merge_chunk(txn, floor):  # writer thread
+            keys = state["keys"]
+            if keys is None:
+                keys = state["keys"] = sorted(entries)
+            at = state["at"]
+            end = min(len(keys), at + MERGE_CHUNK_KEYS)
+            puts = []
+            add = puts.append
+            size = 0
+            i = at
+            while i < end:
+                key = keys[i]
+                i += 1
+                stored = entries[key]
+                if stored is None:
+                    txn.delete(encode_key(b"", key), db=db)
+                    continue
+                add((key if len(key) <= KEY_KEEP else encode_key(b"", key), stored))
+                size += len(stored)
+                if size >= MERGE_CHUNK_BYTES:
+                    break
+            if puts:
+                txn.cursor(db=db).putmulti(puts)
+            state["at"] = i
+            last = i >= len(keys)
+            if last:
+                core.kv_floor = floor
+            return last, None
+
+        def submit_chunk():
+            # If this chunk is the last, the floor it sets must cover every write not in
+            # ``frozen``: those delivered since the freeze (in the active memtable) or in flight
+            # now; the ones submitted later queue behind this chunk and set the floor themselves.
+            floor = floor_at_freeze if (self._active.entries or self._runs) else None
+            d = core.submit(Direct(lambda txn: merge_chunk(txn, floor), 64))
+            d.addCallbacks(chunk_landed, landed)
+
+        def chunk_landed(last):
+            self.merge_txns += 1
+            if last or core.closed or core.failed is not None:
+                landed(None)
+            else:
+                submit_chunk()
+
         def landed(result):
             self._flushing = None
-            self._flushing_bytes = 0
             self.flushes += 1
             waiters, self._flush_waiters = self._flush_waiters, []
             for w in waiters:
-                w.callback(None)
-            if self._active_bytes >= FLUSH_BYTES:
+                w.callback(None)  # a failed merge poisoned the store; the caller sees it there
+            if self._active.nbytes >= FLUSH_BYTES:
                 self.flush()
-            elif self._active and self._idle_flush is None and not core.closed:
+            elif self._active.entries and self._idle_flush is None and not core.closed:
                 self._idle_flush = core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
-            return result
 
-        d.addBoth(landed)
-        d.addErrback(lambda f: None)  # a failed merge poisoned the store; the caller sees it there
+        submit_chunk()
         return done
 
     # -- scans --------------------------------------------------------------------------------
@@ -345,12 +428,13 @@ class KeyValue:
     def _mem_sources(self, start, descending):
         sources = []
         for table in (self._active, self._flushing):
-            if table:
+            if table is not None and table.entries:
+                order = table.sorted_keys()
                 if descending:
-                    keys = table.irange(maximum=start, reverse=True)
+                    keys = order.irange(maximum=start, reverse=True)
                 else:
-                    keys = table.irange(minimum=start)
-                sources.append(_pairs(table, keys))
+                    keys = order.irange(minimum=start)
+                sources.append(_pairs(table.entries, keys))
         return sources
 
     def _lmdb_iter(self, start, descending):

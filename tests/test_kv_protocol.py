@@ -46,6 +46,7 @@ def record_runs(store):
     real = store.kv.write_many
 
     def write_many(ops):
+        ops = list(ops)  # the server passes an iterator
         runs.append([(bytes(k), None if v is None else bytes(v)) for k, v in ops])
         return real(ops)
 
