@@ -28,6 +28,7 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
 """
 
 import collections
+import functools
 
 from sortedcontainers import SortedList
 from twisted.internet import defer
@@ -355,73 +356,25 @@ class KeyValue:
         self._cancel_idle_flush()
         frozen = self._flushing = self._active
         self._active = _Memtable()
-        core = self._core
-        # Every write not in ``frozen`` was delivered after this point (or is still in flight):
-        # its WAL entry lies at or past the end of the last delivered group.
-        floor_at_freeze = core.delivered_wal_end
-        db = self._db
-        entries = frozen.entries
-        state = {"keys": None, "at": 0}
         done = defer.Deferred()
         self._flush_waiters.append(done)
-
-        def merge_chunk(txn, floor):  # writer thread
-            keys = state["keys"]
-            if keys is None:
-                keys = state["keys"] = sorted(entries)
-            at = state["at"]
-            end = min(len(keys), at + MERGE_CHUNK_KEYS)
-            puts = []
-            add = puts.append
-            size = 0
-            i = at
-            while i < end:
-                key = keys[i]
-                i += 1
-                stored = entries[key]
-                if stored is None:
-                    txn.delete(encode_key(b"", key), db=db)
-                    continue
-                add((key if len(key) <= KEY_KEEP else encode_key(b"", key), stored))
-                size += len(stored)
-                if size >= MERGE_CHUNK_BYTES:
-                    break
-            if puts:
-                txn.cursor(db=db).putmulti(puts)
-            state["at"] = i
-            last = i >= len(keys)
-            if last:
-                core.kv_floor = floor
-            return last, None
-
-        def submit_chunk():
-            # If this chunk is the last, the floor it sets must cover every write not in
-            # ``frozen``: those delivered since the freeze (in the active memtable) or in flight
-            # now; the ones submitted later queue behind this chunk and set the floor themselves.
-            floor = floor_at_freeze if (self._active.entries or self._runs) else None
-            d = core.submit(Direct(lambda txn: merge_chunk(txn, floor), 64))
-            d.addCallbacks(chunk_landed, landed)
-
-        def chunk_landed(last):
-            self.merge_txns += 1
-            if last or core.closed or core.failed is not None:
-                landed(None)
-            else:
-                submit_chunk()
-
-        def landed(result):
-            self._flushing = None
-            self.flushes += 1
-            waiters, self._flush_waiters = self._flush_waiters, []
-            for w in waiters:
-                w.callback(None)  # a failed merge poisoned the store; the caller sees it there
-            if self._active.nbytes >= FLUSH_BYTES:
-                self.flush()
-            elif self._active.entries and self._idle_flush is None and not core.closed:
-                self._idle_flush = core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
-
-        submit_chunk()
+        # Every write not in ``frozen`` was delivered after this point (or is still in flight):
+        # its WAL entry lies at or past the end of the last delivered group.
+        _Merge(self, frozen, self._core.delivered_wal_end).submit()
         return done
+
+    def _merged(self):
+        """Reactor thread: the running merge landed (or failed, and poisoned the store)."""
+        self._flushing = None
+        self.flushes += 1
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for w in waiters:
+            w.callback(None)
+        if self._active.nbytes >= FLUSH_BYTES:
+            self.flush()
+        elif self._active.entries and self._idle_flush is None and not self._core.closed:
+            self._idle_flush = self._core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
+
 
     # -- scans --------------------------------------------------------------------------------
 
@@ -493,3 +446,71 @@ class KeyValue:
 
     def partition_of(self, key):
         return partition_of(key)
+
+
+class _Merge:
+    """One merge of a frozen memtable into LMDB, chunk by chunk (``KeyValue.flush``). Its own
+    object rather than closures calling each other: those made a reference cycle holding the
+    frozen memtable (tens of MiB) until Python's cyclic GC ran."""
+
+    __slots__ = ("kv", "frozen", "floor_at_freeze", "keys", "at")
+
+    def __init__(self, kv, frozen, floor_at_freeze):
+        self.kv = kv
+        self.frozen = frozen
+        self.floor_at_freeze = floor_at_freeze
+        self.keys = None  # sorted, by the writer thread in the first chunk
+        self.at = 0
+
+    def submit(self):
+        kv = self.kv
+        # If this chunk is the last, the floor it sets must cover every write not in ``frozen``:
+        # those delivered since the freeze (in the active memtable) or in flight now; the ones
+        # submitted later queue behind this chunk and set the floor themselves.
+        floor = self.floor_at_freeze if (kv._active.entries or kv._runs) else None
+        d = kv._core.submit(Direct(functools.partial(self.chunk, floor), 64))
+        d.addCallbacks(self.chunk_landed, self.failed)
+
+    def chunk(self, floor, txn):  # writer thread
+        keys = self.keys
+        if keys is None:
+            keys = self.keys = sorted(self.frozen.entries)
+        entries = self.frozen.entries
+        db = self.kv._db
+        end = min(len(keys), self.at + MERGE_CHUNK_KEYS)
+        puts = []
+        add = puts.append
+        size = 0
+        i = self.at
+        while i < end:
+            key = keys[i]
+            i += 1
+            stored = entries[key]
+            if stored is None:
+                txn.delete(encode_key(b"", key), db=db)
+                continue
+            add((key if len(key) <= KEY_KEEP else encode_key(b"", key), stored))
+            size += len(stored)
+            if size >= MERGE_CHUNK_BYTES:
+                break
+        if puts:
+            txn.cursor(db=db).putmulti(puts)
+        self.at = i
+        last = i >= len(keys)
+        if last:
+            self.kv._core.kv_floor = floor
+        return last, None
+
+    def chunk_landed(self, last):
+        kv = self.kv
+        kv.merge_txns += 1
+        core = kv._core
+        if last or core.closed or core.failed is not None:
+            self.keys = None
+            kv._merged()
+        else:
+            self.submit()
+
+    def failed(self, failure):
+        self.keys = None
+        self.kv._merged()  # the store is poisoned; its callers see that
