@@ -27,8 +27,10 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
   and protocols that watch the store stop reading.
 """
 
+import bisect
 import collections
 import functools
+import itertools
 
 from sortedcontainers import SortedList
 from twisted.internet import defer
@@ -472,31 +474,35 @@ class _Merge:
         d.addCallbacks(self.chunk_landed, self.failed)
 
     def chunk(self, floor, txn):  # writer thread
+        """Merge the next chunk of keys (in key order, so LMDB's pages are written in order) in
+        C-level passes: a Python loop per key here held the GIL against the reactor."""
         keys = self.keys
         if keys is None:
             keys = self.keys = sorted(self.frozen.entries)
-        entries = self.frozen.entries
+        at = self.at
+        chunk = keys[at : at + MERGE_CHUNK_KEYS]
+        stored = list(map(self.frozen.entries.__getitem__, chunk))
+        if None in stored:
+            sizes = list(itertools.accumulate(len(v) if v is not None else 0 for v in stored))
+        else:
+            sizes = list(itertools.accumulate(map(len, stored)))
+        cut = bisect.bisect_left(sizes, MERGE_CHUNK_BYTES) + 1  # the value crossing the budget goes too
+        if cut < len(chunk):
+            chunk = chunk[:cut]
+            stored = stored[:cut]
         db = self.kv._db
-        end = min(len(keys), self.at + MERGE_CHUNK_KEYS)
-        puts = []
-        add = puts.append
-        size = 0
-        i = self.at
-        while i < end:
-            key = keys[i]
-            i += 1
-            stored = entries[key]
-            if stored is None:
-                txn.delete(encode_key(b"", key), db=db)
-                continue
-            add((key if len(key) <= KEY_KEEP else encode_key(b"", key), stored))
-            size += len(stored)
-            if size >= MERGE_CHUNK_BYTES:
-                break
-        if puts:
-            txn.cursor(db=db).putmulti(puts)
-        self.at = i
-        last = i >= len(keys)
+        if None in stored or max(map(len, chunk)) > KEY_KEEP:
+            puts = []
+            for key, value in zip(chunk, stored):
+                if value is None:
+                    txn.delete(encode_key(b"", key), db=db)
+                else:
+                    puts.append((key if len(key) <= KEY_KEEP else encode_key(b"", key), value))
+        else:
+            puts = zip(chunk, stored)
+        txn.cursor(db=db).putmulti(puts)
+        self.at = at = at + len(chunk)
+        last = at >= len(keys)
         if last:
             self.kv._core.kv_floor = floor
         return last, None
