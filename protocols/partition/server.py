@@ -213,7 +213,9 @@ def _ignore_latency(operation, seconds):
 
 class _Run:
     """The writes of one processing pass: one ``write_many`` (one group commit), answered in
-    ``segments`` (a reply slot and its client ids each) split by the replies queued between them.
+    ``segments`` (a reply slot and its items each) split by the replies queued between them; an
+    item is a write's client id (its reply made when the run is durable) or the ready reply of a
+    GET answered in the same pass from this run's writes (``_write_run``).
     ``pending`` is its entry in the connection's pending table: {key: value or None}, its last
     write of each key."""
 
@@ -222,7 +224,7 @@ class _Run:
     def __init__(self):
         self.keys = []
         self.values = []  # value, or None for a remove
-        self.segments = []  # [(slot, [client_id])]
+        self.segments = []  # [(slot, [client_id (int) or reply (bytes)])]
         self.nbytes = 0
         self.removes = 0
         self.pending = {}
@@ -458,19 +460,24 @@ class KvServerProtocol(Protocol):
     def _write_run(self, buf, pos, n):
         """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
         ``pos`` into this pass's write run; returns the position after the run (``pos`` itself if
-        the first message is not such a write, for the general path)."""
+        the first message is not such a write, for the general path). A GET in the run of a key
+        the run wrote (``SET k; GET k`` pipelined) is answered here, its reply kept in order
+        among the writes' (one slot for the whole run); any other message ends the run."""
         room = self.max_pending - self._waiting
         room_bytes = self.max_inflight_bytes - self._inflight_bytes
         unpack = _HEADER_KEYLEN
         u32 = _U32_FROM
         keys = []
         values = []
-        cids = []
+        items = []
+        batch = {}  # key -> value or None: this call's writes, for the GETs among them
         add_key = keys.append
         add_value = values.append
-        add_cid = cids.append
+        add_item = items.append
         nbytes = 0
         removes = 0
+        found = missing = 0
+        heads = _GET_REPLY_HEADS
         while n - pos >= 28:
             total, cid, _n, cmd, klen = unpack(buf, pos)
             if not klen or total > n - pos or total > MAX_MESSAGE:
@@ -483,48 +490,79 @@ class KvServerProtocol(Protocol):
                 (vlen,) = u32(buf, kend)
                 if vlen > MAX_VALUE or kend + 4 + vlen > pos + total:
                     break
-                add_value(buf[kend + 4 : kend + 4 + vlen])
+                key = buf[kstart:kend]
+                batch[key] = value = buf[kend + 4 : kend + 4 + vlen]
+                add_value(value)
                 nbytes += vlen
             elif cmd == REMOVE and kend <= pos + total:
+                key = buf[kstart:kend]
+                batch[key] = None
                 add_value(None)
                 removes += 1
+            elif cmd == GET and kend <= pos + total:
+                value = batch.get(buf[kstart:kend], _NO_WRITE)
+                if value is _NO_WRITE:
+                    break  # not this run's key: the general path reads the store
+                if value is None:
+                    add_item(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+                    missing += 1
+                else:
+                    vlen = len(value)
+                    head = heads.get(klen)
+                    if head is None:
+                        head = _get_reply_head(klen)
+                    add_item(head(32 + klen + vlen, cid, 1, OK, klen, buf[kstart:kend], vlen) + value)
+                    found += 1
+                pos += total
+                if len(items) >= room:
+                    break
+                continue
             else:
                 break
-            add_key(buf[kstart:kend])
-            add_cid(cid)
+            add_key(key)
+            add_item(cid)
             pos += total
-            if len(cids) >= room or nbytes >= room_bytes:
+            if len(items) >= room or nbytes >= room_bytes:
                 break
-        if cids:
-            self._handled += len(cids) - 1
-            self._add_writes(cids, keys, values, nbytes, removes)
+        if items:
+            self._handled += len(items) - 1
+            self._add_writes(items, keys, values, nbytes, removes, batch)
+            if found or missing:
+                responses = self.responses
+                responses[_GET_OK] = responses.get(_GET_OK, 0) + found
+                if missing:
+                    responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
         return pos
 
-    def _add_writes(self, cids, keys, values, nbytes, removes):
+    def _add_writes(self, items, keys, values, nbytes, removes, batch=None):
         """Take writes (keys non-empty, values within the limit or None to remove) into this
-        pass's run, enter them in the pending table, and give them their place in the replies."""
+        pass's run, enter them in the pending table, and give them (and the ready replies among
+        ``items``) their place in the replies."""
         run = self._run
         if run is None:
             run = self._run = _Run()
             self._pending.append(run.pending)
         run.keys += keys
         run.values += values
-        run.pending.update(zip(keys, values))
+        if batch is None:
+            run.pending.update(zip(keys, values))
+        else:
+            run.pending.update(batch)
         run.removes += removes
         run.nbytes += nbytes
-        count = len(cids)
+        count = len(items)
         slots = self._slots
         segments = run.segments
         if segments and slots and slots[-1] is segments[-1][0]:
-            slot, seg_cids = segments[-1]
+            slot, seg_items = segments[-1]
             slot[1] += count
-            seg_cids += cids
+            seg_items += items
         else:
             slot = [None, count]
             slots.append(slot)
-            segments.append((slot, cids))
+            segments.append((slot, items))
         self._waiting += count
-        self._unacked += count
+        self._unacked += len(keys)
         self._inflight_bytes += nbytes
 
     def _pending_value(self, key):
@@ -582,23 +620,26 @@ class KvServerProtocol(Protocol):
         failed = isinstance(result, Failure)
         responses = self.responses
         if failed:
-            self._store_error(run.segments[0][1][0], result.value)
+            self._store_error(0, result.value)
             if count - removes:
                 self._count(SET, ERR_STATUS + E_UNKNOWN, count - removes)
             if removes:
                 self._count(REMOVE, ERR_STATUS + E_UNKNOWN, removes)
-            for slot, cids in run.segments:
-                slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
+            for slot, items in run.segments:
+                slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) if cid.__class__ is int else cid for cid in items])
         elif not removes and result.count(True) == count:
             # SETs only, all stored (the common case): OK each
             responses[_SET_OK] = responses.get(_SET_OK, 0) + count
-            for slot, cids in run.segments:
-                slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) for cid in cids])
+            for slot, items in run.segments:
+                slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) if cid.__class__ is int else cid for cid in items])
         else:
             i = 0
-            for slot, cids in run.segments:
+            for slot, items in run.segments:
                 parts = []
-                for cid in cids:
+                for cid in items:
+                    if cid.__class__ is not int:
+                        parts.append(cid)  # a GET's reply, ready since the pass
+                        continue
                     r = result[i]
                     cmd = SET if values[i] is not None else REMOVE
                     i += 1
@@ -686,9 +727,9 @@ class KvServerProtocol(Protocol):
                 self._push(codec.encode_status(cid, DATA_NOT_FOUND))
             return
         if req.cmd == SET:
-            self._add_writes([cid], [req.key], [req.value], len(req.value), 0)
+            self._add_writes([cid], [bytes(req.key)], [req.value], len(req.value), 0)
         else:
-            self._add_writes([cid], [req.key], [None], 0, 1)
+            self._add_writes([cid], [bytes(req.key)], [None], 0, 1)
 
     def _store_error(self, cid, exc, cmd=0):
         self.log.warn("kv store error for {peer}: {error!r}", peer=self.peer, error=exc)
