@@ -12,16 +12,22 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
   (``CommitCore.kv_floor``), and a group that changed nothing in LMDB does not commit it (so
   under ``--fsync always`` a group of kv writes costs one fdatasync, the WAL's).
 - Once the group is durable (on the reactor thread, before the caller's callbacks) the writes
-  enter the *active* memtable (a ``SortedDict``: key -> value, or None for a remove), where
-  reads see them; until then they are invisible to every reader (the key-value server shows a
-  connection its own pending writes, protocols/partition/server.py).
-- ``flush`` freezes the active memtable and queues one ``Direct`` that merges it into LMDB as one
-  sorted run in the writer thread (off the reactor) and moves the floor; it runs when the
-  memtable passes ``FLUSH_BYTES``, and ``FLUSH_IDLE_S`` after the first write into an empty one.
-- Reads merge, newest first: active memtable, the one being flushed, LMDB. Scans merge the three
+  enter the *active* memtable (``_Memtable``: a dict of key -> LMDB stored value, or None for a
+  remove; the key order is built on the first scan), where reads see them; until then they are
+  invisible to every reader (the key-value server shows a connection its own pending writes,
+  protocols/partition/server.py).
+- ``flush`` freezes the active memtable and merges it into LMDB in the writer thread (off the
+  reactor), sorted, as a sequence of LMDB transactions of at most ``MERGE_CHUNK_KEYS`` keys
+  (``_Merge``); the last one moves the floor. It runs when the memtable passes ``FLUSH_BYTES``,
+  and ``FLUSH_IDLE_S`` after the first write into an empty one.
+- Reads merge, newest first: active memtable, the one being merged, LMDB. Scans merge the three
   in key order (``_merge``).
 - Recovery after kill -9: the WAL entries past the checkpoint (so every unmerged memtable write)
-  are replayed into LMDB at open (``commit.recover``): the memtable starts empty.
+  are replayed into LMDB at open (``commit.recover``), in WAL order, over an LMDB that already
+  holds every merged write (all older than the floor) and possibly part of a merge that did not
+  finish (values the replay writes again): each key ends at its last logged write. A REMOVE is
+  logged only when the key existed as the writes before it left it, so a REMOVE of a missing key
+  changes nothing anywhere. The memtable starts empty. (docs/storage.md has the cases.)
 - Bounded memory: over ``HARD_BYTES`` in the memtables, writes fail with ``StoreBusy`` (the server
   answers ERR 0) until the flush catches up; ``congested`` is true from ``FLUSH_BYTES * 2`` on,
   and protocols that watch the store stop reading.
