@@ -366,8 +366,10 @@ class KeyValue:
         self._active = _Memtable()
         done = defer.Deferred()
         self._flush_waiters.append(done)
-        # Every write not in ``frozen`` was delivered after this point (or is still in flight):
-        # its WAL entry lies at or past the end of the last delivered group.
+        # Every write not in ``frozen`` is still in flight or was delivered after this point: its
+        # WAL entry lies at or past the end of the last group delivered whole. (A flush from a
+        # callback of a group's delivery sees the group before it: the group's later runs are not
+        # in ``frozen``; CommitCore._deliver moves delivered_wal_end only after the whole group.)
         _Merge(self, frozen, self._core.delivered_wal_end).submit()
         return done
 
