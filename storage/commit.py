@@ -283,7 +283,7 @@ class CommitCore:
         # merged into LMDB (None: none); the checkpoint never passes it. Set by the first such
         # group, moved by the merge (storage/kv.py).
         self.kv_floor = None
-        self.delivered_wal_end = checkpoint  # reactor thread: the WAL end after the last delivered group
+        self.delivered_wal_end = checkpoint  # reactor thread: the WAL end after the last group delivered whole
         self._env_dirty = False  # writer thread: an LMDB commit not yet synced
         self._reactor_thread = threading.get_ident()  # built on the reactor's thread
         self._queue = collections.deque()  # appended by the reactor, taken by the writer
@@ -599,8 +599,6 @@ class CommitCore:
     # -- completion (reactor thread) --------------------------------------------------------------
 
     def _deliver(self, group, wal_end):
-        if wal_end is not None:
-            self.delivered_wal_end = wal_end
         self._drop_snapshot()
         batch_durable = self.on_batch_durable
         for op in group:
@@ -621,6 +619,11 @@ class CommitCore:
                 op.done.errback(op.value)
             else:
                 op.done.callback(None)
+        # Only once every operation of the group has been delivered: a kv merge frozen by one of
+        # the callbacks above takes this as its floor, and the group's kv runs after that one
+        # (not yet in any memtable) lie before the group's end (storage/kv.py, issue 19).
+        if wal_end is not None:
+            self.delivered_wal_end = wal_end
         if self._drain_waiters and self._queued_bytes <= QUEUE_HIGH // 2:
             waiters, self._drain_waiters = self._drain_waiters, []
             for d in waiters:

@@ -12,22 +12,33 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
   (``CommitCore.kv_floor``), and a group that changed nothing in LMDB does not commit it (so
   under ``--fsync always`` a group of kv writes costs one fdatasync, the WAL's).
 - Once the group is durable (on the reactor thread, before the caller's callbacks) the writes
-  enter the *active* memtable (a ``SortedDict``: key -> value, or None for a remove), where
-  reads see them; until then they are invisible to every reader (the key-value server shows a
-  connection its own pending writes, protocols/partition/server.py).
-- ``flush`` freezes the active memtable and queues one ``Direct`` that merges it into LMDB as one
-  sorted run in the writer thread (off the reactor) and moves the floor; it runs when the
-  memtable passes ``FLUSH_BYTES``, and ``FLUSH_IDLE_S`` after the first write into an empty one.
-- Reads merge, newest first: active memtable, the one being flushed, LMDB. Scans merge the three
+  enter the *active* memtable (``_Memtable``: a dict of key -> LMDB stored value, or None for a
+  remove; the key order is built on the first scan), where reads see them; until then they are
+  invisible to every reader (the key-value server shows a connection its own pending writes,
+  protocols/partition/server.py).
+- ``flush`` freezes the active memtable and merges it into LMDB in the writer thread (off the
+  reactor), sorted, as a sequence of LMDB transactions of at most ``MERGE_CHUNK_KEYS`` keys
+  (``_Merge``); the last one moves the floor. It runs when the memtable passes ``FLUSH_BYTES``,
+  and ``FLUSH_IDLE_S`` after the first write into an empty one.
+- Reads merge, newest first: active memtable, the one being merged, LMDB. Scans merge the three
   in key order (``_merge``).
 - Recovery after kill -9: the WAL entries past the checkpoint (so every unmerged memtable write)
-  are replayed into LMDB at open (``commit.recover``): the memtable starts empty.
+  are replayed into LMDB at open (``commit.recover``), in WAL order, over an LMDB that already
+  holds every merged write (all older than the floor) and possibly part of a merge that did not
+  finish (values the replay writes again): each key ends at its last logged write. A REMOVE is
+  logged only when the key existed as the writes before it left it, so a REMOVE of a missing key
+  changes nothing anywhere. The memtable starts empty. (docs/storage.md has the cases.)
 - Bounded memory: over ``HARD_BYTES`` in the memtables, writes fail with ``StoreBusy`` (the server
   answers ERR 0) until the flush catches up; ``congested`` is true from ``FLUSH_BYTES * 2`` on,
   and protocols that watch the store stop reading.
 """
 
-from sortedcontainers import SortedDict
+import bisect
+import collections
+import functools
+import itertools
+
+from sortedcontainers import SortedList
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
@@ -43,7 +54,10 @@ PARTITIONS = 8
 FLUSH_BYTES = 16 << 20  # merge the memtable into LMDB once it holds this many bytes
 HARD_BYTES = 256 << 20  # memtables over this: writes refused (StoreBusy) until a flush lands
 FLUSH_IDLE_S = 1.0  # and this long after the first write into an empty memtable
-ENTRY_OVERHEAD = 100  # per-entry bytes counted beyond key and value (dict + SortedList slots)
+ENTRY_OVERHEAD = 100  # per-entry bytes counted beyond key and value (objects' headers, dict slot)
+MERGE_CHUNK_KEYS = 8192  # keys merged into LMDB per transaction (see KeyValue.flush)
+MERGE_CHUNK_BYTES = 8 << 20  # and at most about this many value bytes
+KV_DB = index.KV
 _MISSING = object()
 
 
@@ -63,9 +77,10 @@ def _lmdb_item(key, value):
     return encode_key(b"", key), encode_value(key, b"", value)
 
 
-def _pairs(table, keys):
+def _pairs(entries, keys):
     for k in keys:
-        yield k, table[k]
+        stored = entries[k]
+        yield k, (None if stored is None else _stored_value(stored))
 
 
 def _merge(sources, descending):
@@ -92,19 +107,53 @@ def _merge(sources, descending):
             yield best, value
 
 
+class _Memtable:
+    """Writes not yet merged into LMDB, on the reactor thread: ``entries`` maps a user key to its
+    LMDB stored value (``_lmdb_item``: ``b"\\x00" + value`` for a key up to KEY_KEEP bytes) or None
+    for a remove. A plain dict: a write costs one dict store (a SortedDict insert cost ~2 us per
+    key on the reactor); the key order scans need is built on the first scan (``sorted_keys``)
+    and kept up to date from then on (the keys a write adds go to ``unsorted``, folded in by the
+    next scan). Keys are never dropped from a memtable (a remove is a None), so that order only
+    grows."""
+
+    __slots__ = ("entries", "nbytes", "sorted", "unsorted")
+
+    def __init__(self):
+        self.entries = {}
+        self.nbytes = 0  # bytes counted against FLUSH_BYTES / HARD_BYTES (an overwrite counts again)
+        self.sorted = None  # SortedList of the keys, once a scan asked for it
+        self.unsorted = []  # keys added since ``sorted`` was brought up to date
+
+    def sorted_keys(self):
+        if self.sorted is None:
+            self.sorted = SortedList(self.entries)
+            self.unsorted = []
+        elif self.unsorted:
+            self.sorted.update(self.unsorted)
+            self.unsorted = []
+        return self.sorted
+
+
+def _stored_value(stored):
+    """The user value of an LMDB stored value (``_lmdb_item``)."""
+    if stored[0] == 0:
+        return stored[1:]
+    return decode_value(stored)[1]
+
+
 class KeyValue:
     def __init__(self, core):
         self._core = core
         self._db = core.dbs[index.KV]
-        self._active = SortedDict()  # reactor thread: durable writes not yet merged
-        self._active_bytes = 0
-        self._flushing = None  # the frozen memtable the writer is merging into LMDB
-        self._flushing_bytes = 0
-        self._inflight = {}  # key -> [value or None, count]: submitted, not yet durable (for REMOVE's answer)
-        self._inflight_runs = 0
+        self._active = _Memtable()  # durable writes not yet merged
+        self._flushing = None  # the frozen _Memtable the writer is merging into LMDB
+        # The runs submitted and not yet durable, oldest first, each {key: stored value or None}
+        # (for REMOVE's answer: whether the key exists counts the writes submitted before it).
+        self._runs = collections.deque()
         self._idle_flush = None  # the pending FLUSH_IDLE_S call
         self._flush_waiters = []  # flush() callers waiting for the running merge
         self.flushes = 0  # merges landed (observability, tests)
+        self.merge_txns = 0  # LMDB transactions those merges took (MERGE_CHUNK_KEYS each at most)
         core.on_close.insert(0, self._cancel_idle_flush)
 
     # -- reads --------------------------------------------------------------------------------
@@ -122,34 +171,35 @@ class KeyValue:
     def get(self, key):
         if type(key) is not bytes:
             key = bytes(key)
-        value = self._active.get(key, _MISSING)
-        if value is _MISSING and self._flushing is not None:
-            value = self._flushing.get(key, _MISSING)
-        if value is not _MISSING:
-            return value
+        stored = self._active.entries.get(key, _MISSING)
+        if stored is _MISSING and self._flushing is not None:
+            stored = self._flushing.entries.get(key, _MISSING)
+        if stored is not _MISSING:
+            return None if stored is None else _stored_value(stored)
         return self._lmdb_get(self._core.snapshot().get, key)
 
     def get_many(self, keys):
         """[value or None] for each key (any bytes-like object), from one snapshot."""
         get = self._core.snapshot().get
-        active = self._active
-        flushing = self._flushing
+        active = self._active.entries
+        flushing = self._flushing.entries if self._flushing is not None else None
+        lmdb_get = self._lmdb_get
         out = []
         append = out.append
         for key in keys:
             if type(key) is not bytes:
                 key = bytes(key)
             if active:
-                value = active.get(key, _MISSING)
-                if value is not _MISSING:
-                    append(value)
+                stored = active.get(key, _MISSING)
+                if stored is not _MISSING:
+                    append(None if stored is None else _stored_value(stored))
                     continue
             if flushing is not None:
-                value = flushing.get(key, _MISSING)
-                if value is not _MISSING:
-                    append(value)
+                stored = flushing.get(key, _MISSING)
+                if stored is not _MISSING:
+                    append(None if stored is None else _stored_value(stored))
                     continue
-            append(self._lmdb_get(get, key))
+            append(lmdb_get(get, key))
         return out
 
     # -- writes -------------------------------------------------------------------------------
@@ -162,16 +212,20 @@ class KeyValue:
         """Fires with True if the key existed."""
         return self.write_many([(key, None)]).addCallback(lambda existed: existed[0])
 
-    def _exists(self, key, get):
-        entry = self._inflight.get(key)
-        if entry is not None:
-            return entry[0] is not None
-        value = self._active.get(key, _MISSING)
-        if value is _MISSING and self._flushing is not None:
-            value = self._flushing.get(key, _MISSING)
-        if value is not _MISSING:
-            return value is not None
-        return self._lmdb_get(get, key) is not None
+    def _exists(self, key, run, get):
+        stored = run.get(key, _MISSING)
+        if stored is _MISSING:
+            for earlier in reversed(self._runs):
+                stored = earlier.get(key, _MISSING)
+                if stored is not _MISSING:
+                    break
+            else:
+                stored = self._active.entries.get(key, _MISSING)
+                if stored is _MISSING and self._flushing is not None:
+                    stored = self._flushing.entries.get(key, _MISSING)
+                if stored is _MISSING:
+                    return self._lmdb_get(get, key) is not None
+        return stored is not None
 
     def write_many(self, ops):
         """Apply ``[(key, value or None to remove)]`` in order, atomically, in one group commit.
@@ -181,9 +235,13 @@ class KeyValue:
         not 1..65535 bytes (``InvalidRequest``), any value is over 16 MiB (``PayloadTooLarge``), or
         the memtables are full (``StoreBusy``). Keys and values may be any bytes-like object; they
         are copied before this returns."""
-        items = []
-        append = items.append
+        run = {}  # key -> stored value or None: this run's last write of each key
+        results = []
+        logged = []  # the WAL's raw ops (index.apply_ops replays them)
+        add_result = results.append
+        log = logged.append
         nbytes = 0
+        get = None
         try:
             for key, value in ops:
                 if key.__class__ is not bytes:
@@ -193,75 +251,69 @@ class KeyValue:
                 klen = len(key)
                 if not 0 < klen <= MAX_KEY:
                     raise errors.InvalidRequest("keys are 1..65535 bytes")
-                if value is not None:
-                    if len(value) > MAX_VALUE:
-                        raise errors.PayloadTooLarge("values are at most 16 MiB")
-                    if value.__class__ is not bytes:
-                        value = bytes(value)
-                    nbytes += len(value)
-                append((key, value))
-                nbytes += klen + ENTRY_OVERHEAD
-            if self._active_bytes + self._flushing_bytes + nbytes > HARD_BYTES:
+                if value is None:
+                    # Each answer is decided now, in submission order (the order the store applies
+                    # them): a remove finds the key in the writes submitted before it, the
+                    # memtables or LMDB.
+                    if get is None:
+                        get = self._core.snapshot().get
+                    existed = self._exists(key, run, get)
+                    add_result(existed)
+                    if existed:
+                        log((OP_DEL, KV_DB, encode_key(b"", key)))
+                    run[key] = None
+                    nbytes += klen + ENTRY_OVERHEAD
+                    continue
+                if value.__class__ is not bytes:
+                    value = bytes(value)
+                vlen = len(value)
+                if vlen > MAX_VALUE:
+                    raise errors.PayloadTooLarge("values are at most 16 MiB")
+                if klen <= KEY_KEEP:
+                    stored = b"\x00" + value
+                    log((OP_PUT, KV_DB, key, stored))
+                else:
+                    stored = encode_value(key, b"", value)
+                    log((OP_PUT, KV_DB, encode_key(b"", key), stored))
+                add_result(True)
+                run[key] = stored
+                nbytes += klen + vlen + ENTRY_OVERHEAD
+            if self._active.nbytes + self.flushing_bytes + nbytes > HARD_BYTES:
                 self.flush()
                 raise errors.StoreBusy("the key-value memtable is full; a merge into LMDB is running")
             self._core.check_writable(nbytes)
         except errors.StoreError:
             return defer.fail()
-        # Each op's answer is decided now, in submission order (the order the store applies them):
-        # a remove finds the key in the writes submitted before it, the memtables or LMDB.
-        get = self._core.snapshot().get
-        inflight = self._inflight
-        results = []
-        logged = []
-        for key, value in items:
-            if value is None:
-                existed = self._exists(key, get)
-                results.append(existed)
-                if existed:
-                    logged.append([OP_DEL, index.KV, encode_key(b"", key)])
-            else:
-                results.append(True)
-                lk, lv = _lmdb_item(key, value)
-                logged.append([OP_PUT, index.KV, lk, lv])
-            entry = inflight.get(key)
-            if entry is None:
-                inflight[key] = [value, 1]
-            else:
-                entry[0] = value
-                entry[1] += 1
-        self._inflight_runs += 1
+        self._runs.append(run)
 
-        def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next flush
+        def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next merge
             return results, logged
 
         d = self._core.submit(Direct(apply, nbytes, memtable=True))
-        d.addBoth(self._landed, items, nbytes)
+        d.addBoth(self._landed, run, nbytes)
         return d
 
-    def _landed(self, result, items, nbytes):
+    def _landed(self, result, run, nbytes):
         """Reactor thread, the run durable (or failed): into the active memtable, before the
         caller's callbacks run."""
-        self._inflight_runs -= 1
-        inflight = self._inflight
-        ok = not isinstance(result, Failure)
+        runs = self._runs
+        if runs[0] is run:  # runs are delivered in submission order
+            runs.popleft()
+        else:
+            runs.remove(run)
+        if isinstance(result, Failure):
+            return result
         active = self._active
-        was_empty = not active
-        for key, value in items:
-            entry = inflight[key]
-            entry[1] -= 1
-            if not entry[1]:
-                del inflight[key]
-            if ok:
-                old = active.get(key, _MISSING)
-                if old is not _MISSING:
-                    self._active_bytes -= len(key) + ENTRY_OVERHEAD + (len(old) if old is not None else 0)
-                active[key] = value
-                self._active_bytes += len(key) + ENTRY_OVERHEAD + (len(value) if value is not None else 0)
-        if ok:
-            if self._active_bytes >= FLUSH_BYTES:
-                self.flush()
-            elif was_empty and active and self._idle_flush is None and not self._core.closed:
-                self._idle_flush = self._core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
+        entries = active.entries
+        was_empty = not entries
+        if active.sorted is not None:
+            active.unsorted.extend([k for k in run if k not in entries])
+        entries.update(run)
+        active.nbytes += nbytes
+        if active.nbytes >= FLUSH_BYTES:
+            self.flush()
+        elif was_empty and self._idle_flush is None and not self._core.closed:
+            self._idle_flush = self._core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
         return result
 
     # -- merging into LMDB --------------------------------------------------------------------
@@ -276,81 +328,76 @@ class KeyValue:
         self._idle_flush = None
 
     @property
+    def flushing_bytes(self) -> int:
+        return self._flushing.nbytes if self._flushing is not None else 0
+
+    @property
     def congested(self) -> bool:
-        return self._active_bytes + self._flushing_bytes > 2 * FLUSH_BYTES
+        return self._active.nbytes + self.flushing_bytes > 2 * FLUSH_BYTES
 
     def memtable_bytes(self) -> int:
-        return self._active_bytes + self._flushing_bytes
+        return self._active.nbytes + self.flushing_bytes
 
     def memtable_keys(self) -> int:
         """Entries in the memtables (an upper bound of the keys they add to LMDB's count)."""
-        return len(self._active) + (len(self._flushing) if self._flushing is not None else 0)
+        return len(self._active.entries) + (len(self._flushing.entries) if self._flushing is not None else 0)
 
     def flush(self) -> defer.Deferred:
-        """Merge the active memtable into LMDB (one sorted run, in the writer thread); fires once
-        merged (at once if there is nothing to merge). One merge at a time: while one runs, this
-        fires when it lands and the rest waits for the next."""
+        """Merge the active memtable into LMDB (sorted, in the writer thread); fires once merged
+        (at once if there is nothing to merge). One merge at a time: while one runs, this fires
+        when it lands and the rest waits for the next.
+
+        A merge is a sequence of ``Direct`` operations, each one LMDB transaction of at most
+        MERGE_CHUNK_KEYS keys (or MERGE_CHUNK_BYTES), the next submitted when one lands: a
+        transaction of 80k random keys dirtied most pages of a 1M-key tree at once (hundreds of
+        MiB of LMDB's private dirty pages, and a map file twice the tree), and held the writer
+        (so every write) for its whole length. Reads go on seeing the frozen memtable first until
+        the last chunk lands, so a partly merged LMDB is never visible; only the last chunk moves
+        the kv floor (``CommitCore.kv_floor``), so a crash in between replays the whole memtable
+        again from the WAL (putting the same values: harmless)."""
         if self._flushing is not None:
             d = defer.Deferred()
             self._flush_waiters.append(d)
             return d
-        if not self._active or self._core.closed or self._core.failed is not None:
+        if not self._active.entries or self._core.closed or self._core.failed is not None:
             return defer.succeed(None)
         self._cancel_idle_flush()
-        frozen, self._flushing = self._active, self._active
-        self._flushing_bytes, self._active_bytes = self._active_bytes, 0
-        self._active = SortedDict()
-        core = self._core
-        # After this merge the oldest unmerged write is one not yet delivered when it was frozen:
-        # its WAL entry lies at or past the end of the last delivered group.
-        floor = core.delivered_wal_end if self._inflight_runs else None
-        db = self._db
-
-        def merge(txn):  # writer thread
-            puts = []
-            cur = txn.cursor(db=db)
-            for key, value in frozen.items():
-                if value is None:
-                    txn.delete(encode_key(b"", key), db=db)
-                else:
-                    puts.append(_lmdb_item(key, value))
-            if puts:
-                cur.putmulti(puts)
-            core.kv_floor = floor
-            return None, None
-
-        d = core.submit(Direct(merge, 64))
+        frozen = self._flushing = self._active
+        self._active = _Memtable()
         done = defer.Deferred()
         self._flush_waiters.append(done)
-
-        def landed(result):
-            self._flushing = None
-            self._flushing_bytes = 0
-            self.flushes += 1
-            waiters, self._flush_waiters = self._flush_waiters, []
-            for w in waiters:
-                w.callback(None)
-            if self._active_bytes >= FLUSH_BYTES:
-                self.flush()
-            elif self._active and self._idle_flush is None and not core.closed:
-                self._idle_flush = core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
-            return result
-
-        d.addBoth(landed)
-        d.addErrback(lambda f: None)  # a failed merge poisoned the store; the caller sees it there
+        # Every write not in ``frozen`` is still in flight or was delivered after this point: its
+        # WAL entry lies at or past the end of the last group delivered whole. (A flush from a
+        # callback of a group's delivery sees the group before it: the group's later runs are not
+        # in ``frozen``; CommitCore._deliver moves delivered_wal_end only after the whole group.)
+        _Merge(self, frozen, self._core.delivered_wal_end).submit()
         return done
+
+    def _merged(self):
+        """Reactor thread: the running merge landed (or failed, and poisoned the store)."""
+        self._flushing = None
+        self.flushes += 1
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for w in waiters:
+            w.callback(None)
+        if self._active.nbytes >= FLUSH_BYTES:
+            self.flush()
+        elif self._active.entries and self._idle_flush is None and not self._core.closed:
+            self._idle_flush = self._core.reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
+
 
     # -- scans --------------------------------------------------------------------------------
 
     def _mem_sources(self, start, descending):
         sources = []
         for table in (self._active, self._flushing):
-            if table:
+            if table is not None and table.entries:
+                order = table.sorted_keys()
                 if descending:
-                    keys = table.irange(maximum=start, reverse=True)
+                    keys = order.irange(maximum=start, reverse=True)
                 else:
-                    keys = table.irange(minimum=start)
-                sources.append(_pairs(table, keys))
+                    keys = order.irange(minimum=start)
+                sources.append(_pairs(table.entries, keys))
         return sources
 
     def _lmdb_iter(self, start, descending):
@@ -409,3 +456,75 @@ class KeyValue:
 
     def partition_of(self, key):
         return partition_of(key)
+
+
+class _Merge:
+    """One merge of a frozen memtable into LMDB, chunk by chunk (``KeyValue.flush``). Its own
+    object rather than closures calling each other: those made a reference cycle holding the
+    frozen memtable (tens of MiB) until Python's cyclic GC ran."""
+
+    __slots__ = ("kv", "frozen", "floor_at_freeze", "keys", "at")
+
+    def __init__(self, kv, frozen, floor_at_freeze):
+        self.kv = kv
+        self.frozen = frozen
+        self.floor_at_freeze = floor_at_freeze
+        self.keys = None  # sorted, by the writer thread in the first chunk
+        self.at = 0
+
+    def submit(self):
+        kv = self.kv
+        # If this chunk is the last, the floor it sets must cover every write not in ``frozen``:
+        # those delivered since the freeze (in the active memtable) or in flight now; the ones
+        # submitted later queue behind this chunk and set the floor themselves.
+        floor = self.floor_at_freeze if (kv._active.entries or kv._runs) else None
+        d = kv._core.submit(Direct(functools.partial(self.chunk, floor), 64))
+        d.addCallbacks(self.chunk_landed, self.failed)
+
+    def chunk(self, floor, txn):  # writer thread
+        """Merge the next chunk of keys (in key order, so LMDB's pages are written in order) in
+        C-level passes: a Python loop per key here held the GIL against the reactor."""
+        keys = self.keys
+        if keys is None:
+            keys = self.keys = sorted(self.frozen.entries)
+        at = self.at
+        chunk = keys[at : at + MERGE_CHUNK_KEYS]
+        stored = list(map(self.frozen.entries.__getitem__, chunk))
+        if None in stored:
+            sizes = list(itertools.accumulate(len(v) if v is not None else 0 for v in stored))
+        else:
+            sizes = list(itertools.accumulate(map(len, stored)))
+        cut = bisect.bisect_left(sizes, MERGE_CHUNK_BYTES) + 1  # the value crossing the budget goes too
+        if cut < len(chunk):
+            chunk = chunk[:cut]
+            stored = stored[:cut]
+        db = self.kv._db
+        if None in stored or max(map(len, chunk)) > KEY_KEEP:
+            puts = []
+            for key, value in zip(chunk, stored):
+                if value is None:
+                    txn.delete(encode_key(b"", key), db=db)
+                else:
+                    puts.append((key if len(key) <= KEY_KEEP else encode_key(b"", key), value))
+        else:
+            puts = zip(chunk, stored)
+        txn.cursor(db=db).putmulti(puts)
+        self.at = at = at + len(chunk)
+        last = at >= len(keys)
+        if last:
+            self.kv._core.kv_floor = floor
+        return last, None
+
+    def chunk_landed(self, last):
+        kv = self.kv
+        kv.merge_txns += 1
+        core = kv._core
+        if last or core.closed or core.failed is not None:
+            self.keys = None
+            kv._merged()
+        else:
+            self.submit()
+
+    def failed(self, failure):
+        self.keys = None
+        self.kv._merged()  # the store is poisoned; its callers see that

@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -246,3 +247,91 @@ def test_pipelined_set_get_pairs_commit_in_groups_under_fsync_always(node_factor
         assert results[1::2] == [b"v" * 40 + b"k%05d" % i for i in range(pairs)]
         groups = value(scrape(node), "sbpnode_store_group_commits_total") - before
     assert 1 <= groups <= pairs // 20, groups
+
+
+def _writer(address, keys, seed, log, stop):
+    """Pipelined batches of SETs and REMOVEs of ``keys`` (each key once per batch) until the
+    connection breaks; ``log``: [(batch ops, replies received)] in order."""
+    rnd = random.Random(seed)
+    try:
+        s = socket.create_connection(address, timeout=30)
+    except OSError:
+        return
+    n = 0
+    try:
+        while not stop.is_set():
+            ops = []
+            for k in rnd.sample(keys, 40):
+                n += 1
+                ops.append((k, None if rnd.random() < 0.3 else b"%d-%d-" % (seed, n) + b"x" * rnd.randrange(200)))
+            entry = [ops, []]
+            log.append(entry)
+            s.sendall(b"".join(c.encode_remove(i, k) if v is None else c.encode_set(i, k, v) for i, (k, v) in enumerate(ops)))
+            buf = b""
+            while len(entry[1]) < len(ops):
+                data = s.recv(65536)
+                if not data:
+                    return
+                buf += data
+                while len(buf) >= c.HEADER_LEN and len(entry[1]) < len(ops):
+                    (total,) = struct.unpack_from(">Q", buf)
+                    if len(buf) < total:
+                        break
+                    entry[1].append(struct.unpack_from(">H", buf, 24)[0])
+                    buf = buf[total:]
+    except OSError:
+        return
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_kill9_mid_load_keeps_every_acked_set_and_remove(node_factory):
+    """kill -9 of a node while four connections pipeline SETs and REMOVEs under --fsync always
+    (the memtable merged into LMDB every second while the load runs): after the restart every
+    key holds its last acknowledged write, or the write to it still unanswered at the kill, and
+    every acknowledged REMOVE was answered as the key's history says. (Kills during merges of
+    many small memtables: tests/test_storage_kv_crash.py.)"""
+    import threading
+
+    node = node_factory(fsync="always", **OFF)
+    rnd = random.Random(2019)
+    model = {}  # key -> value acknowledged last (None: removed / never written)
+    for round_ in range(3):
+        logs = [[] for _ in range(4)]
+        stop = threading.Event()
+        # each connection owns its keys, so acks on one connection order every write of a key
+        key_sets = [[b"%c%d-%04d" % (rnd.choice(b"a\x20\x90\xf0"), t, i) for i in range(400)] for t in range(4)]
+        threads = [threading.Thread(target=_writer, args=(node.address("kv"), key_sets[t], round_ * 10 + t, logs[t], stop))
+                   for t in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(len(log) for log in logs) < 20 + round_ * 10 and time.monotonic() < deadline:
+            time.sleep(0.01)  # wait for load, then kill at a random moment of it
+        time.sleep(rnd.uniform(0.0, 0.5))
+        node.kill9()
+        stop.set()
+        for t in threads:
+            t.join(30)
+        unsure = {}
+        for log in logs:
+            for ops, answers in log:
+                for i, (k, v) in enumerate(ops):
+                    if i < len(answers):
+                        if v is None:
+                            assert answers[i] == (c.OK if model.get(k) is not None else c.DATA_NOT_FOUND), k
+                        else:
+                            assert answers[i] == c.OK
+                        model[k] = v
+                    else:
+                        unsure[k] = v
+        assert sum(len(a) for log in logs for _, a in log) > 0
+        node.start()
+        with BlockingKvClient(*node.address("kv")) as kv:
+            ks = sorted(set(model) | set(unsure))
+            got = kv.pipeline([(c.GET, lambda cid, k=k: c.encode_get(cid, k)) for k in ks])
+            for k, v in zip(ks, got):
+                assert v == model.get(k) or (k in unsure and v == unsure[k]), (k, v, model.get(k))
+                model[k] = v  # an unanswered write either landed or not: the store now says which
+            assert [k for p in kv.iter_scan(c.GET_KEYS, page=1024) for k in p.keys] == sorted(k for k in ks if model[k] is not None)

@@ -46,6 +46,7 @@ def record_runs(store):
     real = store.kv.write_many
 
     def write_many(ops):
+        ops = list(ops)  # the server passes an iterator
         runs.append([(bytes(k), None if v is None else bytes(v)) for k, v in ops])
         return real(ops)
 
@@ -127,6 +128,38 @@ def test_replies_in_order_when_acks_arrive_out_of_order(store):
     r = replies(tr, [c.SET, c.SET, c.GET, c.REMOVE, c.GET])
     assert [(x.client_id, x.cmd) for x in r] == [(1, c.OK), (2, c.OK), (3, c.OK), (4, c.OK), (5, c.OK)]
     assert r[2].items == [(b"a", b"1")] and r[4].items == [(b"b", b"2")]
+
+
+def test_set_get_pairs_in_one_read_are_one_run_and_one_reply_slot(store):
+    """``SET k; GET k`` pipelined (issue 19's pattern): the GETs of keys the same read wrote are
+    answered in the pass, from those writes, their replies in order among the writes' (one store
+    write, nothing sent before it is durable); a GET of another key ends the run and reads the
+    store (here: the connection's pending writes first)."""
+    store.kv.put(b"old", b"o")
+    hold(store)
+    runs = record_runs(store)
+    proto, tr = connect(store)
+    proto.dataReceived(
+        c.encode_set(1, b"a", b"1")
+        + c.encode_get(2, b"a")
+        + c.encode_set(3, b"a", b"2")
+        + c.encode_get(4, b"a")
+        + c.encode_remove(5, b"a")
+        + c.encode_get(6, b"a")
+        + c.encode_remove(7, b"nope")
+        + c.encode_set(8, b"b", b"3")
+        + c.encode_get(9, b"old")
+        + c.encode_get(10, b"b")
+    )
+    assert tr.value() == b""
+    assert runs == [[(b"a", b"1"), (b"a", b"2"), (b"a", None), (b"nope", None), (b"b", b"3")]]
+    complete(store)
+    cmds = [c.SET, c.GET, c.SET, c.GET, c.REMOVE, c.GET, c.REMOVE, c.SET, c.GET, c.GET]
+    r = replies(tr, cmds)
+    assert [x.client_id for x in r] == list(range(1, 11))
+    assert [x.cmd for x in r] == [c.OK, c.OK, c.OK, c.OK, c.OK, c.DATA_NOT_FOUND, c.DATA_NOT_FOUND, c.OK, c.OK, c.OK]
+    assert [r[i].items for i in (1, 3, 8, 9)] == [[(b"a", b"1")], [(b"a", b"2")], [(b"old", b"o")], [(b"b", b"3")]]
+    assert contents(store) == {b"old": b"o", b"b": b"3"}
 
 
 def test_sync_replies_before_a_pending_write_are_sent_at_once(store):

@@ -167,3 +167,33 @@ async def test_kv_writes_go_to_the_wal_and_the_memtable_then_to_lmdb_on_flush(fs
     finally:
         await st.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_merge_started_inside_a_group_delivery_keeps_the_floor_below_the_rest_of_it(tmp_path, monkeypatch):
+    """Found by tests/test_storage_kv_crash.py: the memtable passing its size as one run of a
+    group lands (so the freeze happens in the middle of the group's delivery) while a later run
+    of the same group has not landed yet. That run goes to the new active memtable; the merge's
+    floor must stay at or below its WAL entry (it was the end of the group being delivered, so the
+    checkpoint passed the run: a crash after the merge lost it)."""
+    from twisted.internet import task
+
+    import storage.kv as kvmod
+    from tests.storage_helpers.inline import close, complete, hold, open_inline
+
+    monkeypatch.setattr(kvmod, "FLUSH_BYTES", 1000)  # the first run alone passes it
+    path = tmp_path / "store"
+    store = open_inline(path, task.Clock())
+    hold(store)
+    first = store.kv.write_many([(b"a", b"1" * 2000)])
+    second = store.kv.write_many([(b"b", b"2")])
+    complete(store, None)  # one group: the first run lands, the merge starts, then the second lands
+    assert first.called and second.called
+    assert store.kv.flushes == 1 and store.kv.memtable_keys() == 1  # b is in the new active memtable
+    # a crash now: the core stops without the clean close's merge of the active memtable
+    hold(store, False)
+    store.core.close()
+    reopened = open_inline(path, task.Clock())
+    try:
+        assert reopened.kv.get_many([b"a", b"b"]) == [b"1" * 2000, b"2"]
+    finally:
+        close(reopened)

@@ -118,12 +118,14 @@ class TestMemtableModel(MemtableMachine.TestCase):
     settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
     def setUp(self):
-        # tiny memtables: size-triggered merges happen every few writes
-        self._saved = kvmod.FLUSH_BYTES
+        # tiny memtables: size-triggered merges happen every few writes, each merge a few
+        # LMDB transactions of 3 keys (reads and scans run between them)
+        self._saved = kvmod.FLUSH_BYTES, kvmod.MERGE_CHUNK_KEYS
         kvmod.FLUSH_BYTES = 600
+        kvmod.MERGE_CHUNK_KEYS = 3
 
     def tearDown(self):
-        kvmod.FLUSH_BYTES = self._saved
+        kvmod.FLUSH_BYTES, kvmod.MERGE_CHUNK_KEYS = self._saved
 
 
 # -- kill -9 during merges ------------------------------------------------------------------------

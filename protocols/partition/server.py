@@ -79,6 +79,7 @@ _GET_OK = GET << 8 | OK
 _GET_NOT_FOUND = GET << 8 | DATA_NOT_FOUND
 _SET_OK = SET << 8 | OK
 _REMOVE_OK = REMOVE << 8 | OK
+_NO_WRITE = object()  # no pending write of the key (a pending remove is None)
 
 
 class _Position:
@@ -213,15 +214,21 @@ def _ignore_latency(operation, seconds):
 
 class _Run:
     """The writes of one processing pass: one ``write_many`` (one group commit), answered in
-    ``segments`` (a reply slot and its client ids each) split by the replies queued between them."""
+    ``segments`` (a reply slot and its items each) split by the replies queued between them; an
+    item is a write's client id (its reply made when the run is durable) or the ready reply of a
+    GET answered in the same pass from this run's writes (``_write_run``).
+    ``pending`` is its entry in the connection's pending table: {key: value or None}, its last
+    write of each key."""
 
-    __slots__ = ("ops", "keys", "segments", "nbytes")
+    __slots__ = ("keys", "values", "segments", "nbytes", "removes", "pending")
 
     def __init__(self):
-        self.ops = []  # [(key, value or None)]
-        self.keys = []  # [(key, seq)]: the pending-table entries these writes made
-        self.segments = []  # [(slot, [client_id])]
+        self.keys = []
+        self.values = []  # value, or None for a remove
+        self.segments = []  # [(slot, [client_id (int) or reply (bytes)])]
         self.nbytes = 0
+        self.removes = 0
+        self.pending = {}
 
 
 class KvServerProtocol(Protocol):
@@ -243,8 +250,9 @@ class KvServerProtocol(Protocol):
         self._waiting = 0  # requests those slots answer (a segment of writes is one slot)
         self._unacked = 0  # writes taken (in the open run or issued) and not yet durable
         self._inflight_bytes = 0  # value bytes of those writes
-        self._pending = {}  # key -> (value or None for a remove, seq): this connection's writes not yet durable
-        self._seq = 0
+        # This connection's writes not yet durable: one {key: value or None} per run, oldest first
+        # (the open run's included); a read looks them up newest first.
+        self._pending = deque()
         self._run = None  # the open _Run of this pass, issued at its end
         self._out = []  # replies ready to write at the end of this turn
         self._busy = False  # inside _process/_drain: writes are batched until it ends
@@ -453,14 +461,24 @@ class KvServerProtocol(Protocol):
     def _write_run(self, buf, pos, n):
         """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
         ``pos`` into this pass's write run; returns the position after the run (``pos`` itself if
-        the first message is not such a write, for the general path)."""
+        the first message is not such a write, for the general path). A GET in the run of a key
+        the run wrote (``SET k; GET k`` pipelined) is answered here, its reply kept in order
+        among the writes' (one slot for the whole run); any other message ends the run."""
         room = self.max_pending - self._waiting
         room_bytes = self.max_inflight_bytes - self._inflight_bytes
         unpack = _HEADER_KEYLEN
         u32 = _U32_FROM
-        add = self._add_write
-        taken = 0
+        keys = []
+        values = []
+        items = []
+        batch = {}  # key -> value or None: this call's writes, for the GETs among them
+        add_key = keys.append
+        add_value = values.append
+        add_item = items.append
         nbytes = 0
+        removes = 0
+        found = missing = 0
+        heads = _GET_REPLY_HEADS
         while n - pos >= 28:
             total, cid, _n, cmd, klen = unpack(buf, pos)
             if not klen or total > n - pos or total > MAX_MESSAGE:
@@ -473,45 +491,89 @@ class KvServerProtocol(Protocol):
                 (vlen,) = u32(buf, kend)
                 if vlen > MAX_VALUE or kend + 4 + vlen > pos + total:
                     break
-                add(cid, buf[kstart:kend], buf[kend + 4 : kend + 4 + vlen])
+                key = buf[kstart:kend]
+                batch[key] = value = buf[kend + 4 : kend + 4 + vlen]
+                add_value(value)
                 nbytes += vlen
             elif cmd == REMOVE and kend <= pos + total:
-                add(cid, buf[kstart:kend], None)
+                key = buf[kstart:kend]
+                batch[key] = None
+                add_value(None)
+                removes += 1
+            elif cmd == GET and kend <= pos + total:
+                value = batch.get(buf[kstart:kend], _NO_WRITE)
+                if value is _NO_WRITE:
+                    break  # not this run's key: the general path reads the store
+                if value is None:
+                    add_item(_HEADER.pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+                    missing += 1
+                else:
+                    vlen = len(value)
+                    head = heads.get(klen)
+                    if head is None:
+                        head = _get_reply_head(klen)
+                    add_item(head(32 + klen + vlen, cid, 1, OK, klen, buf[kstart:kend], vlen) + value)
+                    found += 1
+                pos += total
+                if len(items) >= room:
+                    break
+                continue
             else:
                 break
-            taken += 1
+            add_key(key)
+            add_item(cid)
             pos += total
-            if taken >= room or nbytes >= room_bytes:
+            if len(items) >= room or nbytes >= room_bytes:
                 break
-        if taken:
-            self._handled += taken - 1
+        if items:
+            self._handled += len(items) - 1
+            self._add_writes(items, keys, values, nbytes, removes, batch)
+            if found or missing:
+                responses = self.responses
+                responses[_GET_OK] = responses.get(_GET_OK, 0) + found
+                if missing:
+                    responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
         return pos
 
-    def _add_write(self, cid, key, value):
-        """Take one write (key non-empty bytes, value bytes within the limit or None to remove)
-        into this pass's run, enter it in the pending table, and give it its place in the replies."""
+    def _add_writes(self, items, keys, values, nbytes, removes, batch=None):
+        """Take writes (keys non-empty, values within the limit or None to remove) into this
+        pass's run, enter them in the pending table, and give them (and the ready replies among
+        ``items``) their place in the replies."""
         run = self._run
         if run is None:
             run = self._run = _Run()
-        run.ops.append((key, value))
-        self._seq = seq = self._seq + 1
-        self._pending[key] = (value, seq)
-        run.keys.append((key, seq))
+            self._pending.append(run.pending)
+        run.keys += keys
+        run.values += values
+        if batch is None:
+            run.pending.update(zip(keys, values))
+        else:
+            run.pending.update(batch)
+        run.removes += removes
+        run.nbytes += nbytes
+        count = len(items)
         slots = self._slots
         segments = run.segments
         if segments and slots and slots[-1] is segments[-1][0]:
-            slot, cids = segments[-1]
-            slot[1] += 1
-            cids.append(cid)
+            slot, seg_items = segments[-1]
+            slot[1] += count
+            seg_items += items
         else:
-            slot = [None, 1]
+            slot = [None, count]
             slots.append(slot)
-            segments.append((slot, [cid]))
-        self._waiting += 1
-        self._unacked += 1
-        if value is not None:
-            run.nbytes += len(value)
-            self._inflight_bytes += len(value)
+            segments.append((slot, items))
+        self._waiting += count
+        self._unacked += len(keys)
+        self._inflight_bytes += nbytes
+
+    def _pending_value(self, key):
+        """This connection's newest write of ``key`` not yet durable: value, None (a remove), or
+        _NO_WRITE."""
+        for table in reversed(self._pending):
+            value = table.get(key, _NO_WRITE)
+            if value is not _NO_WRITE:
+                return value
+        return _NO_WRITE
 
     def _issue_run(self):
         """Hand this pass's writes to the store as one write (one Deferred, one group commit)."""
@@ -520,7 +582,7 @@ class KvServerProtocol(Protocol):
             return
         self._run = None
         try:
-            d = self._write_many(run.ops)
+            d = self._write_many(zip(run.keys, run.values))
         except Exception:
             d = defer.fail()
         d.addBoth(self._run_done, run, time.perf_counter())
@@ -530,6 +592,7 @@ class KvServerProtocol(Protocol):
         if write_many is not None:
             return write_many(ops)
         # A kv without batched writes (a test double): one call per op, one result per op.
+        ops = list(ops)
         ds = []
         for key, value in ops:
             try:
@@ -544,40 +607,51 @@ class KvServerProtocol(Protocol):
         self.observe_latency("kv.set", time.perf_counter() - t0)  # one observation per run
         self._inflight_bytes -= run.nbytes
         pending = self._pending
-        for key, seq in run.keys:
-            entry = pending.get(key)
-            if entry is not None and entry[1] == seq:  # no later write of this key is pending
-                del pending[key]
-        count = len(run.ops)
+        if pending and pending[0] is run.pending:  # runs are durable in the order issued
+            pending.popleft()
+        else:
+            try:
+                pending.remove(run.pending)
+            except ValueError:
+                pass
+        values = run.values
+        count = len(values)
+        removes = run.removes
         pack = _HEADER.pack
         failed = isinstance(result, Failure)
-        ops = run.ops
         responses = self.responses
         if failed:
-            self._store_error(run.segments[0][1][0], result.value)
-            removes = sum(1 for op in ops if op[1] is None)
+            self._store_error(0, result.value)
             if count - removes:
                 self._count(SET, ERR_STATUS + E_UNKNOWN, count - removes)
             if removes:
                 self._count(REMOVE, ERR_STATUS + E_UNKNOWN, removes)
-        i = 0
-        for slot, cids in run.segments:
-            if failed:
-                slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) for cid in cids])
-                continue
-            parts = []
-            for cid in cids:
-                r = result[i]
-                cmd = SET if ops[i][1] is not None else REMOVE
-                i += 1
-                if r is True or r is False:
-                    # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
-                    key = cmd << 8 | (OK if r else DATA_NOT_FOUND)
-                    responses[key] = responses.get(key, 0) + 1
-                    parts.append(pack(HEADER_LEN, cid, 0, OK if r else DATA_NOT_FOUND))
-                else:
-                    parts.append(self._store_error(cid, r.value, cmd))
-            slot[0] = b"".join(parts)
+            for slot, items in run.segments:
+                slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) if cid.__class__ is int else cid for cid in items])
+        elif not removes and result.count(True) == count:
+            # SETs only, all stored (the common case): OK each
+            responses[_SET_OK] = responses.get(_SET_OK, 0) + count
+            for slot, items in run.segments:
+                slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) if cid.__class__ is int else cid for cid in items])
+        else:
+            i = 0
+            for slot, items in run.segments:
+                parts = []
+                for cid in items:
+                    if cid.__class__ is not int:
+                        parts.append(cid)  # a GET's reply, ready since the pass
+                        continue
+                    r = result[i]
+                    cmd = SET if values[i] is not None else REMOVE
+                    i += 1
+                    if r is True or r is False:
+                        # CONTRACT §4 (override): REMOVE of a missing key -> DATA_NOT_FOUND.
+                        key = cmd << 8 | (OK if r else DATA_NOT_FOUND)
+                        responses[key] = responses.get(key, 0) + 1
+                        parts.append(pack(HEADER_LEN, cid, 0, OK if r else DATA_NOT_FOUND))
+                    else:
+                        parts.append(self._store_error(cid, r.value, cmd))
+                slot[0] = b"".join(parts)
         self._unacked -= count
         self._drain()
 
@@ -590,10 +664,11 @@ class KvServerProtocol(Protocol):
             get = self.kv.get
             values = [get(bytes(k)) for k in keys]
         if pending:
+            lookup = self._pending_value
             for i, key in enumerate(keys):
-                entry = pending.get(key)
-                if entry is not None:
-                    values[i] = entry[0]
+                value = lookup(key)
+                if value is not _NO_WRITE:
+                    values[i] = value
         return values
 
     # -- ordering ----------------------------------------------------------------------------
@@ -652,7 +727,10 @@ class KvServerProtocol(Protocol):
                 self._count(REMOVE, DATA_NOT_FOUND)
                 self._push(codec.encode_status(cid, DATA_NOT_FOUND))
             return
-        self._add_write(cid, req.key, req.value if req.cmd == SET else None)
+        if req.cmd == SET:
+            self._add_writes([cid], [bytes(req.key)], [req.value], len(req.value), 0)
+        else:
+            self._add_writes([cid], [bytes(req.key)], [None], 0, 1)
 
     def _store_error(self, cid, exc, cmd=0):
         if not isinstance(exc, errors.DiskFault):  # a disk fault is logged once, by the store
@@ -725,10 +803,8 @@ class KvServerProtocol(Protocol):
         if not req.key:
             self._count(GET, DATA_NOT_FOUND)
             return codec.encode_status(cid, DATA_NOT_FOUND)
-        entry = self._pending.get(req.key)
-        if entry is not None:
-            value = entry[0]  # this connection's own write, not yet durable
-        else:
+        value = self._pending_value(req.key) if self._pending else _NO_WRITE
+        if value is _NO_WRITE:
             try:
                 value = self.kv.get(req.key)
             except Exception as e:
@@ -762,7 +838,9 @@ class KvServerProtocol(Protocol):
         scan_forward, scan_backward, scan_keys = self.kv.scan_forward, self.kv.scan_backward, self.kv.scan_keys
         if self._pending:
             # this connection's writes not yet durable are part of what it reads (issue 19)
-            pending = {k: v for k, (v, _seq) in self._pending.items()}
+            pending = {}
+            for table in self._pending:
+                pending.update(table)
             scan_forward = with_pending(scan_forward, pending)
             scan_backward = with_pending(scan_backward, pending, descending=True)
             scan_keys = with_pending(scan_keys, pending, keys_only=True)
