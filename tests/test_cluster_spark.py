@@ -182,7 +182,7 @@ def test_a_streaming_query_goes_on_across_a_primary_failover(failed_over):
 
 
 def test_a_batch_read_through_c_of_sealed_and_open_ranges(failed_over, spark):
-    sid, a, b, c = failed_over["sid"], failed_over["a"], failed_over["b"], failed_over["c"]
+    sid, b, c = failed_over["sid"], failed_over["b"], failed_over["c"]
     want = sorted(failed_over["rows"])
 
     def read(**opts):
