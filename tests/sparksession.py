@@ -17,6 +17,7 @@ def start_session():
         SparkSession.builder.master("local[2]")
         .appName("sbpnode-tests")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", "2")
