@@ -18,6 +18,9 @@ def start_session():
         .appName("sbpnode-tests")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
+        # a Python worker that starts slowly on a loaded machine (its connect-back is 15 s by
+        # default: "Python worker failed to connect back" under a CI load of 30-40)
+        .config("spark.python.authenticate.socketTimeout", "120s")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", "2")

@@ -133,8 +133,13 @@ def failed_over(trio, spark):
             sink[batch_id] = got  # idempotent: a replayed micro-batch replaces itself
 
     def offsets():
+        # a query that died stops the wait at once, with its own error
+        if query is not None and query.exception() is not None:
+            raise AssertionError("the streaming query failed: %s" % query.exception())
         with lock:
             return sorted(o for rows in sink.values() for o, _ in rows)
+
+    query = None
 
     w = Writer(a, sid)
     w.thread.start()
