@@ -6,13 +6,12 @@ in one module so ``pytest -n 2 --dist loadfile`` starts Spark once.
 
 import datetime
 import json
-import os
-import sys
 
 import pytest
 
 from storage import record_batch
-from tests.nodeproc import REPO, NodeProcess
+from tests.nodeproc import NodeProcess
+from tests.sparksession import start_session
 
 pyspark = pytest.importorskip("pyspark")
 
@@ -39,23 +38,7 @@ def client(sbp_node):
 
 @pytest.fixture(scope="session")
 def spark_session():
-    from pyspark.sql import SparkSession
-
-    # Workers run this interpreter (it has pyarrow) and can import the checkout (research §3.5).
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("sbpnode-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = start_session()
     yield spark
     spark.stop()
 

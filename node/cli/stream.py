@@ -99,10 +99,9 @@ def run_create(client, args):
 
 
 def _stream_info(client, sid, ranges=None):
-    if ranges is None:
-        client = client.for_stream(sid)  # in a cluster the primary knows the open range's next offset
     (s,) = client.describe_streams([sid])
-    ranges = client.list_ranges(sid) if ranges is None else ranges
+    # in a cluster the open range's replicas know its next offset (any node answers the rest)
+    ranges = client.current_ranges(sid) if ranges is None else ranges
     s["start_offset"] = min((r["start_offset"] for r in ranges), default=0)
     s["next_offset"] = max((r["next_offset"] for r in ranges), default=0)
     s["ranges"] = ranges
@@ -110,7 +109,9 @@ def _stream_info(client, sid, ranges=None):
 
 
 def run_list(client, args):
-    all_ranges = client.list_all_ranges()
+    # every stream of the cluster: LIST_RANGES by each live member's id (a single node: itself)
+    ids = sorted({int(m["name"]) for m in client.live_members() if m["name"].isdigit()}) or [0]
+    all_ranges = client.list_all_ranges(ids)
     for sid in sorted(all_ranges):
         s = _stream_info(client, sid, all_ranges[sid])
         _out(args, s, "%d\tstart=%d next=%d ranges=%d replicas=%d retention_ms=%d" % (
@@ -118,17 +119,89 @@ def run_list(client, args):
     return 0
 
 
+def replica_progress(client, sid, ranges, live):
+    """Each replica's own view of ``sid``, asked of that node (DESCRIBE_RANGES of the open range:
+    status.detail holds its durable end and the confirm offset it has learned; the primary's
+    answer also has every replica's end as acknowledged to it; docs/cluster.md):
+    ``{address: {"durable_end", "confirm_offset", "acked"?} | {"error": text}}``."""
+    from protocols.sbp.client import SbpError
+
+    open_ = [r for r in ranges if r["end_offset"] < 0]
+    index = (open_ or ranges)[-1]["range_index"] if ranges else 0
+    out = {}
+    for r in ranges:
+        for srv in r["servers"]:
+            address = srv["advertise_addr"]
+            if not address or address in out:
+                continue
+            if address not in live:
+                out[address] = {"error": "down"}
+                continue
+            try:
+                d = client.peer(address).describe_range(sid, index)
+            except SbpError as e:
+                out[address] = {"error": str(e)}
+                continue
+            p = d.get("progress")
+            if p is None:
+                out[address] = {}  # a single node: no replication
+                continue
+            me = {"durable_end": p.get("replica_ends", {}).get(str(srv["server_id"])), "confirm_offset": p.get("confirm_offset")}
+            if "sequencer" in p:
+                me["acked"] = {int(k): v for k, v in p["replica_ends"].items()}
+            out[address] = me
+    return out
+
+
+def _describe_replicas(s, progress):
+    """Per range and replica: live or not, and its progress (into the JSON and the text)."""
+    acked = {}
+    for p in progress.values():
+        acked.update(p.get("acked", {}))
+    for r in s["ranges"]:
+        end = r["end_offset"] if r["end_offset"] >= 0 else None
+        for srv in r["servers"]:
+            p = progress.get(srv["advertise_addr"], {"error": "no address"})
+            srv.update(p)
+            if end is None and srv["server_id"] in acked:
+                srv["acked_by_primary"] = acked[srv["server_id"]]
+            if end is not None and srv.get("durable_end") is not None:
+                srv["holds_range"] = srv["durable_end"] >= end  # it has the sealed range whole
+        r["servers"] = sorted(r["servers"], key=lambda x: (not x["is_primary"], x["server_id"]))
+
+
+def _replica_line(r, x):
+    role = "primary" if x["is_primary"] else "replica"
+    head = "    node %-3s %-21s %-7s" % (x["server_id"], x["advertise_addr"] or "-", role)
+    if "error" in x:
+        return head + " " + x["error"]
+    if x.get("durable_end") is None:
+        return head
+    if r["end_offset"] >= 0:
+        state = "complete" if x.get("holds_range") else "behind (durable end %d)" % x["durable_end"]
+        return head + " " + state
+    text = " durable=%d confirm=%s" % (x["durable_end"], x["confirm_offset"])
+    if "acked_by_primary" in x and not x["is_primary"]:
+        text += " acked=%d" % x["acked_by_primary"]
+    return head + text
+
+
 def run_describe(client, args):
     s = _stream_info(client, args.stream_id)
+    live = {m["advertise_addr"] for m in client.live_members()}
+    _describe_replicas(s, replica_progress(client, args.stream_id, s["ranges"], live))
     if args.json:
         print(json.dumps(s, sort_keys=True))
         return 0
     print("stream %d: replicas=%d retention_ms=%d start=%d next=%d" % (
         s["stream_id"], s["replica_nums"], s["retention_period_ms"], s["start_offset"], s["next_offset"]))
     for r in s["ranges"]:
-        servers = ",".join("%s%s" % (x["advertise_addr"] or x["server_id"], "*" if x["is_primary"] else "") for x in r["servers"])
-        print("  range %d: [%d, %s) next=%d servers=%s" % (
-            r["range_index"], r["start_offset"], "open" if r["end_offset"] < 0 else r["end_offset"], r["next_offset"], servers))
+        sealed = r["end_offset"] >= 0
+        print("  range %d: [%d, %s) %s" % (
+            r["range_index"], r["start_offset"], r["end_offset"] if sealed else "open",
+            "sealed" if sealed else "next=%d" % r["next_offset"]))
+        for x in r["servers"]:
+            print(_replica_line(r, x))
     return 0
 
 

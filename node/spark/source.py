@@ -15,6 +15,8 @@ Options (strings, as Spark passes them):
 - ``max_records_per_trigger`` (streaming reads): admission control, the most records one
   micro-batch takes over all streams (default: no limit).
 - ``fetch_bytes``: FETCH ``batch_max_bytes`` (default 4 MiB); ``timeout``: socket timeout seconds.
+- ``read_from``: ``replicas`` (default: each partition reads from a live replica of its range,
+  spread over them; CONTRACT §9) or ``endpoint`` (every FETCH through the given node).
 - Writes: ``stream`` (target stream id; without it each row goes to its ``stream_id`` column's
   stream), ``batch_bytes`` (record batch size, default 1 MiB), ``report_path`` (the driver writes the
   appended offsets there as JSON on commit).
@@ -40,6 +42,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
 
+from node.spark import replicas
 from node.spark.arrow import (
     SCHEMA_DDL,
     arrow_to_records,
@@ -81,6 +84,9 @@ class _Options:
         split_endpoint(self.endpoint)  # fail at planning, not in a task
         self.fetch_bytes = int(opts.get("fetch_bytes", DEFAULT_FETCH_BYTES))
         self.timeout = float(opts.get("timeout", DEFAULT_TIMEOUT))
+        self.read_from = str(opts.get("read_from", "replicas")).strip().lower()
+        if self.read_from not in replicas.READ_FROM:
+            raise ValueError("read_from must be one of %s, got %r" % ("/".join(replicas.READ_FROM), self.read_from))
 
     def streams(self) -> List[int]:
         return parse_streams(self.raw.get("streams", self.raw.get("stream")))
@@ -102,13 +108,7 @@ def _offset_spec(value, default: str):
     return lambda sid: n
 
 
-def _bounds(ranges) -> Tuple[int, int]:
-    """A stream's (earliest, tail) from its LIST_RANGES entries."""
-    if not ranges:
-        return 0, 0
-    earliest = min(r["start_offset"] for r in ranges)
-    tail = max(r["next_offset"] if r["end_offset"] < 0 else r["end_offset"] for r in ranges)
-    return earliest, tail
+_bounds = replicas.bounds
 
 
 def _resolve(spec, sid, earliest, tail) -> int:
@@ -121,11 +121,12 @@ def _resolve(spec, sid, earliest, tail) -> int:
 
 
 class SbpPartition(InputPartition):
-    """One (stream, range) slice ``[start, end)`` of record offsets, read by one Spark task."""
+    """One (stream, range) slice ``[start, end)`` of record offsets, read by one Spark task from
+    ``servers`` (the replicas of the range to try, in order; the chosen one first)."""
 
-    def __init__(self, endpoint, stream_id, range_index, start, end, fetch_bytes, timeout):
+    def __init__(self, servers, stream_id, range_index, start, end, fetch_bytes, timeout):
         super().__init__((stream_id, range_index, start, end))
-        self.endpoint = endpoint
+        self.servers = list(servers)
         self.stream_id = stream_id
         self.range_index = range_index
         self.start = start
@@ -134,19 +135,37 @@ class SbpPartition(InputPartition):
         self.timeout = timeout
 
     def __repr__(self):
-        return "SbpPartition(stream=%d, range=%d, [%d, %d))" % (self.stream_id, self.range_index, self.start, self.end)
+        return "SbpPartition(stream=%d, range=%d, [%d, %d) from %s)" % (
+            self.stream_id, self.range_index, self.start, self.end, self.servers[0])
 
 
-def plan_partitions(opts: _Options, stream_id: int, ranges, lo: int, hi: int) -> List[SbpPartition]:
-    """CONTRACT §8: one partition per (stream, range), clipped to ``[lo, hi)``."""
+def plan_partitions(opts: _Options, stream_id: int, ranges, lo: int, hi: int, spreader=None) -> List[SbpPartition]:
+    """CONTRACT §8: one partition per (stream, range), clipped to ``[lo, hi)``; each read from the
+    replica ``spreader`` chooses (None: the endpoint).
+
+    The open range is clipped to ``hi`` alone: ``hi`` came from a replica's confirm offset, and the
+    ranges may come from a node that has learned less (CONTRACT §9), so its next offset is no bound.
+    """
     out = []
     for r in sorted(ranges, key=lambda r: r["range_index"]):
-        r_end = r["next_offset"] if r["end_offset"] < 0 else r["end_offset"]
+        r_end = hi if r["end_offset"] < 0 else r["end_offset"]
         a = max(lo, r["start_offset"])
         b = min(hi, r_end)
         if a < b:
-            out.append(SbpPartition(opts.endpoint, stream_id, r["range_index"], a, b, opts.fetch_bytes, opts.timeout))
+            servers = spreader.servers(r, a, b) if spreader is not None else [opts.endpoint]
+            out.append(SbpPartition(servers, stream_id, r["range_index"], a, b, opts.fetch_bytes, opts.timeout))
     return out
+
+
+def _planner(opts: _Options):
+    """(client, live member addresses, Spreader) for one planning pass; close the client after."""
+    client = _client(opts.endpoint, opts.timeout)
+    try:
+        live = replicas.live_addresses(client)
+    except Exception:
+        client.close()
+        raise
+    return client, live, replicas.Spreader(live, opts.endpoint, opts.read_from)
 
 
 def read_partition(p: SbpPartition):
@@ -186,14 +205,14 @@ def _fetch_ahead(p: SbpPartition, depth: int = FETCH_AHEAD):
         return False
 
     def fetcher():
-        client = _client(p.endpoint, p.timeout)
+        reader = replicas.ReplicaReader(p.servers, p.timeout)
         offset = p.start
         try:
             while offset < p.end and not stop.is_set():
                 try:
-                    buf = client.fetch(p.stream_id, offset, batch_max_bytes=p.fetch_bytes)
+                    buf = reader.fetch(p.stream_id, offset, p.fetch_bytes)
                 except Exception as e:  # SbpError or a socket error: say what was being read
-                    e.add_note("sbp: FETCH stream %d at offset %d from %s" % (p.stream_id, offset, p.endpoint))
+                    e.add_note("sbp: FETCH stream %d at offset %d from %s" % (p.stream_id, offset, ", ".join(p.servers)))
                     raise
                 if not buf:
                     raise RuntimeError(
@@ -210,7 +229,7 @@ def _fetch_ahead(p: SbpPartition, depth: int = FETCH_AHEAD):
         except BaseException as e:
             put(e)
         finally:
-            client.close()
+            reader.close()
 
     thread = threading.Thread(target=fetcher, name="sbp-fetch-%d" % p.stream_id, daemon=True)
     thread.start()
@@ -236,14 +255,14 @@ class SbpBatchReader(DataSourceReader):
 
     def partitions(self):
         parts = []
-        client = _client(self.opts.endpoint, self.opts.timeout)
+        client, live, spreader = _planner(self.opts)
         try:
             for sid in self.stream_ids:
-                ranges = client.for_stream(sid).list_ranges(sid)
+                ranges = client.current_ranges(sid, live)
                 earliest, tail = _bounds(ranges)
                 lo = max(_resolve(self.start, sid, earliest, tail), earliest)
                 hi = min(_resolve(self.end, sid, earliest, tail), tail)
-                parts.extend(plan_partitions(self.opts, sid, ranges, lo, hi))
+                parts.extend(plan_partitions(self.opts, sid, ranges, lo, hi, spreader))
         finally:
             client.close()
         return parts
@@ -266,11 +285,11 @@ class SbpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target = None  # availableNow: the tails when the query started
 
     def _tails(self, with_earliest=False):
-        client = _client(self.opts.endpoint, self.opts.timeout)
+        client, live, _ = _planner(self.opts)
         try:
             out = {}
             for sid in self.stream_ids:
-                earliest, tail = _bounds(client.for_stream(sid).list_ranges(sid))
+                earliest, tail = _bounds(client.current_ranges(sid, live))
                 out[sid] = (earliest, tail) if with_earliest else tail
             return out
         finally:
@@ -309,14 +328,14 @@ class SbpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 todo[sid] = (lo, hi)
         if not todo:
             return []
-        client = _client(self.opts.endpoint, self.opts.timeout)
+        client, live, spreader = _planner(self.opts)
         try:
             for sid, (lo, hi) in todo.items():
-                ranges = client.for_stream(sid).list_ranges(sid)
+                ranges = client.current_ranges(sid, live)
                 earliest, _ = _bounds(ranges)
                 if lo < earliest:
                     log.warning("sbp: stream %d trimmed past offset %d; reading from %d", sid, lo, earliest)
-                parts.extend(plan_partitions(self.opts, sid, ranges, max(lo, earliest), hi))
+                parts.extend(plan_partitions(self.opts, sid, ranges, max(lo, earliest), hi, spreader))
         finally:
             client.close()
         return parts

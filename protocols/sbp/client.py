@@ -133,6 +133,10 @@ def call_list_ranges(stream_id):
 
 
 def call_list_all_ranges(server_id=0):
+    """LIST_RANGES by range server: the streams with a range on ``server_id`` (0: the answering
+    node), or on any of several ids given as a list."""
+    ids = list(server_id) if isinstance(server_id, (list, tuple, set)) else [server_id]
+
     def parse(resp, payload):
         out = {}
         for r in _results(resp, "list_responses"):
@@ -141,7 +145,7 @@ def call_list_all_ranges(server_id=0):
         return out
 
     return Call(codec.LIST_RANGES, "ListRangesRequest",
-                T.ListRangesRequest(0, [T.RangeOwner(-1, T.RangeServer(server_id, None))]), parse)
+                T.ListRangesRequest(0, [T.RangeOwner(-1, T.RangeServer(i, None)) for i in ids]), parse)
 
 
 def call_append_many(entries):
@@ -492,18 +496,81 @@ class BlockingSbpClient:
 
     def call(self, call, extra_wait=0.0):
         sid = call.stream_id
-        if not self.follow_cluster or sid is None:
+        if not self.follow_cluster:
             return self._call_here(call, extra_wait)
+        if sid is None:
+            return self._call_anywhere(call, extra_wait)
         target = self._routes.get(sid)
         client = self._peer(target) if target else self
         for hop in range(MAX_HOPS + 1):
             try:
                 return client._call_here(call, extra_wait)
+            except SbpConnectionError:
+                if client is self or call.opcode not in _IDEMPOTENT:
+                    self._routes.pop(sid, None)
+                    raise
+                # the stream's node went away (a failover, a restart on new ports): forget it
+                # and ask the node we were given, which names the stream's node now
+                self._routes.pop(sid, None)
+                client = self
             except SbpError as e:
                 if e.code != codec.PD_NOT_LEADER or hop == MAX_HOPS or not self._is_member(e.message, client):
                     raise
                 self._routes[sid] = e.message
                 client = self._peer(e.message)
+
+    def _call_anywhere(self, call, extra_wait=0.0):
+        """A call any node answers (placement-driver opcodes): on this node, and if it cannot be
+        reached, a request that changes nothing goes to the other members it named before."""
+        try:
+            return self._call_here(call, extra_wait)
+        except SbpConnectionError:
+            others = sorted(self._members - {self._address()})
+            if call.opcode not in _IDEMPOTENT or not others:
+                raise
+            last = None
+            for address in others:
+                try:
+                    return self._peer(address)._call_here(call, extra_wait)
+                except SbpConnectionError as e:
+                    last = e
+            raise last
+
+    def live_members(self):
+        """DESCRIBE_PD_CLUSTER: ``[{"name", "advertise_addr", "is_leader"}]``; a single node lists
+        itself. Remembered, so calls any node answers go elsewhere if this one is unreachable."""
+        nodes = self.call(call_describe_cluster())
+        self._members = {n["advertise_addr"] for n in nodes if n["advertise_addr"]}
+        return nodes
+
+    def current_ranges(self, stream_id, live=None):
+        """LIST_RANGES of ``stream_id``, the open range's next offset as its replicas know it.
+
+        Any node answers LIST_RANGES from etcd, but an open range's next offset is the answering
+        node's confirm offset (its start on a node without a replica; CONTRACT §9 Reads): so the
+        open range's primary is asked, else its other live replicas, else this node. ``live``: the
+        live members' SBP addresses if known (else asked)."""
+        ranges = self.list_ranges(stream_id)
+        open_ = [r for r in ranges if r["end_offset"] < 0]
+        if not open_ or not self.follow_cluster:
+            return ranges
+        if live is None:
+            live = {n["advertise_addr"] for n in self.live_members()}
+        servers = sorted(open_[-1]["servers"], key=lambda s: not s["is_primary"])
+        for address in [s["advertise_addr"] for s in servers if s["advertise_addr"] in live]:
+            try:
+                return self._peer(address).list_ranges(stream_id)
+            except SbpConnectionError:
+                continue  # a node going away (its lease has not expired yet): the next one
+        return ranges
+
+    def peer(self, address):
+        """A client of the node at ``address`` (``host:port``), kept and closed with this one."""
+        return self._peer(address)
+
+    def forget(self, stream_id):
+        """Drop the remembered node of ``stream_id`` (the next call asks again)."""
+        self._routes.pop(stream_id, None)
 
     def for_stream(self, stream_id):
         """The client for the node serving ``stream_id``'s open range (its primary), learnt from
@@ -579,8 +646,8 @@ class BlockingSbpClient:
     def list_ranges(self, stream_id):
         return self.call(call_list_ranges(stream_id))
 
-    def list_all_ranges(self):
-        return self.call(call_list_all_ranges())
+    def list_all_ranges(self, server_id=0):
+        return self.call(call_list_all_ranges(server_id))
 
     def append(self, stream_id, batch):
         return self.call(call_append(stream_id, batch))
