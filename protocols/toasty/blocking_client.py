@@ -1,8 +1,9 @@
 """The Toasty file protocol over plain sockets: ``BlockingToastyClient`` and its
 ``BlockingConnection`` (for sbpctl, scripts, Spark and benchmarks); the planning is in ``planning``.
 
-A reply is read with exact ``recv(n, MSG_WAITALL)`` calls (its header, then its body into one
-allocation, no copy of a chunk's data), so this client keeps no receive buffer and needs no framer.
+Replies are read by ``recv`` of up to 1 MiB and taken from that read where they lie (a chunk's
+data is a view of it, not a copy); a reply cut by the end of a read is finished with an exact
+``recv(n, MSG_WAITALL)`` and joined, so no framer is needed and only cut replies are copied.
 """
 
 import socket
@@ -12,6 +13,8 @@ from collections import deque
 from protocols import client_socket
 from protocols.toasty import codec
 from protocols.toasty.codec import HEADER, HEADER_LEN
+
+READ_SIZE = 1024 * 1024  # bytes asked of one recv: up to 16 pipelined 64 KiB chunk replies
 from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
@@ -44,8 +47,10 @@ class BlockingConnection:
         self.tls = client_socket.is_tls(self.sock)  # no sendmsg, no MSG_WAITALL
         self.pending = deque()
         self.address = (host, port)
+        self._rbuf, self._rview, self._rpos = b"", memoryview(b""), 0  # received, not yet taken
 
     def close(self):
+        self._rbuf, self._rview, self._rpos = b"", memoryview(b""), 0
         try:
             self.sock.close()
         except OSError:
@@ -91,13 +96,37 @@ class BlockingConnection:
                     sent = 0
 
     def _exact(self, n):
-        # MSG_WAITALL: one call, one allocation, no zero-fill (headers and bodies alike).
+        """The next ``n`` bytes of the stream (bytes, or a view of a read holding them). Replies
+        are taken from what one ``recv`` of up to READ_SIZE brought in, with no copy, so pipelined
+        replies cost one system call per read rather than two each; a reply cut by the end of a
+        read is finished with MSG_WAITALL and joined (one copy of that reply only)."""
+        buf, pos = self._rbuf, self._rpos
+        avail = len(buf) - pos
+        if avail >= n:
+            self._rpos = pos + n
+            return self._rview[pos : pos + n]
+        if avail:
+            head = buf[pos:]
+            self._rbuf, self._rview, self._rpos = b"", memoryview(b""), 0
+            return head + bytes(self._rest(n - avail))
+        if self.tls:
+            return self._rest(n)
+        data = self.sock.recv(max(n, READ_SIZE))  # what is there (waiting for at least a byte)
+        if not data:
+            raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
+        if len(data) >= n:
+            self._rbuf, self._rview, self._rpos = data, memoryview(data), n
+            return self._rview[:n]
+        return data + bytes(self._rest(n - len(data)))
+
+    def _rest(self, n):
+        # MSG_WAITALL: one call, one allocation, no zero-fill.
         data = self.sock.recv(n) if self.tls else self.sock.recv(n, socket.MSG_WAITALL)
         if len(data) == n:
             return data
         if not data:
             raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
-        return data + bytes(self._exact(n - len(data)))
+        return data + bytes(self._rest(n - len(data)))
 
     def recv(self):
         try:
@@ -117,7 +146,7 @@ class BlockingConnection:
             body = self._exact(length - HEADER_LEN)
             if mtype == codec.DOWNLOAD_CHUNK_SUCCESS and len(body) >= 4 and int.from_bytes(body[:4], "little") == len(body) - 4:
                 return codec.DownloadChunkSuccess(memoryview(body)[4:])  # no copy of the data
-            return codec.decode_reply(mtype, body)
+            return codec.decode_reply(mtype, bytes(body))
         except codec.CodecError as e:
             self.close()
             raise ConnectionError("bad reply from toasty server %s:%d: %s" % (self.address + (e,)))
