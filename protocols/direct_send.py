@@ -12,12 +12,9 @@ Twisted's transport internals). Any other transport, TLS included (its bytes mus
 encryption), takes the plain ``transport.write`` path.
 """
 
-import os
-import socket
-
 from protocols.tcp_internals import idle_socket
 
-__all__ = ["idle_socket", "send_file_now", "send_now", "send_parts_now"]
+__all__ = ["idle_socket", "send_now", "send_parts_now"]
 
 
 def send_now(transport, data):
@@ -49,38 +46,3 @@ def send_parts_now(transport, parts):
         sent = 0
     if sent < sum(len(p) for p in parts):
         transport.write(b"".join(parts)[sent:])
-
-
-def send_file_now(transport, head, fd, offset, count) -> bool:
-    """Write ``head`` then ``count`` bytes of file ``fd`` from ``offset`` with ``sendfile`` (the
-    file's pages go to the socket with no copy through this process) when :func:`idle_socket`
-    allows; False, having written nothing, when it does not or the socket takes none of ``head``.
-    What the socket does not take is read with ``pread`` and queued through ``transport.write``:
-    the caller makes sure the range is in the page cache, as neither call may wait for the disk on
-    the reactor thread."""
-    sock = idle_socket(transport)
-    if sock is None:
-        return False
-    try:
-        sent = sock.send(head, socket.MSG_MORE)  # the data follows: one segment, not two
-    except OSError:
-        return False
-    if sent < len(head):
-        if not sent:
-            return False
-        transport.write(bytes(head[sent:]) + _pread_all(fd, count, offset))
-        return True
-    try:
-        done = os.sendfile(sock.fileno(), fd, offset, count)
-    except OSError:  # BlockingIOError; a broken connection is reported by transport.write
-        done = 0
-    if done < count:
-        transport.write(_pread_all(fd, count - done, offset + done))
-    return True
-
-
-def _pread_all(fd, count, offset):
-    data = os.pread(fd, count, offset)
-    if len(data) != count:  # the bytes promised in the header are gone: the stream is broken
-        raise OSError("file ended %d bytes early" % (count - len(data)))
-    return data

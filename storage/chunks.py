@@ -191,33 +191,6 @@ class Packs:
             raise errors.DataCorrupted("chunk %s failed its CRC" % addr.hex())
         return data
 
-    def cached_range(self, pack_id, pos, length, addr):
-        """(fd, offset) of an entry's data for a caller that sends it from the file itself, when
-        its first and last pages are in the page cache (preadv2 RWF_NOWAIT; the pages of an entry
-        are written together and so cached together), else None. The entry's head is checked
-        (length and address), not its CRC: such a reader checks the data itself (a Toasty
-        client checks every chunk's SHA-256)."""
-        fd = self.fds.get(pack_id)
-        if fd is None:
-            raise errors.ChunkNotFound("chunk %s is gone" % addr.hex())
-        if _RWF_NOWAIT is None:
-            return None
-        head, last = bytearray(PACK_ENTRY_SIZE), bytearray(1)
-        try:
-            if os.preadv(fd, [head], pos, _RWF_NOWAIT) != PACK_ENTRY_SIZE:
-                return None
-            if length and os.preadv(fd, [last], pos + PACK_ENTRY_SIZE + length - 1, _RWF_NOWAIT) != 1:
-                return None
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                return None
-            raise
-        if PACK_ENTRY.unpack_from(head, 0)[0] != length or head[8:40] != addr:
-            raise errors.DataCorrupted("chunk %s has a damaged pack entry" % addr.hex())
-        return fd, pos + PACK_ENTRY_SIZE
-
     def entries(self, pack_id):
         """(position, addr, size) of every entry framed in the pack, in file order."""
         fd = self.fds.get(pack_id)
@@ -440,19 +413,6 @@ class ChunkStore:
             raise errors.ChunkNotFound("no chunk %s" % addr.hex())
         pack_id, pos, size = found[0], found[1], found[2]
         return self._core.packs.read_cached(pack_id, pos, size, addr)
-
-    def locate_cached(self, addr):
-        """(fd, offset, size) of chunk ``addr``'s bytes in its pack file, for a reader that sends
-        them with ``sendfile`` and checks them itself, when they are in the page cache; None when
-        reading would wait for the disk (use ``get``). Never blocks on I/O. The fd stays open for
-        at least the sweep's grace after the pack is deleted: use it at once."""
-        addr = bytes(addr)
-        found = self._lookup(addr) if len(addr) == 32 else None
-        if found is None:
-            raise errors.ChunkNotFound("no chunk %s" % addr.hex())
-        pack_id, pos, size = found[0], found[1], found[2]
-        where = self._core.packs.cached_range(pack_id, pos, size, addr)
-        return None if where is None else (where[0], where[1], size)
 
     def get_many(self, addrs):
         """Whole chunks for a list of addresses, read in one pool job from one snapshot:

@@ -414,15 +414,6 @@ def encode_parts(msg) -> list:
     return body
 
 
-def download_success_head(n: int) -> bytes:
-    """The bytes of a DOWNLOAD_CHUNK_SUCCESS that come before its ``n`` bytes of data (header and
-    ``u32 len``), for a sender that sends the data from elsewhere (a file, with ``sendfile``)."""
-    length = HEADER_LEN + 4 + n
-    if length > MAX_MESSAGE:
-        raise ValueError("message of %d bytes is over the 16 MiB limit" % length)
-    return HEADER.pack(VERSION, DOWNLOAD_CHUNK_SUCCESS, length) + _U32.pack(n)
-
-
 def encode(msg) -> bytes:
     """A whole message: header (with the total length) and body."""
     return b"".join(encode_parts(msg))

@@ -23,7 +23,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 
 from protocols import tcp_internals
-from protocols.direct_send import idle_socket, send_file_now, send_parts_now
+from protocols.direct_send import idle_socket, send_parts_now
 from protocols.framing import Framer
 from protocols.read_gate import BUDGET, ReadGate
 from protocols.toasty import codec, file_tree, paths
@@ -520,8 +520,6 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         # answered at once: the chunk is read from the page cache (never waiting for the disk)
         # and its reply goes straight to the socket -- no thread hop, no Deferred, no slot.
         if t == codec.DOWNLOAD_CHUNK and msg.full and not self._slots and idle_socket(self.transport) is not None:
-            if self._send_chunk_file(msg):
-                return
             try:
                 data = self.node.store.chunks.get_cached(msg.hash)
             except Exception:
@@ -548,31 +546,6 @@ class ChunkServerProtocol(_ToastyServerProtocol):
                 self._puts.append((data, (slot, size, msg)))
                 return
         super()._start(msg, size)
-
-    def _send_chunk_file(self, msg):
-        """Answer a whole-chunk download with ``sendfile`` from the pack file (zero copy: the node
-        neither reads nor copies the bytes) when they are in the page cache; False to take the
-        other paths. The pack entry's CRC is not checked here: the client checks the chunk's
-        SHA-256, which covers more (see docs/protocols/toasty.md)."""
-        try:
-            where = self.node.store.chunks.locate_cached(msg.hash)
-        except Exception:
-            return False  # the ordinary path answers errors (not found, damaged entry)
-        if where is None:
-            return False
-        fd, offset, size = where
-        try:
-            if not send_file_now(self.transport, codec.download_success_head(size), fd, offset, size):
-                return False
-        except (OSError, ValueError) as e:
-            self._drop("chunk %s could not be sent: %s" % (msg.hash.hex(), e))
-            return True
-        self._count(codec.DOWNLOAD_CHUNK)
-        stats = self.stats
-        key = codec.DOWNLOAD_CHUNK_SUCCESS << 8
-        stats["responses"][key] = stats["responses"].get(key, 0) + 1
-        stats["bytes_out"] += HEADER_LEN + 4 + size
-        return True
 
     def _load(self, addr):
         """Deferred[chunk bytes]: from the page cache at once when it is there, else read by the
