@@ -13,8 +13,6 @@ from collections import deque
 from protocols import client_socket
 from protocols.toasty import codec
 from protocols.toasty.codec import HEADER, HEADER_LEN
-
-READ_SIZE = 1024 * 1024  # bytes asked of one recv: up to 16 pipelined 64 KiB chunk replies
 from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
@@ -37,6 +35,8 @@ from protocols.toasty.planning import (
     verify_chunk,
     write_message,
 )
+
+READ_SIZE = 1024 * 1024  # bytes asked of one recv: up to 16 pipelined 64 KiB chunk replies
 
 
 class BlockingConnection:
