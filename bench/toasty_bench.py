@@ -7,6 +7,11 @@
 3. put: the blocking client writes it to a node on loopback (64 KiB chunks: READ, CREATE_CHUNK x N
    pipelined, WRITE per 1024 chunks), reading the source file as it goes.
 4. get: the blocking client reads it back into a file in DIR, checking every chunk's SHA-256.
+   With --rounds N, put and get run N times each (alternating) and every round is printed.
+   With --ceiling, bench/toasty_ceiling.py measures this machine's bound first, in the same run,
+   and each put and get is printed as a fraction of it: of its MB/s (wall time: a loaded machine
+   lowers this) and of its CPU cost (the ceiling's CPU-seconds per GB over the node's + the
+   client's: what the load takes away least).
 5. small files: --files creates+writes of 4 KiB files (each a CREATE_CHUNK and a WRITE with
    CREATE_IF_MISSING and expect_gen 2^64-1; the two pipelines interleaved, each WRITE sent when its
    chunk is acknowledged), plus the latency of one new file written alone with the blocking
@@ -26,6 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # toasty_ceiling
 
 from protocols.toasty import codec  # noqa: E402
 from protocols.toasty.client import BlockingConnection, BlockingToastyClient  # noqa: E402
@@ -96,6 +102,9 @@ def main(argv=None):
     ap.add_argument("--files", type=int, default=10_000, help="number of 4 KiB files (default 10000)")
     ap.add_argument("--fsync", default="never", help="node fsync policy (default never: cp does not fsync either)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under the repo)")
+    ap.add_argument("--rounds", type=int, default=1, help="put + get rounds of the big file (default 1)")
+    ap.add_argument("--ceiling", action="store_true", help="measure bench/toasty_ceiling.py first and print fractions of it")
+    ap.add_argument("--parallel", type=int, default=32, help="chunk requests in flight (default 32)")
     args = ap.parse_args(argv)
 
     base = args.dir or tempfile.mkdtemp(prefix="toasty-bench-", dir=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,34 +112,49 @@ def main(argv=None):
     size = args.size * MiB
     src, cp_dst, got = (os.path.join(base, n) for n in ("src.bin", "cp.bin", "get.bin"))
     node = NodeProcess(base, name="bench", fsync=args.fsync, sbp="none", kv="none", swarm="none", http="none")
+    bound = None
+    if args.ceiling:
+        import toasty_ceiling
+
+        bound = toasty_ceiling.main(["--size", str(args.size), "--dir", os.path.join(base, "ceiling")])
+        shutil.rmtree(os.path.join(base, "ceiling"), ignore_errors=True)
     try:
         make_source(src, size)
-        t_cp, _ = timed(lambda: subprocess.run(["cp", src, cp_dst], check=True))
+        t_cp = min(timed(lambda: subprocess.run(["cp", src, cp_dst], check=True))[0] for _ in range(3))
         os.remove(cp_dst)
         # For context next to --fsync always: the same copy made durable (`sync FILE` fsyncs it).
         t_cps, _ = timed(lambda: (subprocess.run(["cp", src, cp_dst], check=True), subprocess.run(["sync", cp_dst], check=True)))
         os.remove(cp_dst)
         node.start()
         meter = CpuMeter(node.proc.pid)
-        with BlockingToastyClient(*node.address("meta"), timeout=120, parallel=32) as c:
-            with open(src, "rb") as f:
-                t_put, _, put_node, put_client = cpu_timed(meter, lambda: c.write_stream("/big", f, size, truncate=True, chunk_size=64 * 1024))
-
-            def get():
-                with open(got, "wb") as out:
-                    return c.read_into("/big", out.write)
-
-            t_get, n, get_node, get_client = cpu_timed(meter, get)
-            assert n == size
-        same = _sha(src) == _sha(got)
-        os.remove(got)
         mb = size / 1e6
-        cp_rate, put_rate, get_rate = mb / t_cp, mb / t_put, mb / t_get
-        print("big file: %d MiB, chunk size 64 KiB, node --fsync %s" % (args.size, args.fsync))
+        cp_rate = mb / t_cp
+        print("big file: %d MiB, chunk size 64 KiB, node --fsync %s, %d in flight; load average %.2f %.2f %.2f"
+              % ((args.size, args.fsync, args.parallel) + os.getloadavg()))
         print("  cp   %8.1f MB/s  (%.2f s); cp + sync of the copy %.1f MB/s" % (cp_rate, t_cp, mb / t_cps))
-        print("  put  %8.1f MB/s  (%.2f s)  ratio to cp %.2f (target >= 0.5)" % (put_rate, t_put, put_rate / cp_rate))
-        print("  get  %8.1f MB/s  (%.2f s)  ratio to cp %.2f (target >= 1.0)  content %s" % (get_rate, t_get, get_rate / cp_rate, "identical" if same else "DIFFERENT"))
-        print("  CPU seconds: put node %.2f + client %.2f; get node %.2f + client %.2f" % (put_node, put_client, get_node, get_client))
+        with BlockingToastyClient(*node.address("meta"), timeout=120, parallel=args.parallel) as c:
+            for _ in range(args.rounds):
+                with open(src, "rb") as f:
+                    t_put, _, put_node, put_client = cpu_timed(meter, lambda: c.write_stream("/big", f, size, truncate=True, chunk_size=64 * 1024))
+
+                def get():
+                    with open(got, "wb") as out:
+                        return c.read_into("/big", out.write)
+
+                t_get, n, get_node, get_client = cpu_timed(meter, get)
+                assert n == size
+                same = _sha(src) == _sha(got)
+                os.remove(got)
+                for name, t, node_cpu, client_cpu, target in (("put", t_put, put_node, put_client, 0.5), ("get", t_get, get_node, get_client, 1.0)):
+                    rate = mb / t
+                    line = "  %s  %8.1f MB/s  (%.2f s)  ratio to cp %.2f (target >= %.1f)  CPU s node %.2f + client %.2f = %.2f per GB" % (
+                        name, rate, t, rate / cp_rate, target, node_cpu, client_cpu, (node_cpu + client_cpu) / (mb / 1e3))
+                    if bound is not None:
+                        line += "\n       of the ceiling: %.2f of its %.0f MB/s, %.2f of its CPU cost (%.2f CPU-s per GB)" % (
+                            rate / bound[name], bound[name], bound[name + "_cost"] / ((node_cpu + client_cpu) / (mb / 1e3)), bound[name + "_cost"])
+                    if name == "get":
+                        line += "  content %s" % ("identical" if same else "DIFFERENT")
+                    print(line)
 
         rate, lat, small_node, small_client = small_files(node, args.files, meter)
         print("small files: %d x 4 KiB creates+writes: %.0f files/s (target 10000)" % (args.files, rate))

@@ -220,6 +220,9 @@ def main(argv=None):
           % (read_c, tcp_c, sha_c, page_c, get, cores * 1e3 / get, cores * cp_c / get))
     print("  SHA-256 alone on all %d cores: put (2 per byte) <= %.2f x cp, get (1 per byte) <= %.2f x cp"
           % (cores, cores * cp_c / (2 * sha_c), cores * cp_c / sha_c))
+    # for bench/toasty_bench.py --ceiling: the bounds, and the CPU-seconds per GB they assume
+    return {"put": cores * 1e3 / put, "get": cores * 1e3 / get, "put_cost": put, "get_cost": get,
+            "cp": results["cp"][0], "cp_idle": 1e3 / cp_c}
 
 if __name__ == "__main__":
     main()

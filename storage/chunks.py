@@ -43,6 +43,30 @@ def _pack_crc(pack_id, pos, addr, data):
     return crc32(data, crc32(struct.pack(">IQ", pack_id, pos) + addr))
 
 
+IOV_MAX = 1024  # Linux's limit on buffers per pwritev
+
+
+def _pwritev_all(fd, parts, pos):
+    """Write ``parts`` (bytes-likes) back to back at ``pos`` with as few ``pwritev`` calls as the
+    kernel allows: the chunks' bytes go from the received buffers to the file with no joined copy
+    (one pass over each byte fewer than ``b"".join`` + ``pwrite``)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    i = 0
+    while i < len(views):
+        n = os.pwritev(fd, views[i : i + IOV_MAX], pos)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        pos += n
+        while n:  # drop what was written, cut the part written in half
+            k = len(views[i])
+            if n >= k:
+                n -= k
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
 class Packs:
     """Pack files; appended by the writer thread, read from any thread."""
 
@@ -101,10 +125,7 @@ class Packs:
                 out.append((pack_id, pos, total))
                 pos += total
                 i += 1
-            buf = b"".join(parts)
-            off = 0
-            while off < len(buf):
-                off += os.pwrite(self.fds[pack_id], memoryview(buf)[off:], start + off)
+            _pwritev_all(self.fds[pack_id], parts, start)
             self.size = pos
             self._dirty.add(pack_id)
         return out

@@ -1,8 +1,9 @@
 """The Toasty file protocol over plain sockets: ``BlockingToastyClient`` and its
 ``BlockingConnection`` (for sbpctl, scripts, Spark and benchmarks); the planning is in ``planning``.
 
-A reply is read with exact ``recv(n, MSG_WAITALL)`` calls (its header, then its body into one
-allocation, no copy of a chunk's data), so this client keeps no receive buffer and needs no framer.
+Replies are read by ``recv`` of up to 1 MiB and taken from that read where they lie (a chunk's
+data is a view of it, not a copy); a reply cut by the end of a read is finished with an exact
+``recv(n, MSG_WAITALL)`` and joined, so no framer is needed and only cut replies are copied.
 """
 
 import socket
@@ -35,6 +36,8 @@ from protocols.toasty.planning import (
     write_message,
 )
 
+READ_SIZE = 1024 * 1024  # bytes asked of one recv: up to 16 pipelined 64 KiB chunk replies
+
 
 class BlockingConnection:
     """One socket to either listener; ``send`` then ``recv`` replies in request order."""
@@ -44,8 +47,10 @@ class BlockingConnection:
         self.tls = client_socket.is_tls(self.sock)  # no sendmsg, no MSG_WAITALL
         self.pending = deque()
         self.address = (host, port)
+        self._rbuf, self._rview, self._rpos = b"", memoryview(b""), 0  # received, not yet taken
 
     def close(self):
+        self._rbuf, self._rview, self._rpos = b"", memoryview(b""), 0
         try:
             self.sock.close()
         except OSError:
@@ -91,13 +96,37 @@ class BlockingConnection:
                     sent = 0
 
     def _exact(self, n):
-        # MSG_WAITALL: one call, one allocation, no zero-fill (headers and bodies alike).
+        """The next ``n`` bytes of the stream (bytes, or a view of a read holding them). Replies
+        are taken from what one ``recv`` of up to READ_SIZE brought in, with no copy, so pipelined
+        replies cost one system call per read rather than two each; a reply cut by the end of a
+        read is finished with MSG_WAITALL and joined (one copy of that reply only)."""
+        buf, pos = self._rbuf, self._rpos
+        avail = len(buf) - pos
+        if avail >= n:
+            self._rpos = pos + n
+            return self._rview[pos : pos + n]
+        if avail:
+            head = buf[pos:]
+            self._rbuf, self._rview, self._rpos = b"", memoryview(b""), 0
+            return head + bytes(self._rest(n - avail))
+        if self.tls:
+            return self._rest(n)
+        data = self.sock.recv(max(n, READ_SIZE))  # what is there (waiting for at least a byte)
+        if not data:
+            raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
+        if len(data) >= n:
+            self._rbuf, self._rview, self._rpos = data, memoryview(data), n
+            return self._rview[:n]
+        return data + bytes(self._rest(n - len(data)))
+
+    def _rest(self, n):
+        # MSG_WAITALL: one call, one allocation, no zero-fill.
         data = self.sock.recv(n) if self.tls else self.sock.recv(n, socket.MSG_WAITALL)
         if len(data) == n:
             return data
         if not data:
             raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
-        return data + bytes(self._exact(n - len(data)))
+        return data + bytes(self._rest(n - len(data)))
 
     def recv(self):
         try:
@@ -117,7 +146,7 @@ class BlockingConnection:
             body = self._exact(length - HEADER_LEN)
             if mtype == codec.DOWNLOAD_CHUNK_SUCCESS and len(body) >= 4 and int.from_bytes(body[:4], "little") == len(body) - 4:
                 return codec.DownloadChunkSuccess(memoryview(body)[4:])  # no copy of the data
-            return codec.decode_reply(mtype, body)
+            return codec.decode_reply(mtype, bytes(body))
         except codec.CodecError as e:
             self.close()
             raise ConnectionError("bad reply from toasty server %s:%d: %s" % (self.address + (e,)))
@@ -259,7 +288,7 @@ class BlockingToastyClient:
                     reported[0] += n
                     progress(n)
 
-            gen = self._write_piece(path, _SourceReader(source, base + pos, offset + pos), offset + pos, piece_len,
+            gen = self._write_piece(path, _SourceReader(source, base + pos, offset + pos, piece_len), offset + pos, piece_len,
                                     truncate and (first_piece or last), create, chunk_size, cs, probe, report)
             report(piece_len)
             first_piece, probe = False, None
@@ -376,6 +405,7 @@ class BlockingToastyClient:
     def _download_piece(self, rs, offset, sink, verify, progress=None):
         cs = rs.chunk_size
         out = [None] * len(rs.chunks)
+        spans = []
         jobs = []
         unreachable = set()
         holder_lists = {}  # the decoder shares AddrList objects: resolve each distinct list once
@@ -384,6 +414,7 @@ class BlockingToastyClient:
             start = index * cs
             lo = max(offset, start) - start
             hi = min(offset + rs.file_length, start + cs) - start
+            spans.append((lo, hi))
             if c.hash == codec.ZERO_HASH:
                 out[i] = bytes(hi - lo)
                 continue
@@ -397,8 +428,30 @@ class BlockingToastyClient:
             k = self._reachable(c.hash, holders, unreachable)
             jobs.append((holders[k], codec.DownloadChunk(c.hash, True), (i, c.hash, lo, hi, holders[k:])))
 
-        checks = []
         hasher = self._hasher() if verify else None
+        checks = {}  # index -> (hash, Digest) of a chunk being hashed
+        emitted = [0]  # out[:emitted] went to the sink
+
+        def drain(wait):
+            # Chunks go to the sink in order as soon as they are verified, so writing the output
+            # overlaps with receiving and hashing the chunks after them.
+            n = emitted[0]
+            while n < len(out) and out[n] is not None:
+                check = checks.get(n)
+                if check is not None:
+                    h, digest, lo, hi, holders = check
+                    if not wait and not digest.done():
+                        break
+                    if digest.result() != h:
+                        # A damaged copy: the next holder's (verified) copy, if there is one.
+                        error = ToastyError("chunk %s failed its hash check" % h.hex())
+                        data = self._download_fallback(h, holders[1:], error)
+                        out[n] = _span(data, lo, hi)
+                    del checks[n]
+                sink(out[n])
+                out[n] = None
+                n += 1
+            emitted[0] = n
 
         def got(ctx, reply):
             i, h, lo, hi, holders = ctx
@@ -408,22 +461,19 @@ class BlockingToastyClient:
                 data = reply.data
                 if verify:
                     # SHA-256 releases the GIL: hash on a helper thread while we keep receiving.
-                    checks.append((h, hasher.submit(sha256, data)))
-            piece = data[lo:hi]
-            out[i] = bytes(piece) + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
+                    checks[i] = (h, hasher.submit(sha256, data), lo, hi, holders)
+            out[i] = _span(data, lo, hi)
             if progress is not None:
                 progress(hi - lo)
+            drain(False)
 
+        zeros = sum(hi - lo for i, (lo, hi) in enumerate(spans) if out[i] is not None)
         self._run_pipelined(jobs, got)
         if hasher is not None:
             hasher.flush()
-        for h, digest in checks:
-            if digest.result() != h:
-                raise ToastyError("chunk %s failed its hash check" % h.hex())
-        if progress is not None:
-            progress(sum(len(p) for p, c in zip(out, rs.chunks) if c.hash == codec.ZERO_HASH))
-        for piece in out:
-            sink(piece)
+        drain(True)
+        if progress is not None and zeros:
+            progress(zeros)
 
     def _reachable(self, h, holders, unreachable):
         """Index of the first holder a connection can be made to."""
@@ -451,7 +501,13 @@ class BlockingToastyClient:
             if isinstance(reply, codec.DownloadChunkSuccess):
                 verify_chunk(h, reply.data)
                 return reply.data
-        raise error_of(first_error)
+        raise first_error if isinstance(first_error, Exception) else error_of(first_error)
+
+
+def _span(data, lo, hi):
+    """Bytes [lo, hi) of a chunk; a stored chunk shorter than that reads as zeros past its end."""
+    piece = data[lo:hi]
+    return bytes(piece) + bytes(hi - lo - len(piece)) if len(piece) < hi - lo else piece
 
 
 class _BytesSource:
@@ -473,11 +529,16 @@ class _BytesSource:
 
 class _SourceReader:
     """``read(lo, hi)`` for plan_uploads over a sequential source, from source position ``start``
-    (file offset ``offset``); ``rewind`` seeks back for a retried piece."""
+    (file offset ``offset``, ``length`` bytes); ``rewind`` seeks back for a retried piece. The
+    source is read a block of up to ``BLOCK`` bytes at a time and chunks are handed out as
+    views of it (one read call per 16 chunks of 64 KiB, no copy per chunk)."""
 
-    def __init__(self, source, start, offset):
-        self.source, self.start, self.offset = source, start, offset
+    BLOCK = 1024 * 1024
+
+    def __init__(self, source, start, offset, length):
+        self.source, self.start, self.offset, self.end = source, start, offset, offset + length
         self.next = None
+        self.block, self.block_lo, self.block_hi = None, 0, 0
 
     def rewind(self):
         if self.next is not None and self.next != self.offset:
@@ -485,12 +546,16 @@ class _SourceReader:
                 raise ToastyError("the source cannot be re-read for a retried WRITE")
             self.source.seek(self.start)
         self.next = self.offset
+        self.block, self.block_lo, self.block_hi = None, self.offset, self.offset
 
     def read(self, lo, hi):
         if lo != self.next:
             raise AssertionError("chunks are read in order")
-        data = self.source.read(hi - lo)
-        if len(data) != hi - lo:
-            raise ToastyError("source ended early (%d bytes short)" % (hi - lo - len(data)))
+        if hi > self.block_hi:
+            want = max(hi, min(self.end, lo + self.BLOCK)) - lo
+            data = self.source.read(want)
+            if len(data) != want:
+                raise ToastyError("source ended early (%d bytes short)" % (want - len(data)))
+            self.block, self.block_lo, self.block_hi = memoryview(data), lo, lo + want
         self.next = hi
-        return data
+        return self.block[lo - self.block_lo : hi - self.block_lo]

@@ -219,6 +219,10 @@ class Digest:
         self.future = None
         self.index = 0
 
+    def done(self):
+        """True once the digest is computed (False while its batch has not been sent)."""
+        return self.future is not None and self.future.done()
+
     def result(self):
         if self.future is None:
             self.batcher.flush()
