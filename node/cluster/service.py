@@ -17,6 +17,8 @@ from node.cluster.failover import Failover
 from node.cluster.membership import Membership, StartRefused, load_or_create_incarnation, member_records
 from node.cluster.placement import PlacementDriver
 from node.cluster.replication import Replicator
+from node.cluster.kv_partitions import KvPartitions
+from protocols.partition import cluster_server
 
 ETCD_OPERATION = "etcd"  # node.observe_latency's name for one etcd round trip (node/metrics.py)
 START_DEADLINE = 10.0  # seconds of retrying etcd at start before giving up
@@ -39,7 +41,9 @@ class ClusterNode:
         self.membership = None
         self.election = None
         self.pd = None
+        self.tls = tls
         self.replicator = Replicator(node, tls=tls, reactor=node.reactor)
+        self.kv = None  # node.cluster.kv_partitions.KvPartitions once started (issue 20)
         self.failover = None
         self.started = False
 
@@ -58,6 +62,12 @@ class ClusterNode:
         port = self.replicator.listen(interface)
         advertised = node.config.advertise or (interface if interface not in ("", "0.0.0.0", "::") else "127.0.0.1")
         addresses["replica"] = ("%s:%d" if ":" not in advertised else "[%s]:%d") % (advertised, port)
+        # the kv peer port (node/cluster/kv_partitions.py): requests forwarded to a partition's leader
+        kv = KvPartitions(node, self)
+        peer_factory = cluster_server.ClusterKvFactory(lambda: self.kv, node.metrics.setdefault("kv_peer", {}))
+        peer_factory.protocol = cluster_server.ClusterKvPeerProtocol
+        port = kv.listen(interface, peer_factory)
+        addresses["kv_peer"] = ("%s:%d" if ":" not in advertised else "[%s]:%d") % (advertised, port)
         incarnation = load_or_create_incarnation(node.config.data_dir)
         self.membership = Membership(self.client, self.prefix, node.node_id, incarnation, addresses, reactor=node.reactor)
         try:
@@ -72,7 +82,11 @@ class ClusterNode:
             self.pd.listeners.append(self.replicator.record_changed)
             self.failover = Failover(self.pd, self.membership, self.election, self.replicator, node.reactor)
             self.failover.start()
+            yield kv.start()
+            self.kv = kv
         except BaseException:
+            if kv.port is not None:
+                kv.port.stopListening()
             yield self.stop()
             raise
         # after start, a slow etcd gets shorter retries so requests answer (with an error) promptly
@@ -85,6 +99,8 @@ class ClusterNode:
     def stop(self):
         if self.failover is not None:
             self.failover.stop()
+        if self.kv is not None:
+            yield self.kv.stop()
         yield self.replicator.stop()
         if self.pd is not None:
             self.pd.stop()
@@ -153,6 +169,7 @@ class ClusterNode:
             "is_leader": bool(self.election and self.election.is_leader),
             "streams_known": len(self.pd.streams) if self.pd else 0,
             "replication_factor": self.node.config.replication_factor,
+            "kv": self.kv.status() if self.kv is not None else {"placed": False},
         }
 
 
