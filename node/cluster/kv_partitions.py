@@ -91,6 +91,7 @@ class Partition:
         self.target = 0  # a new leader serves once applied >= target
         self.ready_waiters = []
         self.overlay = {}  # key -> (value or None, end offset): sequenced here, not yet applied
+        self.sequenced = {}  # base offset -> (end, ops) of records sequenced here, not yet applied
 
     def when_applied(self, offset):
         if self.applied >= offset:
@@ -320,6 +321,7 @@ class KvPartitions:
         part.lead_epoch = None
         part.ready = False
         part.overlay.clear()
+        part.sequenced.clear()
         waiters, part.ready_waiters = part.ready_waiters, []
         for d in waiters:
             d.errback(NotLeader("no longer leads partition %d (%s)" % (part.p, why)))
@@ -353,6 +355,22 @@ class KvPartitions:
                 limit = self._limit(part)
                 if limit is not None and part.applied >= limit:
                     return
+                if part.sequenced:
+                    # the leader's own records: their operations are still in memory (no read back)
+                    visible = log.stream(part.sid).next_offset
+                    if limit is not None:
+                        visible = min(visible, limit)
+                    ops, end = [], part.applied
+                    while end in part.sequenced and part.sequenced[end][0] <= visible:
+                        nxt, chunk = part.sequenced.pop(end)
+                        ops.extend(chunk)
+                        end = nxt
+                    if end > part.applied:
+                        yield self._write_local(ops)
+                        part.applied = end
+                        self._dirty = True
+                        self._applied(part)
+                        continue
                 try:
                     batches = yield log.read(part.sid, part.applied, APPLY_READ)
                 except store_errors.OffsetOutOfRange as e:
@@ -413,6 +431,9 @@ class KvPartitions:
             else:
                 keep.append((offset, d))
         part.waiters = keep
+        if part.sequenced and min(part.sequenced) < part.applied:  # applied from the log instead
+            for base in [b for b in part.sequenced if b < part.applied]:
+                del part.sequenced[base]
         if part.overlay:
             applied = part.applied
             for key in [k for k, (_v, end) in part.overlay.items() if end <= applied]:
@@ -453,12 +474,14 @@ class KvPartitions:
         d.addBoth(lambda r: (timeout.active() and timeout.cancel(), r)[1])
         return d.addCallback(lambda _: part)
 
-    @defer.inlineCallbacks
     def get_local(self, key):
-        part = self._led(codec.partition_of(key))
+        try:
+            part = self._led(codec.partition_of(key))
+        except NotLeader:
+            return defer.fail()
         if isinstance(part, defer.Deferred):
-            yield part
-        return self.kv.get(key)
+            return part.addCallback(lambda _: self.kv.get(key))
+        return defer.succeed(self.kv.get(key))
 
     @defer.inlineCallbacks
     def write_local(self, p, ops):
@@ -489,6 +512,7 @@ class KvPartitions:
             if d.called and hasattr(d.result, "value"):
                 return d  # refused at once: nothing sequenced
             e = log.assigned_end(part.sid)
+            part.sequenced[e - 1] = (e, chunk)  # one record per batch: base = end - 1
             for k, v in chunk:
                 overlay[k] = (v, e)
             ds.append(d)
@@ -652,8 +676,50 @@ class KvPartitions:
                 raise Unavailable("partition %d: no leader answered within %ss" % (p, ROUTE_WAIT_S))
             yield deferLater(self.reactor, RETRY_S, lambda: None)
 
+    def _known_leader(self, p):
+        """The live leader of ``p`` as this node knows it now, or None (then the slow path)."""
+        if self.map is None:
+            return None
+        rec = self.pd.streams.get(self.map[p])
+        rng = placement.open_range(rec) if rec is not None else None
+        primary = placement.primary_of(rng) if rng else None
+        if primary is None or primary["id"] not in self.cluster.membership.members:
+            return None
+        return primary["id"]
+
+    def _fast(self, p, local, remote):
+        """``local()`` / ``remote(peer)`` at once when the leader is known and ready here or its
+        peer connection is up; None otherwise (the caller takes the routed path)."""
+        nid = self._known_leader(p)
+        if nid is None:
+            return None
+        if nid == self.node_id:
+            part = self.parts.get(p)
+            if part is None or not part.ready:
+                return None
+            return local()
+        peer = self.peers.get(nid)
+        if not isinstance(peer, KvClientProtocol) or peer._lost is not None:
+            return None
+        return remote(peer)
+
     def get(self, key):
-        return self._routed(codec.partition_of(key), lambda: self.get_local(key), lambda peer: peer.get(key))
+        p = codec.partition_of(key)
+        local = lambda: self.get_local(key)  # noqa: E731
+        remote = lambda peer: peer.get(key)  # noqa: E731
+        d = self._fast(p, lambda: defer.succeed(self.kv.get(key)), remote)
+        if d is None:
+            return self._routed(p, local, remote)
+        # a leader that changed meanwhile answers ERR 1 (nothing done): the routed path retries
+        return d.addErrback(self._retry_routed, p, local, remote)
+
+    def _retry_routed(self, f, p, local, remote, retry_lost=True):
+        f.trap(KvError, ConnectionError, NotLeader)
+        if f.check(KvError) and f.value.code != codec.E_PARTITION_DIED:
+            return f
+        if f.check(ConnectionError) and not retry_lost:
+            return f
+        return self._routed(p, local, remote, retry_lost)
 
     def write(self, p, ops):
         """Fires with one bool per op (as write_local); an op refused with ERR 1 by a peer that no
@@ -672,13 +738,13 @@ class KvPartitions:
                 out.append(r if v is None else True)
             return out
 
-        return self._write_routed(p, ops, remote)
-
-    @defer.inlineCallbacks
-    def _write_routed(self, p, ops, remote):
         # a peer that is not the leader refuses every op with ERR 1 (it does nothing); one that
         # fails part-way answers ERR 0 for what it could not do
-        return (yield self._routed(p, lambda: self.write_local(p, ops), remote, retry_lost=False))
+        local = lambda: self.write_local(p, ops)  # noqa: E731
+        d = self._fast(p, local, remote)
+        if d is None:
+            return self._routed(p, local, remote, retry_lost=False)
+        return d.addErrback(self._retry_routed, p, local, remote, False)
 
     def scan_partition(self, p, cmd, start, count, prefix=b""):
         def remote(peer):
