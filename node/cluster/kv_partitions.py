@@ -220,6 +220,9 @@ class KvPartitions:
 
     def _mapped(self, result):
         waiters, self._map_waiters = self._map_waiters, []
+        if isinstance(result, Failure) and not result.check(Unavailable):
+            # e.g. fewer live nodes than R (NoAvailableRS): the partitions are unavailable (ERR 1)
+            result = Failure(Unavailable("the key-value partitions cannot be placed: %s" % result.value))
         for d in waiters:
             if isinstance(result, Failure):
                 d.errback(result)
