@@ -78,6 +78,12 @@ def test_partitions_are_placed_with_leaders_on_several_nodes(kv3):
     assert len(parts) == 8
     assert all(len(p["replicas"]) == 3 for p in parts)
     assert len({p["leader"] for p in parts}) == 3  # spread: every node leads some
+    from tests.test_cluster import sbpctl
+
+    out = sbpctl("cluster", "--endpoint", nodes[1].endpoint("sbp"))
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and len(line.split()) == 4]
+    assert [int(r[0]) for r in rows] == list(range(8))
+    assert [int(r[2]) for r in rows] == [p["leader"] for p in parts]
 
 
 def test_full_scans_through_each_node_equal_one_model(kv3):
