@@ -32,7 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.kv_bench import (RespReader, connect, fmt_lat, free_port, make_keys, pipelined,  # noqa: E402
+from bench.kv_bench import (RespReader, connect, fmt_lat, make_keys, pipelined,  # noqa: E402
                             resp, start_redis)
 from protocols.partition import codec  # noqa: E402
 from protocols.partition.client import BlockingKvClient, KvError  # noqa: E402

@@ -2,6 +2,7 @@
 nodes on loopback, kill -9."""
 
 import random
+import socket
 import threading
 import time
 
@@ -10,8 +11,9 @@ import pytest
 from protocols.partition import client_framing, codec
 from protocols.partition.client import BlockingKvClient, KvError
 from protocols.partition.codec import GET_FB, GET_FF, GET_KEYS, GET_KEYS_PREFIX
+from protocols.sbp.client import call_status
 from tests.etcdproc import etcd_available
-from tests.test_cluster import three_nodes, wait_for
+from tests.test_cluster import client, sbpctl, three_nodes, wait_for
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
 
@@ -66,9 +68,6 @@ def test_partitions_are_placed_with_leaders_on_several_nodes(kv3):
     _etcd, nodes = kv3
     with kv(nodes[0]) as c:
         c.set(b"\x00placed", b"1")
-    from tests.test_cluster import client
-    from protocols.sbp.client import call_status
-
     def placed():
         with client(nodes[0]) as s:
             status = s.call(call_status())
@@ -78,8 +77,6 @@ def test_partitions_are_placed_with_leaders_on_several_nodes(kv3):
     assert len(parts) == 8
     assert all(len(p["replicas"]) == 3 for p in parts)
     assert len({p["leader"] for p in parts}) == 3  # spread: every node leads some
-    from tests.test_cluster import sbpctl
-
     out = sbpctl("cluster", "--endpoint", nodes[1].endpoint("sbp"))
     rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and len(line.split()) == 4]
     assert [int(r[0]) for r in rows] == list(range(8))
@@ -136,8 +133,6 @@ def test_scan_page_across_partitions_sets_the_jump_bit(kv3):
 
 def test_kv_client_framing_reaches_every_key(kv3):
     _etcd, (a, b, _c) = kv3
-    import socket
-
     with kv(a) as ca:
         ca.set(b"\xe0client", b"framed")
     s = socket.create_connection(("127.0.0.1", b.ports["kv_client"]), timeout=30)
@@ -157,9 +152,6 @@ def test_kill9_of_a_partition_leader_loses_no_acknowledged_set(tmp_path):
         by_id = {n.node_id: n for n in nodes}
         with kv(nodes[0]) as c:
             c.set(b"\x00warm", b"1")
-        from tests.test_cluster import client
-        from protocols.sbp.client import call_status
-
         def placement():
             with client(nodes[0]) as s:
                 return s.call(call_status()).get("cluster", {}).get("kv", {}).get("partitions")
