@@ -62,6 +62,11 @@ def test_set_on_one_node_get_on_the_others(kv3):
                          (codec.SET, lambda cid: codec.encode_set(cid, b"", b"1"))])
         assert r[:2] == [None, b"1"]
         assert isinstance(r[2], KvError) and r[2].code == 0  # CONTRACT §4: an empty key -> ERR 0
+        # one run: each REMOVE sees the operations before it (CONTRACT §4: DATA_NOT_FOUND when missing)
+        r = cb.pipeline([(codec.SET, lambda cid: codec.encode_set(cid, b"\xa0run", b"1")),
+                         (codec.REMOVE, lambda cid: codec.encode_remove(cid, b"\xa0run")),
+                         (codec.REMOVE, lambda cid: codec.encode_remove(cid, b"\xa0run"))])
+        assert r == [None, True, False]
 
 
 def test_partitions_are_placed_with_leaders_on_several_nodes(kv3):

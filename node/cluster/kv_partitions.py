@@ -497,12 +497,18 @@ class KvPartitions:
         epoch = part.lead_epoch
         overlay = part.overlay
         results = []
+        run = {}  # key -> value or None: this run's own earlier operations
         for key, value in ops:
             if value is None:
-                entry = overlay.get(key)
-                results.append((entry[0] if entry is not None else self.kv.get(key)) is not None)
+                if key in run:
+                    existed = run[key] is not None
+                else:
+                    entry = overlay.get(key)
+                    existed = (entry[0] if entry is not None else self.kv.get(key)) is not None
+                results.append(existed)
             else:
                 results.append(True)
+            run[key] = value
         replicator = self.cluster.replicator
         log = self.node.store.log
         ds, end = [], None
