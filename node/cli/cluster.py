@@ -39,4 +39,11 @@ def run(args):
         # lag: replication progress comes with issue 17; no replica lags yet
         print("%-12s %-22s %-7s %-7d %-9d %s" % (nid, m.get("sbp"), "*" if str(cluster.get("leader")) == nid else "",
                                                 counts["ranges"], counts["primaries"], "-"))
+    parts = (cluster.get("kv") or {}).get("partitions")
+    if parts:
+        # issue 20: the key-value partitions, each a replicated stream led by its open range's primary
+        print("%-10s %-22s %-7s %s" % ("partition", "stream", "leader", "replicas"))
+        for part in parts:
+            print("%-10d %-22d %-7s %s" % (part["partition"], part["stream_id"], part["leader"],
+                                          ",".join(str(r) for r in part["replicas"])))
     return 0

@@ -21,6 +21,8 @@ from node.cluster.placement import PlacementDriver
 from node.cluster.replication import Replicator
 from node.cluster.toasty_chunks import ToastyCluster
 from node.cluster.s2_catalog import S2Catalog
+from node.cluster.kv_partitions import KvPartitions
+from protocols.partition import cluster_server
 
 ETCD_OPERATION = "etcd"  # node.observe_latency's name for one etcd round trip (node/metrics.py)
 START_DEADLINE = 10.0  # seconds of retrying etcd at start before giving up
@@ -43,7 +45,9 @@ class ClusterNode:
         self.membership = None
         self.election = None
         self.pd = None
+        self.tls = tls
         self.replicator = Replicator(node, tls=tls, reactor=node.reactor)
+        self.kv = None  # node.cluster.kv_partitions.KvPartitions once started (issue 20)
         self.failover = None
         self.toasty = None  # the Toasty file tree and chunk holders of the cluster (toasty_chunks.py)
         # the S2 API's basins, stream names and access tokens (protocols/s2/cluster.py uses it)
@@ -65,6 +69,12 @@ class ClusterNode:
         port = self.replicator.listen(interface)
         advertised = node.config.advertise or (interface if interface not in ("", "0.0.0.0", "::") else "127.0.0.1")
         addresses["replica"] = ("%s:%d" if ":" not in advertised else "[%s]:%d") % (advertised, port)
+        # the kv peer port (node/cluster/kv_partitions.py): requests forwarded to a partition's leader
+        kv = KvPartitions(node, self)
+        peer_factory = cluster_server.ClusterKvFactory(lambda: self.kv, node.metrics.setdefault("kv_peer", {}))
+        peer_factory.protocol = cluster_server.ClusterKvPeerProtocol
+        port = kv.listen(interface, peer_factory)
+        addresses["kv_peer"] = ("%s:%d" if ":" not in advertised else "[%s]:%d") % (advertised, port)
         incarnation = load_or_create_incarnation(node.config.data_dir)
         self.membership = Membership(self.client, self.prefix, node.node_id, incarnation, addresses, reactor=node.reactor)
         try:
@@ -85,7 +95,11 @@ class ClusterNode:
             self.toasty = toasty
             token = node.config.http_token
             yield self.s2_catalog.start(hashlib.sha256(token.encode("utf-8")).hexdigest() if token else None)
+            yield kv.start()
+            self.kv = kv
         except BaseException:
+            if kv.port is not None:
+                kv.port.stopListening()
             yield self.stop()
             raise
         # after start, a slow etcd gets shorter retries so requests answer (with an error) promptly
@@ -101,6 +115,8 @@ class ClusterNode:
         if self.failover is not None:
             self.failover.stop()
         self.s2_catalog.stop()
+        if self.kv is not None:
+            yield self.kv.stop()
         yield self.replicator.stop()
         if self.pd is not None:
             self.pd.stop()
@@ -170,6 +186,7 @@ class ClusterNode:
             "streams_known": len(self.pd.streams) if self.pd else 0,
             "replication_factor": self.node.config.replication_factor,
             "toasty": self.toasty.status() if self.toasty is not None else None,
+            "kv": self.kv.status() if self.kv is not None else {"placed": False},
         }
 
 

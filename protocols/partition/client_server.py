@@ -66,6 +66,11 @@ class KvClientServerFactory(KvServerFactory):
 
 
 def build_factory(node):
+    if getattr(node, "cluster", None) is not None:
+        # cluster mode (issue 20): every key, whichever node leads its partition
+        from protocols.partition import cluster_server
+
+        return cluster_server.build_factory(node, cluster_server.ClusterKvClientProtocol)
     # the §4 listener's counters: one key-value service, whichever framing its clients speak
     metrics = node.metrics.setdefault("kv", {})
     factory = KvClientServerFactory(node.store.kv, metrics, node.store)

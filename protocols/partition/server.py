@@ -920,6 +920,11 @@ class KvServerFactory(Factory):
 
 
 def build_factory(node):
+    if getattr(node, "cluster", None) is not None:
+        # cluster mode (issue 20): every key, whichever node leads its partition
+        from protocols.partition import cluster_server
+
+        return cluster_server.build_factory(node)
     metrics = node.metrics.setdefault("kv", {})
     factory = KvServerFactory(node.store.kv, metrics, node.store)
     factory.observe_latency = getattr(node, "observe_latency", _ignore_latency)

@@ -1,0 +1,853 @@
+"""Key-value partitions placed and replicated across the cluster (CONTRACT §2, §4, §9; issue 20).
+
+Placement: each of the 8 partitions (first key byte >> 5) is one replicated stream of the
+placement driver (node/cluster/placement.py): its open range's R servers hold the partition and
+the range's primary is the partition's *leader*. ``P kv/partitions`` in etcd maps partition ->
+stream id (JSON ``{"streams": [8 ids], "replica_nums": R}``); the first node that serves a key
+creates the 8 streams and the map (one etcd compare-and-swap; a loser deletes its streams and
+takes the winner's). So placement, failover (sealing, epoch fencing) and catch-up are the
+streams' own (node/cluster/failover.py, replication.py).
+
+Writes: the leader turns each write run into one record (node/cluster/kv_log.py) appended through
+the stream's sequencer (``Replicator.append``), which answers once ack_count replicas hold it;
+the write is acknowledged once this node has also *applied* it. REMOVE's answer (did the key
+exist) is decided when the run is sequenced, from the applied store and the runs sequenced but
+not yet applied (``Partition.overlay``).
+
+Applying: on every node holding a replica, an applier reads the stream's confirmed prefix from
+the local log (held at the confirm offset, so nothing unacknowledged) and writes it into the local
+key-value store, in offset order; a node outside the open range applies up to the end of the last
+sealed range it held, never an unsealed tail. The applied offset of each stream is kept in
+``kv_partitions.json`` in the data directory (written after the store has the writes; replaying
+from an older offset is harmless: the last write of each key wins either way).
+
+Leadership: a node that becomes the primary of a partition's open range (a new stream, or a
+failover) serves it only once it has applied everything its log holds (its assigned end, which
+covers every acknowledged write: the seal picked the replica with the largest end as primary).
+
+Routing: every node serves every key. A request for a partition led elsewhere goes to the leader's
+*kv peer* port (a listener of its own in cluster mode, the member record's ``kv_peer``; mutual TLS
+with the cluster TLS options) over the §4 framing, pipelined on one connection per peer node with
+client_id as the correlation id. The peer port serves only partitions its node leads and answers
+ERR 1 (PARTITION_DIED) for the others, having done nothing: the sender looks the leader up again
+and retries, for at most ROUTE_WAIT_S (covering a failover). Reads are served by the leader only
+(linearizable). Scans are one partition at a time (``scan``), cursors on the client's node.
+"""
+
+import json
+import os
+import time
+
+from twisted.internet import defer, protocol, task, threads
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from node.cluster import etcd, kv_log, placement
+from protocols.partition import codec
+from protocols.partition.client import KvClientProtocol, KvError
+from protocols.partition.server import (BEGIN, END, SCAN_REPLY_BUDGET, FIRST_VALUE_FETCH, _key_key, _key_size,
+                                        _pair_key, _pair_size, collect_page)
+from storage import errors as store_errors
+from storage import record_batch
+
+PARTITIONS = 8
+MAP_KEY = "kv/partitions"
+STATE_FILE = "kv_partitions.json"
+ROUTE_WAIT_S = 20.0  # longest a request waits for its partition to have a live, ready leader
+RETRY_S = 0.05  # between two looks at the partition's leader while it has none
+RECORD_BYTES = 4 << 20  # a write run is split into records of about this size
+APPLY_READ = 4 << 20  # bytes read from the log at once by an applier
+APPLY_WRITE = 8 << 20  # bytes of operations per write_many while applying
+PERSIST_S = 1.0  # applied offsets are written to STATE_FILE at most this often
+CHECK_S = 0.5  # leadership and appliers are re-checked this often (besides the record watch)
+PEER_CONNECT_S = 3.0
+PEER_CURSOR = b"c"
+
+
+class NotLeader(Exception):
+    """This node does not lead the partition; nothing was done (ERR 1, the sender re-routes)."""
+
+
+class Unavailable(Exception):
+    """The partition has no live, ready leader within ROUTE_WAIT_S (ERR 1)."""
+
+
+def bounds(p):
+    """(smallest key, largest key) of partition ``p`` (keys are 1..65535 bytes)."""
+    return bytes([p << 5]), bytes([(p << 5) | 31]) + b"\xff" * (codec.MAX_KEY - 1)
+
+
+class Partition:
+    def __init__(self, p, sid, applied=0):
+        self.p = p
+        self.sid = sid
+        self.applied = applied  # the local store holds the stream's operations below this offset
+        self.applying = False
+        self.parked = False  # an applier waits for data (log.wait_for_data)
+        self.waiters = []  # (offset, Deferred) fired once applied >= offset
+        self.lead_epoch = None  # the stream epoch this node leads at, None if not the leader
+        self.ready = False  # leader and caught up: serves
+        self.target = 0  # a new leader serves once applied >= target
+        self.ready_waiters = []
+        self.overlay = {}  # key -> (value or None, end offset): sequenced here, not yet applied
+        self.sequenced = {}  # base offset -> (end, ops) of records sequenced here, not yet applied
+
+    def when_applied(self, offset):
+        if self.applied >= offset:
+            return defer.succeed(None)
+        d = defer.Deferred()
+        self.waiters.append((offset, d))
+        return d
+
+
+class KvPartitions:
+    log = Logger()
+
+    def __init__(self, node, cluster):
+        self.node = node
+        self.cluster = cluster
+        self.prefix = cluster.prefix
+        self.map = None  # [stream id] by partition, once known
+        self.parts = {}  # p -> Partition
+        self.peers = {}  # node id -> Deferred of a connected KvClientProtocol
+        self.port = None
+        self.stopped = False
+        self._map_waiters = []  # ensure_map callers while the map is being read or made
+        self._saved = {}  # sid -> applied offset (the state file, as loaded / last written)
+        self._dirty = False
+        self._loop = None
+        self._watch = None
+        self._persist_loop = None
+        self.reactor = node.reactor
+        self.path = os.path.join(node.config.data_dir, STATE_FILE)
+
+    @property
+    def node_id(self):
+        return self.node.node_id
+
+    @property
+    def pd(self):
+        return self.cluster.pd
+
+    @property
+    def kv(self):
+        return self.node.store.kv
+
+    # -- start / stop -----------------------------------------------------------------------------
+
+    def listen(self, interface, factory):
+        """Open the kv peer port beside the SBP listener (TLS with the cluster's options)."""
+        tls = self.cluster.tls
+        if tls:
+            from node.cluster.tls import server_options
+
+            self.port = self.reactor.listenSSL(0, factory, server_options(*tls), interface=interface)
+        else:
+            self.port = self.reactor.listenTCP(0, factory, interface=interface)
+        return self.port.getHost().port
+
+    @defer.inlineCallbacks
+    def start(self):
+        try:
+            with open(self.path) as f:
+                self._saved = {int(k): int(v) for k, v in json.load(f).get("applied", {}).items()}
+        except FileNotFoundError:
+            pass
+        except (ValueError, AttributeError, TypeError) as e:
+            self.log.warn("ignoring unreadable {path} ({e}): applying partitions from their start", path=self.path, e=e)
+        kvs, revision = yield self.cluster.client.get_prefix(self.prefix + MAP_KEY)
+        for kv in kvs:
+            self._take_map(kv.value)
+        if self.map is None:  # made later by whichever node serves a key first
+            self._watch = self.cluster.client.watch_prefix(self.prefix + MAP_KEY, revision + 1, self._map_events)
+        self.pd.listeners.append(self._record_changed)
+        self._loop = task.LoopingCall(self.check)
+        self._loop.clock = self.reactor
+        self._loop.start(CHECK_S, now=True)
+        self._persist_loop = task.LoopingCall(self._persist)
+        self._persist_loop.clock = self.reactor
+        self._persist_loop.start(PERSIST_S, now=False)
+
+    @defer.inlineCallbacks
+    def stop(self):
+        self.stopped = True
+        if self._watch is not None:
+            self._watch.stop()
+        for lp in (self._loop, self._persist_loop):
+            if lp is not None and lp.running:
+                lp.stop()
+        for peer in list(self.peers.values()):
+            if isinstance(peer, KvClientProtocol) and peer._lost is None:
+                peer.transport.loseConnection()
+        if self.port is not None:
+            yield self.port.stopListening()
+        for part in self.parts.values():
+            self._not_leader(part, "node stopping")
+        yield self._persist()
+
+    def _map_events(self, events):
+        for kind, kv in events:
+            if kind != "DELETE" and self.map is None:
+                self._take_map(kv.value)
+                self.check()
+        if self.map is not None and self._watch is not None:
+            watch, self._watch = self._watch, None
+            self.reactor.callLater(0, watch.stop)  # not from inside its own callback
+
+    def _take_map(self, raw):
+        try:
+            streams = [int(s) for s in json.loads(raw)["streams"]]
+            if len(streams) != PARTITIONS:
+                raise ValueError("%d streams" % len(streams))
+        except (ValueError, KeyError, TypeError) as e:
+            self.log.error("unreadable key-value partition map in etcd: {e}", e=e)
+            return
+        self.map = streams
+        for p, sid in enumerate(streams):
+            if p not in self.parts:
+                self.parts[p] = Partition(p, sid, self._saved.get(sid, 0))
+
+    def ensure_map(self):
+        """Fires once the partition map is known (made here if no node made it yet)."""
+        if self.map is not None:
+            return defer.succeed(None)
+        d = defer.Deferred()
+        self._map_waiters.append(d)
+        if len(self._map_waiters) == 1:
+            self._make_map().addBoth(self._mapped)
+        return d
+
+    def _mapped(self, result):
+        waiters, self._map_waiters = self._map_waiters, []
+        if isinstance(result, Failure) and not result.check(Unavailable):
+            # e.g. fewer live nodes than R (NoAvailableRS): the partitions are unavailable (ERR 1)
+            result = Failure(Unavailable("the key-value partitions cannot be placed: %s" % result.value))
+        for d in waiters:
+            if isinstance(result, Failure):
+                d.errback(result)
+            else:
+                d.callback(None)
+
+    @defer.inlineCallbacks
+    def _make_map(self):
+        key = self.prefix + MAP_KEY
+        kv = yield self.cluster.client.get(key)
+        if kv is None:
+            created = []
+            try:
+                for _ in range(PARTITIONS):
+                    rec = yield self.pd.create_stream()
+                    created.append(rec["stream_id"])
+                r = yield self.cluster.client.txn(
+                    [etcd.compare_version(key, 0)],
+                    [etcd.op_put(key, json.dumps({"streams": created, "replica_nums": rec["replica_nums"]}))])
+                won = r.succeeded
+            except Exception:
+                won = False
+                if not created:
+                    raise
+            if won:
+                self.log.info("key-value partitions placed on streams {streams}", streams=created)
+            else:
+                for sid in created:
+                    try:
+                        yield self.pd.delete_stream(sid)
+                    except Exception as e:
+                        self.log.warn("stream {sid} of a lost partition map not deleted: {e}", sid=sid, e=e)
+            kv = yield self.cluster.client.get(key)
+            if kv is None:
+                raise Unavailable("the key-value partitions could not be placed")
+        if self.map is None:
+            self._take_map(kv.value)
+        self.check()
+
+    # -- leadership and appliers -----------------------------------------------------------------
+
+    def _record_changed(self, rec):
+        if self.map is None or rec["stream_id"] not in self.map:
+            return
+        self._check(self.parts[self.map.index(rec["stream_id"])], rec)
+
+    def check(self):
+        if self.stopped or self.map is None:
+            return
+        for part in self.parts.values():
+            rec = self.pd.streams.get(part.sid)
+            if rec is not None:
+                self._check(part, rec)
+
+    def _check(self, part, rec):
+        if self.stopped:
+            return
+        rng = placement.open_range(rec)
+        primary = placement.primary_of(rng) if rng else None
+        if primary is not None and primary["id"] == self.node_id:
+            if part.lead_epoch != rec.get("epoch", 0):
+                self._not_leader(part, "epoch %d" % rec.get("epoch", 0))
+                part.lead_epoch = rec.get("epoch", 0)
+                self.pd.ensure_local(rec).addCallbacks(self._take_lead, self._lead_failed,
+                                                       callbackArgs=(part, part.lead_epoch), errbackArgs=(part,))
+        elif part.lead_epoch is not None:
+            self._not_leader(part, "node %s leads" % (primary["id"] if primary else None))
+        self._kick(part)
+
+    def _take_lead(self, _, part, epoch):
+        if part.lead_epoch != epoch or self.stopped:
+            return
+        log = self.node.store.log
+        # the replicator's sequencer state for the range (confirm offset = the range's start)
+        if self.cluster.replicator._primary(part.sid) is None:
+            part.lead_epoch = None
+            return
+        part.target = log.assigned_end(part.sid)
+        self.log.info("leading key-value partition {p} (stream {sid}, epoch {epoch}) once applied to {target}",
+                      p=part.p, sid=part.sid, epoch=epoch, target=part.target)
+        part.when_applied(part.target).addCallback(self._ready, part, epoch)
+        self._kick(part)
+
+    def _lead_failed(self, f, part):
+        self.log.warn("cannot lead key-value partition {p}: {e}", p=part.p, e=f.value)
+        part.lead_epoch = None
+
+    def _ready(self, _, part, epoch):
+        if part.lead_epoch != epoch:
+            return
+        part.ready = True
+        waiters, part.ready_waiters = part.ready_waiters, []
+        for d in waiters:
+            d.callback(None)
+
+    def _not_leader(self, part, why):
+        if part.lead_epoch is None and not part.ready:
+            return
+        part.lead_epoch = None
+        part.ready = False
+        part.overlay.clear()
+        part.sequenced.clear()
+        waiters, part.ready_waiters = part.ready_waiters, []
+        for d in waiters:
+            d.errback(NotLeader("no longer leads partition %d (%s)" % (part.p, why)))
+
+    def _limit(self, part):
+        """The offset an applier may apply up to: None (the confirmed prefix) on a replica of the
+        open range; else the end of the last sealed range this node held."""
+        rec = self.pd.streams.get(part.sid)
+        if rec is None:
+            return 0
+        rng = placement.open_range(rec)
+        if rng is not None and any(s["id"] == self.node_id for s in rng["servers"]):
+            return None
+        ends = [r["end"] for r in rec["ranges"] if r["end"] >= 0 and any(s["id"] == self.node_id for s in r["servers"])]
+        return max(ends) if ends else 0
+
+    def _kick(self, part):
+        if not part.applying and not self.stopped:
+            self._apply(part).addErrback(lambda f: self.log.failure("key-value applier of partition {p} failed", f, p=part.p))
+
+    @defer.inlineCallbacks
+    def _apply(self, part):
+        part.applying = True
+        log = self.node.store.log
+        try:
+            while not self.stopped:
+                try:
+                    log.hold_at_confirm(part.sid)  # only what a majority holds is applied
+                except store_errors.StreamNotFound:
+                    return
+                limit = self._limit(part)
+                if limit is not None and part.applied >= limit:
+                    return
+                if part.sequenced:
+                    # the leader's own records: their operations are still in memory (no read back)
+                    visible = log.stream(part.sid).next_offset
+                    if limit is not None:
+                        visible = min(visible, limit)
+                    ops, end = [], part.applied
+                    while end in part.sequenced and part.sequenced[end][0] <= visible:
+                        nxt, chunk = part.sequenced.pop(end)
+                        ops.extend(chunk)
+                        end = nxt
+                    if end > part.applied:
+                        yield self._write_local(ops)
+                        part.applied = end
+                        self._dirty = True
+                        self._applied(part)
+                        continue
+                try:
+                    batches = yield log.read(part.sid, part.applied, APPLY_READ)
+                except store_errors.OffsetOutOfRange as e:
+                    self.log.error("key-value partition {p}: cannot apply from {offset}: {e}", p=part.p,
+                                   offset=part.applied, e=e)
+                    return
+                ops, end = [], part.applied
+                for b in batches:
+                    header, records = record_batch.decode(bytes(b))
+                    if header.base_offset != end or (limit is not None and header.next_offset > limit):
+                        break
+                    for r in records:
+                        ops.extend(kv_log.decode_ops(r.body))
+                    end = header.next_offset
+                if end == part.applied:
+                    if not part.parked:
+                        part.parked = True
+                        log.wait_for_data(part.sid, part.applied).addBoth(self._unpark, part)
+                    return
+                yield self._write_local(ops)
+                part.applied = end
+                self._dirty = True
+                self._applied(part)
+        finally:
+            part.applying = False
+
+    def _unpark(self, _, part):
+        part.parked = False
+        if not self.stopped:
+            self.reactor.callLater(0, self._kick, part)
+
+    @defer.inlineCallbacks
+    def _write_local(self, ops):
+        chunk, size = [], 0
+        for key, value in ops:
+            chunk.append((key, value))
+            size += kv_log.op_size(key, value)
+            if size >= APPLY_WRITE:
+                yield self._write_retrying(chunk)
+                chunk, size = [], 0
+        if chunk:
+            yield self._write_retrying(chunk)
+
+    @defer.inlineCallbacks
+    def _write_retrying(self, ops):
+        while True:
+            try:
+                yield self.kv.write_many(ops)
+                return
+            except store_errors.StoreBusy:
+                yield deferLater(self.reactor, 0.05, lambda: None)  # the memtable flush catches up
+
+    def _applied(self, part):
+        keep = []
+        for offset, d in part.waiters:
+            if part.applied >= offset:
+                d.callback(None)
+            else:
+                keep.append((offset, d))
+        part.waiters = keep
+        if part.sequenced and min(part.sequenced) < part.applied:  # applied from the log instead
+            for base in [b for b in part.sequenced if b < part.applied]:
+                del part.sequenced[base]
+        if part.overlay:
+            applied = part.applied
+            for key in [k for k, (_v, end) in part.overlay.items() if end <= applied]:
+                del part.overlay[key]
+
+    @defer.inlineCallbacks
+    def _persist(self):
+        if not self._dirty or self.map is None:
+            return
+        self._dirty = False
+        state = {"applied": {str(part.sid): part.applied for part in self.parts.values()}}
+        path = self.path
+
+        def write():
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, path)
+
+        try:
+            yield threads.deferToThread(write)
+        except OSError as e:
+            self.log.warn("cannot write {path}: {e}", path=path, e=e)
+
+    # -- serving partitions led here ---------------------------------------------------------------
+
+    def _led(self, p):
+        """The Partition if this node leads ``p`` (a Deferred once it is ready), else NotLeader."""
+        part = self.parts.get(p)
+        if part is None or part.lead_epoch is None:
+            raise NotLeader("partition %d is not led here" % p)
+        if part.ready:
+            return part
+        d = defer.Deferred()
+        part.ready_waiters.append(d)
+        timeout = self.reactor.callLater(ROUTE_WAIT_S, lambda: d.called or d.errback(Unavailable(
+            "partition %d: this node has not caught up within %ss" % (p, ROUTE_WAIT_S))))
+        d.addBoth(lambda r: (timeout.active() and timeout.cancel(), r)[1])
+        return d.addCallback(lambda _: part)
+
+    def get_local(self, key):
+        try:
+            part = self._led(codec.partition_of(key))
+        except NotLeader:
+            return defer.fail()
+        if isinstance(part, defer.Deferred):
+            return part.addCallback(lambda _: self.kv.get(key))
+        return defer.succeed(self.kv.get(key))
+
+    @defer.inlineCallbacks
+    def write_local(self, p, ops):
+        """Sequence ``ops`` ([(key, value or None)], all in partition ``p``) through the stream and
+        apply them; fires with one bool per op (True for a SET; whether the key existed for a
+        REMOVE) once acknowledged and applied here."""
+        part = self._led(p)
+        if isinstance(part, defer.Deferred):
+            part = yield part
+        epoch = part.lead_epoch
+        overlay = part.overlay
+        results = []
+        run = {}  # key -> value or None: this run's own earlier operations
+        for key, value in ops:
+            if value is None:
+                if key in run:
+                    existed = run[key] is not None
+                else:
+                    entry = overlay.get(key)
+                    existed = (entry[0] if entry is not None else self.kv.get(key)) is not None
+                results.append(existed)
+            else:
+                results.append(True)
+            run[key] = value
+        replicator = self.cluster.replicator
+        log = self.node.store.log
+        ds, end = [], None
+        chunk, size = [], 0
+        now = int(time.time() * 1000)
+
+        def append(chunk):
+            batch = record_batch.encode([(now, [], kv_log.encode_ops(chunk))])
+            d = replicator.append(part.sid, batch)
+            if d.called and hasattr(d.result, "value"):
+                return d  # refused at once: nothing sequenced
+            e = log.assigned_end(part.sid)
+            part.sequenced[e - 1] = (e, chunk)  # one record per batch: base = end - 1
+            for k, v in chunk:
+                overlay[k] = (v, e)
+            ds.append(d)
+            return e
+
+        for key, value in ops:
+            chunk.append((key, value))
+            size += kv_log.op_size(key, value)
+            if size >= RECORD_BYTES:
+                end = append(chunk)
+                if isinstance(end, defer.Deferred):
+                    yield end
+                chunk, size = [], 0
+        if chunk:
+            end = append(chunk)
+            if isinstance(end, defer.Deferred):
+                yield end
+        try:
+            yield defer.gatherResults(ds, consumeErrors=True)
+        except defer.FirstError as e:
+            if part.lead_epoch == epoch:
+                # unknown outcome (e.g. the range was sealed under it): start the lead over
+                self._not_leader(part, "append failed: %s" % e.subFailure.value)
+                rec = self.pd.streams.get(part.sid)
+                if rec is not None:
+                    self._check(part, rec)
+            e.subFailure.raiseException()
+        yield part.when_applied(end)
+        return results
+
+    def scan_local(self, cmd, start, count, prefix=b""):
+        """One page of partition ``partition_of(start)`` (led here): forward from ``start`` for
+        GET_FF / GET_KEYS / GET_KEYS_PREFIX, down from it for GET_FB (ascending in the page).
+        Fires with ``(items, next)``: [(key, value or None)] and the position after the page
+        inside the partition, None when the partition ran out."""
+        p = codec.partition_of(start)
+        part = self._led(p)
+        if isinstance(part, defer.Deferred):
+            return part.addCallback(lambda _: self._scan_now(p, cmd, start, count, prefix))
+        return defer.succeed(self._scan_now(p, cmd, start, count, prefix))
+
+    def _scan_now(self, p, cmd, start, count, prefix):
+        lo, hi = bounds(p)
+        kv = self.kv
+        if cmd == codec.GET_FB:
+            def fetch(s, limit):
+                return [e for e in kv.scan_backward(s, limit) if e[0] >= lo]
+            items, nxt = collect_page(fetch, start, count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH,
+                                      descending=True)
+            items.reverse()
+            return items, (nxt[0] if nxt is not None else None)
+        if cmd == codec.GET_FF:
+            def fetch(s, limit):
+                return [e for e in kv.scan_forward(s, limit) if e[0] <= hi]
+            items, nxt = collect_page(fetch, start, count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH)
+            return items, (nxt[0] if nxt is not None else None)
+
+        def fetch(s, limit):
+            return [k for k in kv.scan_keys(s, limit) if k <= hi]
+        keys, nxt = collect_page(fetch, start, count, _key_key, _key_size,
+                                 prefix=prefix if cmd == codec.GET_KEYS_PREFIX and prefix else None)
+        return [(k, None) for k in keys], nxt
+
+    # -- routing (any node) ------------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def leader(self, p, deadline=None):
+        """The node id leading partition ``p`` (this node's own id included), waiting while it
+        has no live leader; Unavailable after ROUTE_WAIT_S."""
+        yield self.ensure_map()
+        deadline = deadline or self.reactor.seconds() + ROUTE_WAIT_S
+        sid = self.map[p]
+        while True:
+            rec = self.pd.streams.get(sid)
+            if rec is None:
+                try:
+                    rec = yield self.pd.learn(sid)
+                except placement.StreamGone:
+                    raise Unavailable("the stream of partition %d is gone" % p)
+            rng = placement.open_range(rec)
+            primary = placement.primary_of(rng) if rng else None
+            if primary is not None and primary["id"] in self.cluster.membership.members:
+                if primary["id"] == self.node_id:
+                    self._check(self.parts[p], rec)
+                return primary["id"]
+            if self.reactor.seconds() > deadline:
+                raise Unavailable("partition %d has no live leader" % p)
+            yield deferLater(self.reactor, RETRY_S, lambda: None)
+
+    def _peer(self, nid):
+        """A Deferred of the pipelined §4 connection to node ``nid``'s kv peer port."""
+        peer = self.peers.get(nid)
+        if isinstance(peer, KvClientProtocol):
+            if peer._lost is None:
+                return defer.succeed(peer)
+            peer = None
+        d = defer.Deferred()
+        if peer is not None:  # connecting: wait with the others
+            peer.append(d)
+            return d
+        rec = self.cluster.membership.members.get(nid) or {}
+        addr = rec.get("kv_peer")
+        if not addr:
+            return defer.fail(Unavailable("node %d has no kv peer address" % nid))
+        waiters = self.peers[nid] = [d]
+        host, port = addr.rsplit(":", 1)
+        host = host.strip("[]")
+        cc = protocol.ClientCreator(self.reactor, KvClientProtocol)
+        tls = self.cluster.tls
+        if tls:
+            from node.cluster.tls import client_options
+
+            connecting = cc.connectSSL(host, int(port), client_options(host, *tls), timeout=PEER_CONNECT_S)
+        else:
+            connecting = cc.connectTCP(host, int(port), timeout=PEER_CONNECT_S)
+
+        def done(result):
+            if self.peers.get(nid) is waiters:
+                if isinstance(result, Failure):
+                    del self.peers[nid]
+                else:
+                    self.peers[nid] = result
+                    # the one cursor forwarded scans name (each gives its start as NextKey)
+                    result.create_cursor(PEER_CURSOR).addErrback(lambda f: None)
+            for w in waiters:
+                if isinstance(result, Failure):
+                    w.errback(result)
+                else:
+                    w.callback(result)
+
+        connecting.addBoth(done)
+        return d
+
+    @defer.inlineCallbacks
+    def _routed(self, p, local, remote, retry_lost=True):
+        """Run ``local()`` if this node leads ``p``, else ``remote(peer)`` on the leader's peer
+        connection; look the leader up again and retry while it is not the leader (ERR 1, a
+        refused connection, or, with ``retry_lost``, a connection lost on the way)."""
+        deadline = self.reactor.seconds() + ROUTE_WAIT_S
+        while True:
+            nid = yield self.leader(p, deadline)
+            try:
+                if nid == self.node_id:
+                    r = yield local()
+                else:
+                    try:
+                        peer = yield self._peer(nid)
+                    except Exception as e:  # not reachable (yet): its lease decides
+                        raise NotLeader(str(e))
+                    r = yield remote(peer)
+                return r
+            except NotLeader:
+                pass
+            except KvError as e:
+                if e.code != codec.E_PARTITION_DIED:
+                    raise
+            except ConnectionError:
+                if not retry_lost:
+                    raise
+            if self.reactor.seconds() > deadline:
+                raise Unavailable("partition %d: no leader answered within %ss" % (p, ROUTE_WAIT_S))
+            yield deferLater(self.reactor, RETRY_S, lambda: None)
+
+    def _known_leader(self, p):
+        """The live leader of ``p`` as this node knows it now, or None (then the slow path)."""
+        if self.map is None:
+            return None
+        rec = self.pd.streams.get(self.map[p])
+        rng = placement.open_range(rec) if rec is not None else None
+        primary = placement.primary_of(rng) if rng else None
+        if primary is None or primary["id"] not in self.cluster.membership.members:
+            return None
+        return primary["id"]
+
+    def _fast(self, p, local, remote):
+        """``local()`` / ``remote(peer)`` at once when the leader is known and ready here or its
+        peer connection is up; None otherwise (the caller takes the routed path)."""
+        nid = self._known_leader(p)
+        if nid is None:
+            return None
+        if nid == self.node_id:
+            part = self.parts.get(p)
+            if part is None or not part.ready:
+                return None
+            return local()
+        peer = self.peers.get(nid)
+        if not isinstance(peer, KvClientProtocol) or peer._lost is not None:
+            return None
+        return remote(peer)
+
+    def get(self, key):
+        p = codec.partition_of(key)
+        local = lambda: self.get_local(key)  # noqa: E731
+        remote = lambda peer: peer.get(key)  # noqa: E731
+        d = self._fast(p, lambda: defer.succeed(self.kv.get(key)), remote)
+        if d is None:
+            return self._routed(p, local, remote)
+        # a leader that changed meanwhile answers ERR 1 (nothing done): the routed path retries
+        return d.addErrback(self._retry_routed, p, local, remote)
+
+    def _retry_routed(self, f, p, local, remote, retry_lost=True):
+        f.trap(KvError, ConnectionError, NotLeader)
+        if f.check(KvError) and f.value.code != codec.E_PARTITION_DIED:
+            return f
+        if f.check(ConnectionError) and not retry_lost:
+            return f
+        return self._routed(p, local, remote, retry_lost)
+
+    def write(self, p, ops):
+        """Fires with one bool per op (as write_local); an op refused with ERR 1 by a peer that no
+        longer leads is sent again to the new leader."""
+
+        @defer.inlineCallbacks
+        def remote(peer):
+            ds = [peer.remove(k) if v is None else peer.set(k, v) for k, v in ops]
+            results = yield defer.DeferredList(ds, consumeErrors=True)
+            out = []
+            for (ok, r), (_k, v) in zip(results, ops):
+                if not ok:
+                    # ERR 1: that peer no longer leads (it did nothing); the run goes to the new
+                    # leader again (SETs are idempotent; a REMOVE may then answer DATA_NOT_FOUND)
+                    r.raiseException()
+                out.append(r if v is None else True)
+            return out
+
+        # a peer that is not the leader refuses every op with ERR 1 (it does nothing); one that
+        # fails part-way answers ERR 0 for what it could not do
+        local = lambda: self.write_local(p, ops)  # noqa: E731
+        d = self._fast(p, local, remote)
+        if d is None:
+            return self._routed(p, local, remote, retry_lost=False)
+        return d.addErrback(self._retry_routed, p, local, remote, False)
+
+    def scan_partition(self, p, cmd, start, count, prefix=b""):
+        def remote(peer):
+            return peer.scan(cmd, PEER_CURSOR, count, start, prefix).addCallback(
+                lambda page: (page.items, page.next_key or None))
+
+        return self._routed(p, lambda: self.scan_local(cmd, start, count, prefix), remote)
+
+    @defer.inlineCallbacks
+    def scan(self, cmd, position, count, prefix=b""):
+        """One cursor page across partitions (CONTRACT §4): ``position`` BEGIN, END or a key.
+        Fires with ``(items, new_position, jumped)``."""
+        budget = SCAN_REPLY_BUDGET
+        values = cmd in codec.VALUE_SCANS
+        items, parts, nbytes = [], set(), 0
+
+        def size(k, v):
+            return len(k) + 2 + (len(v) + 4 if values else 0)
+
+        if cmd == codec.GET_FB:
+            if position is BEGIN:
+                return [], BEGIN, False
+            start = bounds(PARTITIONS - 1)[1] if position is END else position
+            p = codec.partition_of(start)
+            while p >= 0:
+                want = count - len(items)
+                got, nxt = yield self.scan_partition(p, cmd, start, max(want, 1))
+                if want == 0:
+                    # the page is full and ended with a partition: the position is the largest key
+                    # below it, in the next partition down that has one
+                    if got:
+                        return items, got[-1][0], len(parts) > 1
+                else:
+                    kept = []
+                    for k, v in reversed(got):  # downwards, within the byte budget
+                        if (items or kept) and nbytes + size(k, v) > budget:
+                            nxt = k  # the largest key not returned
+                            break
+                        kept.append((k, v))
+                        nbytes += size(k, v)
+                    if kept:
+                        parts.add(p)
+                    kept.reverse()
+                    items = kept + items
+                    if nxt is not None:
+                        return items, nxt, len(parts) > 1
+                p -= 1
+                if p >= 0:
+                    start = bounds(p)[1]
+            return items, BEGIN, len(parts) > 1
+        if position is END:
+            return [], END, False
+        start = b"\x00" if position is BEGIN else position
+        if cmd == codec.GET_KEYS_PREFIX and prefix and start < prefix:
+            start = prefix
+        p = codec.partition_of(start)
+        while p < PARTITIONS:
+            want = count - len(items)
+            got, nxt = yield self.scan_partition(p, cmd, start, max(want, 1), prefix)
+            if want == 0:
+                # the page is full and ended with a partition: the position is the first key
+                # after it (for GET_KEYS_PREFIX, the first key at all: with or without the prefix)
+                if got:
+                    return items, got[0][0], len(parts) > 1
+                if nxt is not None:
+                    return items, nxt, len(parts) > 1
+            else:
+                for i, (k, v) in enumerate(got):
+                    if items and nbytes + size(k, v) > budget:
+                        got, nxt = got[:i], k
+                        break
+                    items.append((k, v))
+                    nbytes += size(k, v)
+                if got:
+                    parts.add(p)
+                if nxt is not None:
+                    return items, nxt, len(parts) > 1
+            p += 1
+            if p < PARTITIONS:
+                start = bounds(p)[0]
+        return items, END, len(parts) > 1
+
+    # -- what `sbpctl cluster` and the status show ---------------------------------------------------
+
+    def status(self):
+        if self.map is None:
+            return {"placed": False}
+        out = []
+        for p in range(PARTITIONS):
+            part = self.parts[p]
+            rec = self.pd.streams.get(part.sid)
+            rng = placement.open_range(rec) if rec else None
+            primary = placement.primary_of(rng) if rng else None
+            out.append({"partition": p, "stream_id": part.sid, "leader": primary["id"] if primary else None,
+                        "replicas": [s["id"] for s in rng["servers"]] if rng else [],
+                        "applied": part.applied, "serving_here": part.ready})
+        return {"placed": True, "partitions": out}

@@ -1,0 +1,204 @@
+"""Key-value partitions across the cluster (issue 20; CONTRACT §2, §4, §9): real etcd, 3 real
+nodes on loopback, kill -9."""
+
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from protocols.partition import client_framing, codec
+from protocols.partition.client import BlockingKvClient, KvError
+from protocols.partition.codec import GET_FB, GET_FF, GET_KEYS, GET_KEYS_PREFIX
+from protocols.sbp.client import call_status
+from tests.etcdproc import etcd_available
+from tests.test_cluster import client, sbpctl, three_nodes, wait_for
+
+pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
+
+
+def kv(node, timeout=30):
+    return BlockingKvClient("127.0.0.1", node.ports["kv"], timeout=timeout)
+
+
+def spread_keys(n, tag=b""):
+    """``n`` keys over all 8 partitions (first bytes 0..255)."""
+    return [bytes([i % 256]) + tag + b"k%05d" % i for i in range(n)]
+
+
+def full_scan(c, cmd, page=7, prefix=b""):
+    out = []
+    for p in c.iter_scan(cmd, page=page, prefix=prefix):
+        out.extend(p.items)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kv3(tmp_path_factory):
+    with three_nodes(tmp_path_factory.mktemp("kv3")) as cluster:
+        yield cluster
+
+
+def test_set_on_one_node_get_on_the_others(kv3):
+    _etcd, (a, b, c) = kv3
+    keys = spread_keys(64, b"x")
+    with kv(a) as ca:
+        results = ca.pipeline([(codec.SET, lambda cid, k=k: codec.encode_set(cid, k, b"v-" + k)) for k in keys])
+        assert results == [None] * len(keys)
+    for node in (b, c, a):
+        with kv(node) as cn:
+            got = cn.pipeline([(codec.GET, lambda cid, k=k: codec.encode_get(cid, k)) for k in keys])
+            assert got == [b"v-" + k for k in keys]
+    with kv(c) as cc:
+        assert cc.remove(keys[3]) is True
+        assert cc.remove(keys[3]) is False  # CONTRACT §4: DATA_NOT_FOUND
+        assert cc.get(keys[3]) is None
+    with kv(b) as cb:
+        assert cb.get(keys[3]) is None
+        # a pipelined SET then GET on one connection sees its own write (issue 19), remote or not
+        r = cb.pipeline([(codec.SET, lambda cid: codec.encode_set(cid, b"\xf0own", b"1")),
+                         (codec.GET, lambda cid: codec.encode_get(cid, b"\xf0own")),
+                         (codec.SET, lambda cid: codec.encode_set(cid, b"", b"1"))])
+        assert r[:2] == [None, b"1"]
+        assert isinstance(r[2], KvError) and r[2].code == 0  # CONTRACT §4: an empty key -> ERR 0
+        # one run: each REMOVE sees the operations before it (CONTRACT §4: DATA_NOT_FOUND when missing)
+        r = cb.pipeline([(codec.SET, lambda cid: codec.encode_set(cid, b"\xa0run", b"1")),
+                         (codec.REMOVE, lambda cid: codec.encode_remove(cid, b"\xa0run")),
+                         (codec.REMOVE, lambda cid: codec.encode_remove(cid, b"\xa0run"))])
+        assert r == [None, True, False]
+
+
+def test_partitions_are_placed_with_leaders_on_several_nodes(kv3):
+    _etcd, nodes = kv3
+    with kv(nodes[0]) as c:
+        c.set(b"\x00placed", b"1")
+    def placed():
+        with client(nodes[0]) as s:
+            status = s.call(call_status())
+        return status.get("cluster", {}).get("kv", {}).get("partitions")
+
+    parts = wait_for(placed, what="the partition placement in the status")
+    assert len(parts) == 8
+    assert all(len(p["replicas"]) == 3 for p in parts)
+    assert len({p["leader"] for p in parts}) == 3  # spread: every node leads some
+    out = sbpctl("cluster", "--endpoint", nodes[1].endpoint("sbp"))
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and len(line.split()) == 4]
+    assert [int(r[0]) for r in rows] == list(range(8))
+    assert [int(r[2]) for r in rows] == [p["leader"] for p in parts]
+
+
+def test_full_scans_through_each_node_equal_one_model(kv3):
+    _etcd, nodes = kv3
+    rng = random.Random(20)
+    model = {}
+    with kv(nodes[1]) as c:
+        for i in range(300):
+            k = bytes([rng.randrange(256)]) + b"scan%04d" % i
+            v = b"%d" % rng.randrange(10 ** 6)
+            model[k] = v
+        c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v)) for k, v in model.items()])
+        # plus whatever the other tests wrote: the model is what a full scan of node 1 says first
+        everything = dict(full_scan(c, GET_FF, page=1024))
+    for k, v in model.items():
+        assert everything[k] == v
+    ordered = sorted(everything.items())
+    for node in nodes:
+        with kv(node) as c:
+            assert full_scan(c, GET_FF, page=13) == ordered
+            fb = []
+            for p in c.iter_scan(GET_FB, page=11):
+                fb = p.items + fb
+            assert fb == ordered
+            assert [k for k, _ in full_scan(c, GET_KEYS, page=17)] == [k for k, _ in ordered]
+            prefix = b"\x80scan"
+            want = [k for k, _ in ordered if k.startswith(prefix)]
+            got = []
+            for p in c.iter_scan(GET_KEYS_PREFIX, page=3, prefix=prefix):
+                got.extend(k for k, _ in p.items if k.startswith(prefix))
+            assert got == want
+
+
+def test_scan_page_across_partitions_sets_the_jump_bit(kv3):
+    _etcd, nodes = kv3
+    with kv(nodes[2]) as c:
+        c.set(b"\x3f\xff\xffjump-a", b"a")  # partition 1
+        c.set(b"\x40\x00jump-b", b"b")  # partition 2
+        c.create_cursor(b"j", b"\x3f\xff\xffjump-a")
+        page = c.scan(GET_FF, b"j", 2)
+        assert [k for k, _ in page.items] == [b"\x3f\xff\xffjump-a", b"\x40\x00jump-b"]
+        assert page.jumped
+        c.create_cursor(b"j", b"\x3f\xff\xffjump-a")
+        page = c.scan(GET_FF, b"j", 1)
+        assert not page.jumped and page.next_key == b"\x40\x00jump-b"
+        with pytest.raises(KvError) as e:
+            c.scan(GET_FF, b"nope", 1)
+        assert e.value.code == 2
+
+
+def test_kv_client_framing_reaches_every_key(kv3):
+    _etcd, (a, b, _c) = kv3
+    with kv(a) as ca:
+        ca.set(b"\xe0client", b"framed")
+    s = socket.create_connection(("127.0.0.1", b.ports["kv_client"]), timeout=30)
+    try:
+        s.sendall(client_framing.encode_get(b"\xe0client"))
+        data = b""
+        while len(data) < 8 or len(data) < int.from_bytes(data[:8], "big"):
+            data += s.recv(65536)
+        assert client_framing.decode_reply(data, codec.GET) == (codec.OK, None, [(b"\xe0client", b"framed")])
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_kill9_of_a_partition_leader_loses_no_acknowledged_set(tmp_path):
+    with three_nodes(tmp_path) as (_etcd, nodes):
+        by_id = {n.node_id: n for n in nodes}
+        with kv(nodes[0]) as c:
+            c.set(b"\x00warm", b"1")
+        def placement():
+            with client(nodes[0]) as s:
+                return s.call(call_status()).get("cluster", {}).get("kv", {}).get("partitions")
+
+        parts = wait_for(placement, what="placement")
+        victim = by_id[parts[0]["leader"]]
+        writers = [n for n in nodes if n is not victim]
+        acked = {}
+        stop = threading.Event()
+        errors = []
+
+        def load(node, w):
+            i = 0
+            with kv(node, timeout=60) as c:
+                while not stop.is_set():
+                    batch = [(bytes([(i * 37 + j * 11) % 256]) + b"w%d-%06d-%d" % (w, i, j), b"v%d" % i) for j in range(8)]
+                    results = c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v)) for k, v in batch])
+                    for (k, v), r in zip(batch, results):
+                        if r is None:
+                            acked[k] = v
+                        else:
+                            errors.append(r)
+                    i += 1
+
+        threads = [threading.Thread(target=load, args=(n, w)) for w, n in enumerate(writers)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(acked) > 400, timeout=60, what="acknowledged writes before the kill")
+        t_kill = time.monotonic()
+        victim.kill9()
+        before = len(acked)
+        wait_for(lambda: len(acked) > before + 400, timeout=60, what="writes after the failover")
+        recovered = time.monotonic() - t_kill
+        stop.set()
+        for t in threads:
+            t.join(60)
+        survivors = writers
+        for node in survivors:
+            with kv(node) as c:
+                keys = sorted(acked)
+                for i in range(0, len(keys), 500):
+                    chunk = keys[i:i + 500]
+                    got = c.pipeline([(codec.GET, lambda cid, k=k: codec.encode_get(cid, k)) for k in chunk])
+                    assert got == [acked[k] for k in chunk]
+        assert recovered < 60
