@@ -17,6 +17,7 @@ _STORE_STATUS = (
     (errors.DataCorrupted, codec.DATA_CORRUPTED, "stored data failed its CRC"),
     (errors.PayloadTooLarge, codec.PAYLOAD_TOO_LARGE, "payload too large"),
     (errors.StoreBusy, codec.TOO_MANY_REQUESTS, "store busy"),
+    (errors.NoAvailableReplicas, codec.NO_AVAILABLE_RS, "too few live replicas"),
 )
 
 
