@@ -46,6 +46,9 @@ RETRY_S = 0.5  # seconds between attempts to reach a replica
 
 
 
+_SEALED = object()  # _primary: this node sealed the stream's current epoch and awaits the next record
+
+
 class PeerStream:
     """What the primary knows of one replica of one stream."""
 
@@ -139,6 +142,8 @@ class Replicator:
         st = self._primary(sid)
         if st is None:
             return log.append(sid, batch, expect_offset)
+        if st is _SEALED:
+            return defer.fail(store_errors.RangeAlreadySealed("stream %d: its range is sealed; retry on the new range" % sid))
         try:
             if st.sealed:
                 raise store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
@@ -149,6 +154,10 @@ class Replicator:
             count = int.from_bytes(batch[9:13], "big", signed=True)
             if count < 1:
                 raise store_errors.InvalidRequest("record_count must be >= 1")
+            live = self._live(st)
+            if live < st.ack_count:
+                # CONTRACT §9: below ack_count live replicas nothing can be acknowledged (degraded)
+                raise store_errors.NoAvailableReplicas("stream %d: %d live replica(s), ack_count %d" % (sid, live, st.ack_count))
         except store_errors.StoreError:
             return defer.fail()
         base = st.assigned
@@ -184,6 +193,10 @@ class Replicator:
             return None
         if st is not None and st.epoch == rec.get("epoch", 0):
             return st
+        if rec.get("epoch", 0) < self.refused_epochs.get(sid, 0):
+            # this node sealed that epoch (a seal of its own range: SEAL_RANGES, re-replication)
+            # and the next record has not reached it yet: nothing may be sequenced meanwhile
+            return _SEALED
         try:
             self.store.log.hold_at_confirm(sid)
             assigned = self.store.log.assigned_end(sid)
@@ -215,6 +228,28 @@ class Replicator:
         pending, st.pending = st.pending, collections.OrderedDict()
         for _end, (_base, d) in pending.items():
             d.errback(store_errors.RangeAlreadySealed("stream %d: range sealed (%s); retry on the new range" % (sid, why)))
+
+    def _live(self, st):
+        """Live replicas of the range ``st`` sequences, this node included."""
+        live = set(self.membership.live_ids()) if self.membership is not None else set()
+        return 1 + sum(1 for nid in st.peers if nid in live)
+
+    def members_changed(self, _members):
+        """Membership changed: a range left with fewer than ack_count live replicas fails the
+        appends waiting for acknowledgements with 1502 instead of holding them until a replica
+        returns (CONTRACT §9). Their batches stay in the primary's store and window: like a
+        timed-out append, one answered 1502 may still be acknowledged later, at its offset, when
+        a replica returns and catches up."""
+        for st in list(self.primaries.values()):
+            live = self._live(st)
+            if live >= st.ack_count or not st.pending:
+                continue
+            pending, st.pending = st.pending, collections.OrderedDict()
+            self.log.warn("stream {sid}: {live} live replica(s), ack_count {ack}: {n} append(s) answered 1502",
+                          sid=st.sid, live=live, ack=st.ack_count, n=len(pending))
+            for _end, (_base, d) in pending.items():
+                d.errback(store_errors.NoAvailableReplicas(
+                    "stream %d: %d live replica(s), ack_count %d" % (st.sid, live, st.ack_count)))
 
     def record_changed(self, rec):
         """The placement driver saw a new record of a stream (its watch)."""

@@ -70,6 +70,7 @@ class ClusterNode:
             yield self.pd.start()
             self.replicator.pd, self.replicator.membership = self.pd, self.membership
             self.pd.listeners.append(self.replicator.record_changed)
+            self.membership.on_change(self.replicator.members_changed)
             self.failover = Failover(self.pd, self.membership, self.election, self.replicator, node.reactor)
             self.failover.start()
         except BaseException:
