@@ -311,6 +311,27 @@ class RecordLog:
 
         return core.transact(fn).addCallback(lambda _: s.meta())
 
+    def start_replica_at(self, sid, offset):
+        """Cluster re-replication: a new copy of a trimmed stream starts at ``offset`` (where the
+        primary's copy begins; it has nothing below to send). What this copy held below is
+        trimmed; no batch may be in flight. Fires with the StreamMeta."""
+        try:
+            self._core.check_writable()
+            s = self._get(sid)
+            if s.assigned != s.durable:
+                raise errors.InvalidRequest("stream %d has batches in flight" % sid)
+        except errors.StoreError:
+            return defer.fail()
+        offset = int(offset)
+        if offset <= s.assigned:
+            return defer.succeed(s.meta())
+        s.assigned = s.durable = s.next_offset = offset
+        if s.cap is not None:
+            s.cap = max(s.cap, offset)
+        d = self._trim(s, offset)
+        self._fire(s)
+        return d
+
     def advance(self, sid, base, count):
         """The commit core's ``on_batch_durable`` hook (reactor thread, in log order): the batch at
         ``base`` is durable and readable."""

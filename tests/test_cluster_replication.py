@@ -24,10 +24,11 @@ def roles(nodes, sid):
     return primary, [n for n in nodes if n is not primary]
 
 
-def fetch_all(node, sid, upto):
-    """Every batch of ``sid`` on ``node`` from 0 (FETCH, plain client: no following), as bytes."""
+def fetch_all(node, sid, upto, start=0):
+    """Every batch of ``sid`` on ``node`` from ``start`` (FETCH, plain client: no following), as
+    bytes."""
     out = []
-    offset = 0
+    offset = start
     with client(node) as c:
         while offset < upto:
             data = c.fetch(sid, offset)
@@ -428,6 +429,7 @@ def test_a_replica_lost_for_good_is_replaced_within_45_s(tmp_path):
         spare = next(n for n in nodes if n.node_id not in ids)
         with client(primary) as c:
             c.append_pipelined([(sid, batch(2, tag=b"a%d-" % i)) for i in range(20)], window=8)
+            c.trim(sid, 21)  # inside the batch at 20: the new copy starts with that batch
         lost.kill9()
         t0 = time.monotonic()
         with client(primary) as c:  # the other two acknowledge meanwhile
@@ -444,9 +446,11 @@ def test_a_replica_lost_for_good_is_replaced_within_45_s(tmp_path):
         with client(primary) as c:
             base = wait_for(lambda: _safe(lambda: c.append(sid, batch(1, tag=b"c"))), what="appends go on")
         end = base + 1
-        wait_for(lambda: fetch_all(primary, sid, end)[0] == end, what="the primary serves the stream")
-        want = fetch_all(primary, sid, end)
-        wait_for(lambda: fetch_all(spare, sid, end) == want, timeout=20, what="the spare holds the whole stream")
+        wait_for(lambda: fetch_all(primary, sid, end, 21)[0] == end, what="the primary serves the stream")
+        want = fetch_all(primary, sid, end, 21)
+        assert int.from_bytes(want[1][0][1:9], "big") == 20
+        wait_for(lambda: _safe(lambda: fetch_all(spare, sid, end, 21)) == want, timeout=20,
+                 what="the spare holds the stream from its trim point")
         assert took < 45
     finally:
         for n in nodes:

@@ -34,3 +34,20 @@ async def test_a_tail_is_cut_at_a_batch_boundary_and_stays_cut(tmp_path):
     got = await st.log.read(sid, 0, 1 << 20)
     assert [base_of(b) for b in got] == [0, 2, 4, 6] and got[3][9:] == batch(3, 20, 9)[9:]
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_new_copy_of_a_trimmed_stream_starts_where_the_primarys_copy_begins(tmp_path):
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1)
+    sid = (await st.log.create_stream()).stream_id
+    st.log.hold_at_confirm(sid)
+    meta = await st.log.start_replica_at(sid, 20)
+    assert (meta.trim_offset, meta.next_offset, st.log.assigned_end(sid)) == (20, 20, 20)
+    await st.log.append_replica(sid, with_base(batch(2, 20, 1), 20))
+    st.log.confirm(sid, 22)
+    assert [base_of(b) for b in await st.log.read(sid, 20, 1 << 20)] == [20]
+    assert (await st.log.start_replica_at(sid, 10)).next_offset == 22  # holds more already: unchanged
+    await st.close()
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1)
+    assert (st.log.stream(sid).trim_offset, st.log.stream(sid).next_offset) == (20, 22)
+    await st.close()

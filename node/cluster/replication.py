@@ -418,13 +418,17 @@ class Replicator:
                     continue
                 start = ps.sent
                 try:
-                    batches = yield self.store.log.read(st.sid, start, CATCH_UP_READ)
+                    first, batches = yield self._catch_up_read(st.sid, start)
                 except store_errors.StoreError as e:
                     self.log.warn("cannot catch replica {nid} up on stream {sid} from {offset}: {e}",
                                   nid=link.node_id, sid=st.sid, offset=start, e=e)
                     return
                 if ps.sent != start or link.channel is None:
                     continue
+                if first > start:
+                    # a new copy of a trimmed stream: it starts where this copy begins
+                    link.channel.send(rcodec.START, st.sid, first)
+                    ps.sent = first
                 if not batches:
                     return
                 for b in batches:
@@ -433,6 +437,22 @@ class Replicator:
                     ps.sent = int.from_bytes(b[1:9], "big", signed=True) + int.from_bytes(b[9:13], "big", signed=True)
         finally:
             ps.pumping = False
+
+    @defer.inlineCallbacks
+    def _catch_up_read(self, sid, start):
+        """(first, batches): this node's batches from ``start``; below its trim point, from the
+        first batch it keeps (``first`` > ``start``: the replica must start its copy there)."""
+        log = self.store.log
+        try:
+            batches = yield log.read(sid, start, CATCH_UP_READ)
+            return start, batches
+        except store_errors.OffsetOutOfRange:
+            trim = log.stream(sid).trim_offset
+            if start >= trim:
+                raise
+        batches = yield log.read(sid, trim, CATCH_UP_READ)
+        first = int.from_bytes(batches[0][1:9], "big", signed=True) if batches else trim
+        return max(first, start), batches
 
     # -- the replica side ---------------------------------------------------------------------------
 
@@ -471,6 +491,12 @@ class Replicator:
             return
         if kind == rcodec.SYNC:
             self._ack(channel, sid)
+            return
+        if kind == rcodec.START:
+            if log.assigned_end(sid) < msg[2]:
+                log.start_replica_at(sid, msg[2]).addErrback(
+                    lambda f: self.log.warn("replica of stream {sid} not started at {offset}: {e}", sid=sid,
+                                            offset=msg[2], e=f.value))
             return
         if kind == rcodec.SEAL:
             epoch = msg[2]
@@ -584,7 +610,7 @@ class _ReplicaSide:
         pass
 
     def message(self, channel, msg):
-        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL):
+        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL, rcodec.START):
             self.replicator.to_replica(channel, msg)
 
 
