@@ -14,6 +14,10 @@ Every CHECK_EVERY_S the leader looks for streams whose open range's primary is n
 4. records the seal and opens range index+1 at the end in one etcd compare-and-swap, the
    stream's epoch incremented (``PlacementDriver.seal_and_open``).
 
+The same check re-replicates (CONTRACT §9): a range whose primary is live but which is short of R
+live replicas (opened degraded, or a server gone REREPLICATE_AFTER_S) is sealed the same way and
+re-opened with spares (``rereplicate``); SEAL_RANGES from a client goes through ``seal_range``.
+
 The new primary, on seeing the record, treats everything below the end as confirmed and brings
 the other replicas up to it (the replicator's catch-up), then takes appends. Clients that get
 1460 or PD_NOT_LEADER retry on the new range's primary (LIST_RANGES).

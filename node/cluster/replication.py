@@ -20,8 +20,10 @@ and from the in-memory window above it (batches not yet confirmed).
 
 Sealing (CONTRACT §9 Failover): ``seal`` asks a replica, ``seal_here`` is a replica's side (it
 fences the epoch: 1460 for that epoch's appends); node/cluster/failover.py decides when and what.
-Not here yet (docs/cluster.md): re-replication of a range to other nodes; trim reaches the
-replicas through the stream record's watch only.
+Re-replication (failover.py) re-opens a range with a spare; the spare's copy is this catch-up
+(``T`` starts a new copy of a trimmed stream at the primary's first kept batch). Below ack_count
+live replicas appends get 1502 (``members_changed``). Trim reaches the replicas through the stream
+record's watch only.
 """
 
 import collections
