@@ -425,8 +425,8 @@ class Replicator:
                     self.log.warn("cannot catch replica {nid} up on stream {sid} from {offset}: {e}",
                                   nid=link.node_id, sid=st.sid, offset=start, e=e)
                     return
-                if ps.sent != start or link.channel is None:
-                    continue
+                if ps.sent != start or link.channel is None or self.primaries.get(st.sid) is not st:
+                    continue  # (a state replaced while reading must not send: its epoch is stale)
                 if first > start:
                     # a new copy of a trimmed stream: it starts where this copy begins
                     link.channel.send(rcodec.START, st.sid, first)
@@ -460,6 +460,11 @@ class Replicator:
 
     def to_replica(self, channel, msg):
         sid = msg[1]
+        if self.pd is None:
+            # still starting (the listener opens before the placement driver has the records):
+            # without the records no epoch can be checked; the primary reconnects and asks again
+            channel.transport.loseConnection()
+            return
         waiting = self._inbound.get(sid)
         if waiting is not None:
             waiting.append((channel, msg))
@@ -524,6 +529,11 @@ class Replicator:
         if base > assigned:
             channel.send(rcodec.GAP, sid, assigned)  # it misses batches: where to resend from
             return
+        # this node is a copy in the range of ``epoch`` even if its watch has not said so yet:
+        # the placement driver must not cut its copy to an older range's end meanwhile
+        fed = self.pd.fed_epochs
+        if fed.get(sid, -1) < epoch:
+            fed[sid] = epoch
         d = log.append_replica(sid, batch)
         d.addCallbacks(lambda _: self._ack(channel, sid),
                        lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
