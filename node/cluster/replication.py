@@ -254,15 +254,22 @@ class Replicator:
                     "stream %d: %d live replica(s), ack_count %d" % (st.sid, live, st.ack_count)))
 
     def record_changed(self, rec):
-        """The placement driver saw a new record of a stream (its watch)."""
+        """The placement driver saw a new record of a stream (its watch), or this node starts
+        with it: a range this node no longer sequences is dropped, and one it sequences now is
+        taken up at once (``_primary``), not at its first append. Taking it up sends SYNC to the
+        range's other replicas, which starts their catch-up: a re-replication spare (or a copy
+        that lags) gets the stream even if no client appends to the new range (seed 25 of
+        bench/replication_campaign.py: a spare left at the old seal while the range took no
+        appends, its reads short of acknowledged batches)."""
         sid = rec["stream_id"]
         st = self.primaries.get(sid)
-        if st is None:
-            return
         rng = placement.open_range(rec)
         primary = placement.primary_of(rng) if rng else None
-        if rec.get("epoch", 0) != st.epoch or primary is None or primary["id"] != self.node_id:
+        if st is not None and (rec.get("epoch", 0) != st.epoch or primary is None or primary["id"] != self.node_id):
             self._drop(sid, "epoch %d" % rec.get("epoch", 0))
+        if primary is not None and primary["id"] == self.node_id and self.pd is not None \
+                and self.pd.streams.get(sid) is rec:
+            self._primary(sid)
 
     def _local_durable(self, _base, st):
         try:
