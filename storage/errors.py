@@ -49,6 +49,11 @@ class ExpectationFailed(StoreError):
     """A conditional write's expectation (e.g. the expected next offset) did not hold."""
 
 
+class NoAvailableReplicas(StoreError):
+    """A replicated write cannot be acknowledged: fewer live replicas than its ack_count
+    (CONTRACT §9, 1502 NO_AVAILABLE_RS)."""
+
+
 class StoreBusy(StoreError):
     """The write queue is over its hard limit; the caller should back off and retry."""
 

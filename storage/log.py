@@ -284,6 +284,60 @@ class RecordLog:
         for s in self._streams.values():
             s.assigned = s.durable
 
+    def truncate_replica(self, sid, end):
+        """Cluster failover (CONTRACT §9): cut the batches at and above ``end`` from this node's
+        copy of ``sid``: a former primary's (or a lagging replica's) tail past the seal of the
+        last range it held, which was never acknowledged. ``end`` must be where a stored batch
+        starts (or the copy's end) and no batch may be in flight. Fires with the StreamMeta; the
+        index deletion goes through the WAL like every transaction, so a crash cannot bring the
+        tail back."""
+        core = self._core
+        try:
+            core.check_writable()
+            s = self._get(sid)
+            end = int(end)
+            if s.assigned != s.durable:
+                raise errors.InvalidRequest("stream %d has batches in flight" % sid)
+            if end >= s.assigned:
+                return defer.succeed(s.meta())
+            if end < s.trim_offset:
+                raise errors.InvalidRequest("stream %d is trimmed at %d, above %d" % (sid, s.trim_offset, end))
+            cur = self._locate(core.snapshot(), sid, end)
+            if cur is not None and INDEX_KEY.unpack(cur.key())[1] != end:
+                raise errors.InvalidRequest("offset %d of stream %d is inside a batch" % (end, sid))
+        except errors.StoreError:
+            return defer.fail()
+        s.assigned = s.durable = end
+        s.next_offset = min(s.next_offset, end)
+        if s.cap is not None:
+            s.cap = min(s.cap, end)
+
+        def fn(raw):
+            raw.delete_range(index.INDEX, INDEX_KEY.pack(sid, end), INDEX_KEY.pack(sid, _MAX_OFFSET))
+
+        return core.transact(fn).addCallback(lambda _: s.meta())
+
+    def start_replica_at(self, sid, offset):
+        """Cluster re-replication: a new copy of a trimmed stream starts at ``offset`` (where the
+        primary's copy begins; it has nothing below to send). What this copy held below is
+        trimmed; no batch may be in flight. Fires with the StreamMeta."""
+        try:
+            self._core.check_writable()
+            s = self._get(sid)
+            if s.assigned != s.durable:
+                raise errors.InvalidRequest("stream %d has batches in flight" % sid)
+        except errors.StoreError:
+            return defer.fail()
+        offset = int(offset)
+        if offset <= s.assigned:
+            return defer.succeed(s.meta())
+        s.assigned = s.durable = s.next_offset = offset
+        if s.cap is not None:
+            s.cap = max(s.cap, offset)
+        d = self._trim(s, offset)
+        self._fire(s)
+        return d
+
     def advance(self, sid, base, count):
         """The commit core's ``on_batch_durable`` hook (reactor thread, in log order): the batch at
         ``base`` is durable and readable."""

@@ -13,6 +13,7 @@ def test_messages_round_trip_as_msgpack_arrays():
     assert codec.decode(raw) == ["A", 1 << 32, 3, b"\x22batch"]
     assert codec.decode(codec.encode(codec.ACK, 5, 10, 12)) == ["K", 5, 10, 12]
     assert codec.decode(codec.encode(codec.SEALED, 5, 2, 99)) == ["Z", 5, 2, 99]
+    assert codec.encode(codec.START, 5, 20) == b"\x93\xa1T\x05\x14" and codec.decode(b"\x93\xa1T\x05\x14") == ["T", 5, 20]
 
 
 @pytest.mark.parametrize("raw", [

@@ -14,6 +14,10 @@ Every CHECK_EVERY_S the leader looks for streams whose open range's primary is n
 4. records the seal and opens range index+1 at the end in one etcd compare-and-swap, the
    stream's epoch incremented (``PlacementDriver.seal_and_open``).
 
+The same check re-replicates (CONTRACT §9): a range whose primary is live but which is short of R
+live replicas (opened degraded, or a server gone REREPLICATE_AFTER_S) is sealed the same way and
+re-opened with spares (``rereplicate``); SEAL_RANGES from a client goes through ``seal_range``.
+
 The new primary, on seeing the record, treats everything below the end as confirmed and brings
 the other replicas up to it (the replicator's catch-up), then takes appends. Clients that get
 1460 or PD_NOT_LEADER retry on the new range's primary (LIST_RANGES).
@@ -25,8 +29,10 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from node.cluster import placement
+from storage import errors as store_errors
 
 CHECK_EVERY_S = 0.25
+REREPLICATE_AFTER_S = 10.0  # a replica gone this long is replaced (CONTRACT §9: copied within 45 s)
 
 
 class Failover:
@@ -43,6 +49,7 @@ class Failover:
         self.last = None  # {"stream_id", "range", "end", "primary", "seconds"} of the latest
         self._loop = None
         self._said = {}  # stream id -> the last reason it could not be failed over (logged once)
+        self._gone_since = {}  # node id -> reactor time the leader first saw it not live
 
     def start(self):
         self._loop = task.LoopingCall(self.check)
@@ -57,15 +64,38 @@ class Failover:
         if not (self.election and self.election.is_leader):
             return
         live = set(self.membership.live_ids())
+        now = self.reactor.seconds()
+        for nid in list(self._gone_since):
+            if nid in live:
+                del self._gone_since[nid]
         for sid, rec in list(self.pd.streams.items()):
             rng = placement.open_range(rec)
             p = placement.primary_of(rng) if rng else None
-            if p is None or p["id"] in live or sid in self.busy:
+            if p is None or sid in self.busy:
+                continue
+            if p["id"] not in live:
+                d = self.fail_over(sid)
+            elif self._short(rec, rng, live, now):
+                d = self.rereplicate(sid)
+            else:
                 continue
             self.busy.add(sid)
-            d = self.fail_over(sid)
             d.addErrback(self._not_yet, sid)
             d.addBoth(lambda _, sid=sid: self.busy.discard(sid))
+
+    def _short(self, rec, rng, live, now):
+        """True if the open range wants re-replication now: fewer servers than the stream's R
+        (opened degraded), or a server gone for REREPLICATE_AFTER_S (a restart within it just
+        catches up), and a live node outside the range to take a copy."""
+        ids = [s["id"] for s in rng["servers"]]
+        if not any(nid not in ids for nid in live):
+            return False
+        if len(ids) < rec["replica_nums"]:
+            return True
+        for nid in ids:
+            if nid not in live and now - self._gone_since.setdefault(nid, now) >= REREPLICATE_AFTER_S:
+                return True
+        return False
 
     @defer.inlineCallbacks
     def _spares(self, rec, rng, epoch, live, taken, wanted):
@@ -100,13 +130,62 @@ class Failover:
 
     @defer.inlineCallbacks
     def fail_over(self, sid):
-        t0 = time.monotonic()
+        """The open range's primary is dead: seal the range at its survivors' largest end and open
+        the next one on them (and spares)."""
         rec = yield self.pd.get(sid)  # the record as etcd has it now
         rng = placement.open_range(rec)
         p = placement.primary_of(rng) if rng else None
-        live = set(self.membership.live_ids())
-        if p is None or p["id"] in live:
+        if p is None or p["id"] in set(self.membership.live_ids()):
             return
+        yield self.reopen(rec, "dead primary %d" % p["id"])
+
+    @defer.inlineCallbacks
+    def rereplicate(self, sid):
+        """Re-replication (CONTRACT §9): the open range has fewer than R live replicas and a live
+        node outside it can take a copy: seal it and open the next range on its live replicas
+        plus spares (the primary stays: it holds the largest end). The spares get the whole
+        stream from the new primary's store through the replica channel's catch-up."""
+        rec = yield self.pd.get(sid)
+        rng = placement.open_range(rec)
+        live = set(self.membership.live_ids())
+        if rng is None or not self._short(rec, rng, live, self.reactor.seconds()):
+            return
+        wanted = rec["replica_nums"] - sum(1 for s in rng["servers"] if s["id"] in live)
+        spares = yield self._spares(rec, rng, rec.get("epoch", 0), live, set(), wanted)
+        if not spares:
+            raise placement.NoAvailableRS("stream %d: no live node can take a copy yet" % sid)
+        yield self.reopen(rec, "re-replication to node(s) %s" % ",".join(map(str, spares)), spares=spares)
+
+    @defer.inlineCallbacks
+    def seal_range(self, sid, index):
+        """SBP SEAL_RANGES in cluster mode (CONTRACT §3 Ranges, §9): seal the stream's open range
+        ``index`` the failover way (its replicas fenced, the largest end taken) and open range
+        index+1 on the same live replicas; the new record. 1460 for a sealed range, 1462 for an
+        unknown index."""
+        rec = yield self.pd.get(sid)
+        rng = placement.open_range(rec)
+        if rng is None or rng["index"] != index:
+            if any(r["index"] == index for r in rec["ranges"]):
+                raise store_errors.RangeAlreadySealed("range %d of stream %d is sealed" % (index, sid))
+            raise store_errors.RangeNotFound("stream %d has no range %d" % (sid, index))
+        if sid in self.busy:
+            raise placement.Conflict("stream %d is being sealed already" % sid)
+        self.busy.add(sid)
+        try:
+            new = yield self.reopen(rec, "SEAL_RANGES", spares=[])
+        finally:
+            self.busy.discard(sid)
+        return new
+
+    @defer.inlineCallbacks
+    def reopen(self, rec, why, spares=None):
+        """Seal ``rec``'s open range (CONTRACT §9 Failover) and open range index+1; ``spares``:
+        the nodes to add (None: failover's choice, up to R)."""
+        t0 = time.monotonic()
+        sid = rec["stream_id"]
+        rng = placement.open_range(rec)
+        p = placement.primary_of(rng)
+        live = set(self.membership.live_ids())
         r = len(rng["servers"])
         ack = rec.get("ack_count") or placement.ack_count(rec["replica_nums"])
         need = max(1, r - ack + 1)
@@ -120,16 +199,27 @@ class Failover:
             raise placement.NoAvailableRS("%d of %d replicas of stream %d answered the seal, %d needed"
                                           % (len(ends), len(survivors), sid, need))
         end = max(ends.values())
-        primary = min((nid for nid in ends if ends[nid] == end))
+        if end < rng["start"]:
+            # the survivors have not caught up to the range's start (a range opened moments ago
+            # whose primary died before they got its first batches): sealing here would leave a
+            # hole; nothing of this range was acknowledged, but wait for the primary or a copy
+            raise placement.NoAvailableRS("the replicas of stream %d that answered end at %d, below range %d's start %d"
+                                          % (sid, end, rng["index"], rng["start"]))
+        # the primary stays if it holds the largest end (a seal of a live primary's range)
+        primary = p["id"] if ends.get(p["id"]) == end else min(nid for nid in ends if ends[nid] == end)
         copies = sorted(nid for nid in ends if nid != primary)
-        copies += (yield self._spares(rec, rng, epoch, live, set(ends), r - 1 - len(copies)))
+        if spares is None:
+            spares = yield self._spares(rec, rng, epoch, live, set(ends), rec["replica_nums"] - 1 - len(copies))
+        copies += [nid for nid in spares if nid not in ends]
         choice = [(primary, True)] + [(nid, False) for nid in copies]
-        yield self.pd.seal_and_open(sid, epoch, end, choice)
+        new = yield self.pd.seal_and_open(sid, epoch, end, choice)
         seconds = time.monotonic() - t0
         self.count += 1
         self._said.pop(sid, None)
-        self.last = {"stream_id": sid, "range": rng["index"], "end": end, "primary": primary, "seconds": seconds}
-        self.log.info("failover of stream {sid}: range {index} of dead node {dead} sealed at {end} "
-                      "({answers} of {r} replicas answered), range {next} opened on {servers}, primary {primary}",
-                      sid=sid, index=rng["index"], dead=p["id"], end=end, answers=len(ends), r=r,
+        self.last = {"stream_id": sid, "range": rng["index"], "end": end, "primary": primary, "seconds": seconds,
+                     "why": why}
+        self.log.info("stream {sid} ({why}): range {index} sealed at {end} ({answers} of {r} replicas answered), "
+                      "range {next} opened on {servers}, primary {primary}",
+                      sid=sid, why=why, index=rng["index"], end=end, answers=len(ends), r=r,
                       next=rng["index"] + 1, servers=[nid for nid, _ in choice], primary=primary)
+        return new

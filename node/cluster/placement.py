@@ -112,6 +112,7 @@ class PlacementDriver:
         self._id_lock = defer.DeferredLock()
         self._id_next = self._id_end = 0  # the reserved block of stream-id counters [next, end)
         self.listeners = []  # fn(rec) for every new record seen (the replicator's)
+        self.fed_epochs = {}  # stream id -> newest epoch whose primary sent this node batches (replicator)
 
     def key(self, sid) -> str:
         return self.prefix + "streams/%020d" % sid
@@ -266,6 +267,44 @@ class PlacementDriver:
                 yield log.trim(sid, rec["trim_offset"])
             else:
                 yield log.trim_replica(sid, rec["trim_offset"])
+        yield self._cut_tail(rec)
+
+    @defer.inlineCallbacks
+    def _cut_tail(self, rec):
+        """CONTRACT §9 Failover: a node that is not a replica of the open range keeps its copy only
+        up to the end of the last (sealed) range it held: anything past it (the dead primary's
+        batches that no majority acknowledged, come back with it) is cut, so it never serves them
+        and can be taken back as a copy (failover's spares take a node only if its copy ends at
+        or below that end)."""
+        sid = rec["stream_id"]
+        log = self.store.log
+        waited = 0.0
+        while self._tail_end(sid) is not None and log.durable_end(sid) < log.assigned_end(sid) and waited < 5.0:
+            yield deferLater(self.reactor, 0.01, lambda: None)  # batches still in flight here
+            waited += 0.01
+        # decided on the newest record, in the same reactor turn as the cut: a record that came
+        # meanwhile may have made this node a copy again (its batches above the end are then the
+        # new range's, acknowledged to its primary)
+        end = self._tail_end(sid)
+        if end is not None and log.durable_end(sid) == log.assigned_end(sid) and log.assigned_end(sid) > end:
+            before = log.assigned_end(sid)
+            yield log.truncate_replica(sid, end)
+            self.log.warn("stream {sid}: cut this node's copy from {before} to {end}, the end of the last range "
+                          "it held (an unacknowledged tail past the seal)", sid=sid, before=before, end=end)
+
+    def _tail_end(self, sid):
+        """Where this node's copy of ``sid`` must end, as the newest record says: the end of the
+        last range it held if it is not a replica of the open range; else None."""
+        rec = self.streams.get(sid)
+        rng = open_range(rec) if rec is not None else None
+        if rng is None or any(s["id"] == self.node_id for s in rng["servers"]):
+            return None
+        if self.fed_epochs.get(sid, -1) > rec.get("epoch", 0):
+            return None  # a primary of a newer range feeds this copy: the watch is behind
+        held = [r for r in rec["ranges"] if r["end"] >= 0 and any(s["id"] == self.node_id for s in r["servers"])]
+        if not held:
+            return None
+        return max(held, key=lambda r: r["index"])["end"]
 
     def _apply_delete(self, sid):
         try:
@@ -304,6 +343,14 @@ class PlacementDriver:
             if self._local(sid) or primary is None:
                 return None
             return self.ensure_local(rec).addCallback(lambda _: None)
+        live_ids = self.membership.live_ids() if not read else ()
+        if not read and primary["id"] not in live_ids:
+            live = sum(1 for s in rng["servers"] if s["id"] in live_ids)
+            ack = rec.get("ack_count") or ack_count(rec["replica_nums"])
+            if live < ack:
+                # CONTRACT §9: the range cannot be sealed and re-opened until replicas return
+                return defer.fail(NoAvailableRS("stream %d: its primary (node %d) is down and %d live replica(s) "
+                                                "are left, ack_count %d" % (sid, primary["id"], live, ack)))
         return self.address(primary)
 
     def _local(self, sid):

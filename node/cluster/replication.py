@@ -20,8 +20,10 @@ and from the in-memory window above it (batches not yet confirmed).
 
 Sealing (CONTRACT §9 Failover): ``seal`` asks a replica, ``seal_here`` is a replica's side (it
 fences the epoch: 1460 for that epoch's appends); node/cluster/failover.py decides when and what.
-Not here yet (docs/cluster.md): re-replication of a range to other nodes; trim reaches the
-replicas through the stream record's watch only.
+Re-replication (failover.py) re-opens a range with a spare; the spare's copy is this catch-up
+(``T`` starts a new copy of a trimmed stream at the primary's first kept batch). Below ack_count
+live replicas appends get 1502 (``members_changed``). Trim reaches the replicas through the stream
+record's watch only.
 """
 
 import collections
@@ -44,6 +46,9 @@ SEAL_DRAIN_S = 5.0  # longest a replica waits for its received batches to be dur
 CATCH_UP_READ = 1 << 20  # bytes read from the store at once while catching a replica up
 RETRY_S = 0.5  # seconds between attempts to reach a replica
 
+
+
+_SEALED = object()  # _primary: this node sealed the stream's current epoch and awaits the next record
 
 
 class PeerStream:
@@ -139,6 +144,8 @@ class Replicator:
         st = self._primary(sid)
         if st is None:
             return log.append(sid, batch, expect_offset)
+        if st is _SEALED:
+            return defer.fail(store_errors.RangeAlreadySealed("stream %d: its range is sealed; retry on the new range" % sid))
         try:
             if st.sealed:
                 raise store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
@@ -149,6 +156,10 @@ class Replicator:
             count = int.from_bytes(batch[9:13], "big", signed=True)
             if count < 1:
                 raise store_errors.InvalidRequest("record_count must be >= 1")
+            live = self._live(st)
+            if live < st.ack_count:
+                # CONTRACT §9: below ack_count live replicas nothing can be acknowledged (degraded)
+                raise store_errors.NoAvailableReplicas("stream %d: %d live replica(s), ack_count %d" % (sid, live, st.ack_count))
         except store_errors.StoreError:
             return defer.fail()
         base = st.assigned
@@ -184,6 +195,10 @@ class Replicator:
             return None
         if st is not None and st.epoch == rec.get("epoch", 0):
             return st
+        if rec.get("epoch", 0) < self.refused_epochs.get(sid, 0):
+            # this node sealed that epoch (a seal of its own range: SEAL_RANGES, re-replication)
+            # and the next record has not reached it yet: nothing may be sequenced meanwhile
+            return _SEALED
         try:
             self.store.log.hold_at_confirm(sid)
             assigned = self.store.log.assigned_end(sid)
@@ -216,16 +231,45 @@ class Replicator:
         for _end, (_base, d) in pending.items():
             d.errback(store_errors.RangeAlreadySealed("stream %d: range sealed (%s); retry on the new range" % (sid, why)))
 
+    def _live(self, st):
+        """Live replicas of the range ``st`` sequences, this node included."""
+        live = set(self.membership.live_ids()) if self.membership is not None else set()
+        return 1 + sum(1 for nid in st.peers if nid in live)
+
+    def members_changed(self, _members):
+        """Membership changed: a range left with fewer than ack_count live replicas fails the
+        appends waiting for acknowledgements with 1502 instead of holding them until a replica
+        returns (CONTRACT §9). Their batches stay in the primary's store and window: like a
+        timed-out append, one answered 1502 may still be acknowledged later, at its offset, when
+        a replica returns and catches up."""
+        for st in list(self.primaries.values()):
+            live = self._live(st)
+            if live >= st.ack_count or not st.pending:
+                continue
+            pending, st.pending = st.pending, collections.OrderedDict()
+            self.log.warn("stream {sid}: {live} live replica(s), ack_count {ack}: {n} append(s) answered 1502",
+                          sid=st.sid, live=live, ack=st.ack_count, n=len(pending))
+            for _end, (_base, d) in pending.items():
+                d.errback(store_errors.NoAvailableReplicas(
+                    "stream %d: %d live replica(s), ack_count %d" % (st.sid, live, st.ack_count)))
+
     def record_changed(self, rec):
-        """The placement driver saw a new record of a stream (its watch)."""
+        """The placement driver saw a new record of a stream (its watch), or this node starts
+        with it: a range this node no longer sequences is dropped, and one it sequences now is
+        taken up at once (``_primary``), not at its first append. Taking it up sends SYNC to the
+        range's other replicas, which starts their catch-up: a re-replication spare (or a copy
+        that lags) gets the stream even if no client appends to the new range (seed 25 of
+        bench/replication_campaign.py: a spare left at the old seal while the range took no
+        appends, its reads short of acknowledged batches)."""
         sid = rec["stream_id"]
         st = self.primaries.get(sid)
-        if st is None:
-            return
         rng = placement.open_range(rec)
         primary = placement.primary_of(rng) if rng else None
-        if rec.get("epoch", 0) != st.epoch or primary is None or primary["id"] != self.node_id:
+        if st is not None and (rec.get("epoch", 0) != st.epoch or primary is None or primary["id"] != self.node_id):
             self._drop(sid, "epoch %d" % rec.get("epoch", 0))
+        if primary is not None and primary["id"] == self.node_id and self.pd is not None \
+                and self.pd.streams.get(sid) is rec:
+            self._primary(sid)
 
     def _local_durable(self, _base, st):
         try:
@@ -383,13 +427,17 @@ class Replicator:
                     continue
                 start = ps.sent
                 try:
-                    batches = yield self.store.log.read(st.sid, start, CATCH_UP_READ)
+                    first, batches = yield self._catch_up_read(st.sid, start)
                 except store_errors.StoreError as e:
                     self.log.warn("cannot catch replica {nid} up on stream {sid} from {offset}: {e}",
                                   nid=link.node_id, sid=st.sid, offset=start, e=e)
                     return
-                if ps.sent != start or link.channel is None:
-                    continue
+                if ps.sent != start or link.channel is None or self.primaries.get(st.sid) is not st:
+                    continue  # (a state replaced while reading must not send: its epoch is stale)
+                if first > start:
+                    # a new copy of a trimmed stream: it starts where this copy begins
+                    link.channel.send(rcodec.START, st.sid, first)
+                    ps.sent = first
                 if not batches:
                     return
                 for b in batches:
@@ -399,10 +447,31 @@ class Replicator:
         finally:
             ps.pumping = False
 
+    @defer.inlineCallbacks
+    def _catch_up_read(self, sid, start):
+        """(first, batches): this node's batches from ``start``; below its trim point, from the
+        first batch it keeps (``first`` > ``start``: the replica must start its copy there)."""
+        log = self.store.log
+        try:
+            batches = yield log.read(sid, start, CATCH_UP_READ)
+            return start, batches
+        except store_errors.OffsetOutOfRange:
+            trim = log.stream(sid).trim_offset
+            if start >= trim:
+                raise
+        batches = yield log.read(sid, trim, CATCH_UP_READ)
+        first = int.from_bytes(batches[0][1:9], "big", signed=True) if batches else trim
+        return max(first, start), batches
+
     # -- the replica side ---------------------------------------------------------------------------
 
     def to_replica(self, channel, msg):
         sid = msg[1]
+        if self.pd is None:
+            # still starting (the listener opens before the placement driver has the records):
+            # without the records no epoch can be checked; the primary reconnects and asks again
+            channel.transport.loseConnection()
+            return
         waiting = self._inbound.get(sid)
         if waiting is not None:
             waiting.append((channel, msg))
@@ -437,6 +506,12 @@ class Replicator:
         if kind == rcodec.SYNC:
             self._ack(channel, sid)
             return
+        if kind == rcodec.START:
+            if log.assigned_end(sid) < msg[2]:
+                log.start_replica_at(sid, msg[2]).addErrback(
+                    lambda f: self.log.warn("replica of stream {sid} not started at {offset}: {e}", sid=sid,
+                                            offset=msg[2], e=f.value))
+            return
         if kind == rcodec.SEAL:
             epoch = msg[2]
             self.seal_here(sid, epoch).addCallbacks(
@@ -461,6 +536,11 @@ class Replicator:
         if base > assigned:
             channel.send(rcodec.GAP, sid, assigned)  # it misses batches: where to resend from
             return
+        # this node is a copy in the range of ``epoch`` even if its watch has not said so yet:
+        # the placement driver must not cut its copy to an older range's end meanwhile
+        fed = self.pd.fed_epochs
+        if fed.get(sid, -1) < epoch:
+            fed[sid] = epoch
         d = log.append_replica(sid, batch)
         d.addCallbacks(lambda _: self._ack(channel, sid),
                        lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
@@ -549,7 +629,7 @@ class _ReplicaSide:
         pass
 
     def message(self, channel, msg):
-        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL):
+        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL, rcodec.START):
             self.replicator.to_replica(channel, msg)
 
 

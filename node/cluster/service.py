@@ -87,6 +87,9 @@ class ClusterNode:
             yield self.pd.start()
             self.replicator.pd, self.replicator.membership = self.pd, self.membership
             self.pd.listeners.append(self.replicator.record_changed)
+            for rec in list(self.pd.streams.values()):
+                self.replicator.record_changed(rec)  # the ranges this node sequences: their replicas catch up now
+            self.membership.on_change(self.replicator.members_changed)
             self.failover = Failover(self.pd, self.membership, self.election, self.replicator, node.reactor)
             self.failover.start()
             toasty = ToastyCluster(node, self.client, self.prefix, self.membership, node.config.replication_factor,

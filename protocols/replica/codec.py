@@ -7,6 +7,8 @@ protocols/replica/channel.py). Primary -> replica:
 - ``["A", stream_id, epoch, batch]``: store this record batch; its base offset is in its bytes 1..8
   (storage/record_batch.py), assigned by the primary, the range's only sequencer
 - ``["C", stream_id, confirm_offset]``: every offset below this is acknowledged: readers may see it
+- ``["T", stream_id, offset]``: the primary's copy starts at ``offset`` (trimmed below it): a
+  replica holding less starts its copy there (a new copy of a trimmed stream, re-replication)
 
 Placement-driver leader -> replica (failover, CONTRACT §9):
 
@@ -27,9 +29,10 @@ import msgpack
 
 SYNC, APPEND, CONFIRM, ACK, GAP, ERROR = "S", "A", "C", "K", "G", "E"
 SEAL, SEALED = "X", "Z"
+START = "T"
 MAX_MESSAGE = 32 << 20  # a batch is at most 16 MiB (CONTRACT §3)
 
-_ARITY = {SYNC: 2, APPEND: 4, CONFIRM: 3, ACK: 4, GAP: 3, ERROR: 4, SEAL: 3, SEALED: 4}
+_ARITY = {SYNC: 2, APPEND: 4, CONFIRM: 3, ACK: 4, GAP: 3, ERROR: 4, SEAL: 3, SEALED: 4, START: 3}
 
 
 class BadMessage(ValueError):

@@ -36,6 +36,10 @@ _CODES = {
 }
 
 
+def _open_range(rec):
+    return next((r for r in reversed(rec.get("ranges", [])) if r["end"] < 0), None)
+
+
 def _status_of(cluster, failure, log):
     kind = cluster.classify(failure.value)
     if kind is None:
@@ -298,15 +302,42 @@ class ClusterAdmin(RangeAdmin):
         return {str(nid): {"ranges": n, "primaries": self.pd.led(nid)} for nid, n in self.pd.held().items() if n}
 
     def do_seal_ranges(self, req):
-        st = codec.status(codec.INVALID_REQUEST, "SEAL_RANGES in cluster mode comes with replication (issue 17)")
-        return T.SealRangesResponse(0, codec.status(), [T.SealRangesResult(r.stream_id, st, None) for r in req.ranges])
+        # CONTRACT §3/§9: the open range is sealed the failover way (its replicas fenced, the
+        # largest end taken) and range index+1 opened on the same replicas; the result's range is
+        # the newly writable one. Any node does it: the etcd compare-and-swap on the stream's
+        # epoch makes a concurrent failover or seal lose cleanly (UNKNOWN "... kept changing").
+        def one(rid):
+            d = self.cluster.failover.seal_range(rid.stream_id, rid.range_index)
+            return d.addCallback(lambda rec: T.SealRangesResult(
+                rid.stream_id, codec.status(), self._range_of(rec, _open_range(rec))))
 
+        d = self._each_entry(req.ranges, one, lambda rid, st: T.SealRangesResult(rid.stream_id, st, None))
+        return d.addCallback(lambda rs: T.SealRangesResponse(0, codec.status(), rs))
+
+    @defer.inlineCallbacks
     def do_create_range(self, req):
-        return T.CreateRangeResponse(0, codec.status(codec.INVALID_REQUEST, "CREATE_RANGE in cluster mode comes with replication (issue 17)"), None)
+        # CONTRACT §3: CREATE_RANGE opens range last+1 only when the last range is sealed, and in
+        # a cluster a seal always opens the next range in the same etcd transaction (failover,
+        # re-replication, SEAL_RANGES): the last range is open, so INVALID_REQUEST, naming it
+        r = req.range
+        if r is None:
+            return T.CreateRangeResponse(0, codec.status(codec.INVALID_REQUEST, "range is required"), None)
+        rec = yield self.pd.get(r.stream_id)
+        rng = _open_range(rec)
+        return T.CreateRangeResponse(0, codec.status(
+            codec.INVALID_REQUEST, "range %d of stream %d is open: in a cluster a seal opens the next range itself"
+            % (rng["index"] if rng else -1, r.stream_id)), self._range_of(rec, rng) if rng else None)
 
     def do_sync_ranges(self, req):
-        st = codec.status(codec.INVALID_REQUEST, "SYNC_RANGES in cluster mode comes with replication (issue 17)")
-        return T.SyncRangesResponse(0, codec.status(), [T.SyncRangesResult(sr.stream_id, st, []) for sr in req.stream_ranges])
+        # a cluster's replica assignments are the placement driver's (etcd): they are not taken
+        # from a client. Each stream gets INVALID_REQUEST and its ranges as etcd holds them, so a
+        # client syncing its view learns the real one.
+        def one(sr):
+            st = codec.status(codec.INVALID_REQUEST, "replica assignments are the placement driver's in a cluster")
+            return self.pd.get(sr.stream_id).addCallback(lambda rec: T.SyncRangesResult(sr.stream_id, st, self._ranges(rec)))
+
+        d = self._each_entry(req.stream_ranges, one, lambda sr, st: T.SyncRangesResult(sr.stream_id, st, []))
+        return d.addCallback(lambda rs: T.SyncRangesResponse(0, codec.status(), rs))
 
     CLUSTER_HANDLERS = {
         codec.CREATE_STREAMS: do_create_streams,

@@ -19,6 +19,7 @@ _STORE_STATUS = (
     (errors.StoreBusy, codec.TOO_MANY_REQUESTS, "store busy"),
     # issue 21: a full disk or a read-only store after a disk error is UNKNOWN with the reason
     (errors.DiskFault, codec.UNKNOWN, "disk fault"),
+    (errors.NoAvailableReplicas, codec.NO_AVAILABLE_RS, "too few live replicas"),
 )
 
 
