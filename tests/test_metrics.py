@@ -361,8 +361,13 @@ def test_a_real_prometheus_scrapes_the_node(node_factory, tmp_path):
 
         r = wait_until(appends_seen, timeout=30, what="prometheus to scrape the appends")
         assert r[0]["metric"]["job"] == "sbpnode"
-        count = prometheus_query(port, 'sbpnode_request_duration_seconds_count{operation="append"}')
-        assert float(count[0]["value"][1]) == appended
+
+        def durations_seen():  # the histogram may be observed a reactor turn after the counter
+            r = prometheus_query(port, 'sbpnode_request_duration_seconds_count{operation="append"}')
+            return r if r and float(r[0]["value"][1]) == appended else None
+
+        wait_until(durations_seen, timeout=30, what="prometheus to scrape every append's duration")
+
         def p99_seen():
             r = prometheus_query(port, 'histogram_quantile(0.99, sum by (le) '
                                  '(increase(sbpnode_request_duration_seconds_bucket{operation="append"}[1m])))')
