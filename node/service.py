@@ -361,6 +361,11 @@ class NodeService(service.MultiService):
             except FileNotFoundError:
                 pass
         self._lock.release()
+        # Shutdown is complete. Python's finalization puts SIG_DFL back for every signal that has
+        # a Python handler, so a supervisor's second SIGTERM landing while the interpreter winds
+        # down would turn this clean exit 0 into -15 (CONTRACT §1); ignored signals stay ignored.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def process_age() -> float:
