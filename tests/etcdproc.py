@@ -4,6 +4,7 @@ takes; ``kill9(i)`` / ``start_member(i)`` for fault tests; ``stop()`` ends every
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -14,7 +15,27 @@ import urllib.request
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
+def _ephemeral_low():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port():
+    """A loopback port that is free now, for a server that must keep its port across restarts.
+    Chosen below the kernel's ephemeral range: a port the kernel hands out (port 0) can be taken
+    again by any outgoing connection before our server binds it (seen as EADDRINUSE on restart)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(20000, max(low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

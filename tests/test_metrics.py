@@ -300,11 +300,9 @@ def test_bad_option_values(node_factory):
 
 
 def free_port():
-    import socket
+    from tests.etcdproc import free_port as below_ephemeral
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return below_ephemeral()
 
 
 def prometheus_query(port, promql):

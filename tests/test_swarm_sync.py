@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from bench.swarm_bench import free_port, preload_subprocess
+from bench.swarm_bench import preload_subprocess
+from tests.etcdproc import free_port
 from protocols.sbp.client import BlockingSbpClient
 from protocols.swarm import codec
 from protocols.swarm.client import BlockingSwarmClient
