@@ -40,6 +40,12 @@ def view(node):
     return sorted(int(m["name"]) for m in ms), (leaders[0] if leaders else None)
 
 
+def watched_members(node):
+    """The live node ids ``node``'s own membership watch holds (DESCRIBE_PD_CLUSTER's detail)."""
+    with client(node) as c:
+        return c.call(call_status()).get("cluster", {}).get("watched_members", [])
+
+
 def wait_for(cond, timeout=15.0, step=0.05, what="condition"):
     deadline = time.monotonic() + timeout
     while True:
@@ -72,9 +78,11 @@ def start_nodes(base, etcd_urls, ids, **options):
             n.kill9()
         raise errors[0]
 
-    def settled():  # every new node sees all of them live, and a leader
+    def settled():  # every new node sees all of them live (in etcd and in its own watch), and a leader
         views = [view(n) for n in nodes]
-        return all(set(ids) <= set(live) and leader is not None for live, leader in views)
+        watched = [watched_members(n) for n in nodes]
+        return (all(set(ids) <= set(live) and leader is not None for live, leader in views)
+                and all(set(ids) <= set(w) for w in watched))
 
     try:
         wait_for(settled, timeout=30, what="every started node to see %s live" % (ids,))

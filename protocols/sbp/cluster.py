@@ -287,6 +287,8 @@ class ClusterAdmin(RangeAdmin):
         local = json.loads(single.status.detail)
         view = self.cluster.status()
         view.pop("ranges", None)  # one entry per range: the metrics' business, not this reply's
+        # the live members this node's own membership watch holds (may trail etcd for a moment)
+        view["watched_members"] = view.get("live_members", [])
         # members and leader as etcd says now
         view["members"] = [{"node_id": nid, "sbp": rec.get("sbp"), "http": rec.get("http"), "alive": True}
                            for nid, rec in sorted(members.items())]
