@@ -7,8 +7,9 @@ of the range over the replica channel (protocols/replica/), without waiting for 
 are pipelined and each store still group-commits. Every replica answers ``K`` with its durable end
 as its batches become durable under its own ``--fsync``. The confirm offset is the ack_count-th
 largest durable end among the range's replicas, the primary included (elastic-stream's confirm
-offset, research note §3.6); an APPEND is answered once the confirm offset covers it, so it is
-answered only after every earlier offset is acknowledged too.
+offset, research note §3.6); an APPEND is answered once the confirm offset covers it and the
+primary's own copy holds it (so the primary's FETCH sees it), hence only after every earlier
+offset is acknowledged too.
 
 Reads: each replica's local stream is held at its confirm offset (``log.hold_at_confirm``): FETCH
 and long-poll FETCH see nothing above it. The primary tells the replicas each new confirm offset
@@ -290,16 +291,20 @@ class Replicator:
         if confirm > st.confirm:
             st.confirm = confirm
             self.store.log.confirm(st.sid, confirm)
-            while st.pending:
-                end, (base, d) = next(iter(st.pending.items()))
-                if end > confirm:
-                    break
-                del st.pending[end]
-                d.callback(base)
             if not st.confirm_queued:
                 st.confirm_queued = True
                 self.reactor.callLater(0, self._send_confirm, st)
-        readable = min(st.confirm, st.local)  # below it, a lagging replica is sent batches from the store
+        # below it, the primary's own log serves reads and a lagging replica is sent batches from
+        # the store; an APPEND is answered only once it is readable here too (two other replicas
+        # can make the confirm offset before the primary's own write lands; answering then would
+        # let the writer's next FETCH on the primary miss its own acknowledged batch)
+        readable = min(st.confirm, st.local)
+        while st.pending:
+            end, (base, d) = next(iter(st.pending.items()))
+            if end > readable:
+                break
+            del st.pending[end]
+            d.callback(base)
         while st.window:
             base, (end, _) = next(iter(st.window.items()))
             if end > readable:
