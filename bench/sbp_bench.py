@@ -534,8 +534,8 @@ def sbp_pipe_read_load(port, sid, total, window, q):
         header = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, k * per, FETCH_BYTES)]))
         reqs.append(codec.encode_frame(codec.FETCH, 0, k + 1, header))
     sent_at = [0.0] * nreq
-    done_at = []
-    sent = done = got = 0
+    done_at = [0.0] * nreq
+    sent = done = got = reordered = 0
     fpos = 0  # the current frame's start in buf
     end = pos = pend = None
     crc = records = 0
@@ -584,18 +584,23 @@ def sbp_pipe_read_load(port, sid, total, window, q):
                 break
             (frame_crc,) = struct.unpack_from(">I", buf, pend)
             k = stream_id - 1
-            if flags != 0x03 or pos != pend or crc != frame_crc or first != k * per or k != done:
-                raise AssertionError("bad FETCH reply %d" % k)
+            # replies may pass each other (CONTRACT §3: matched by stream_id): one served by the
+            # store's read pool, the next one from the page cache
+            if flags != 0x03 or pos != pend or crc != frame_crc or first != k * per or not 0 <= k < sent or done_at[k]:
+                raise AssertionError("bad FETCH reply %d: flags 0x%02x, %d/%d bytes, crc %08x/%08x, first offset %s" % (
+                    k, flags, pos - fpos, pend - fpos, crc, frame_crc, first))
             got += records
             done += 1
-            done_at.append(now)
+            done_at[k] = now
+            if k != done - 1:
+                reordered += 1
             fpos = end
             inbox.start = fpos
             end = None
     el = clock() - t0
     s.close()
     q.put({"seconds": el, "records": got, "requests": nreq, "latencies": _pipe_latencies(sent_at, done_at),
-           "client_cpu": time.process_time() - c0})
+           "client_cpu": time.process_time() - c0, "reordered": reordered})
 
 
 def _xrange_entry(n):
@@ -659,22 +664,76 @@ def proc_cpu(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measured(pid, fn, *args):
-    """Run a load generator; add the server's CPU seconds over the run to its result."""
+def proc_switches(pid):
+    """Context switches (voluntary + involuntary) of all of a process's threads so far: each
+    hand-off between the node's reactor and writer, each wake-up, is one; less load-sensitive
+    than times."""
+    total = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, tid)) as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        total += int(line.split()[-1])
+        except OSError:
+            pass
+    return total
+
+
+def measured(pid, fn, *args, profile=None):
+    """Run a load generator; add the server's CPU seconds over the run to its result. ``profile``:
+    a path prefix; py-spy records the server (``<prefix>.server.txt``) and the load generator
+    (``<prefix>.client.txt``), collapsed stacks per thread of the samples on CPU, over the run (Redis is not
+    Python: only its load generator is recorded)."""
     c0 = proc_cpu(pid)
-    result = run_in_process(fn, *args)
+    spies = []
+
+    def started(child):
+        if profile:
+            for who, p in ((("server", pid),) if fn.__name__.startswith("sbp") else ()) + (("client", child),):
+                spies.append(subprocess.Popen(
+                    ["py-spy", "record", "--nonblocking", "--threads", "-r", "250", "-f", "raw",
+                     "-p", str(p), "-o", "%s.%s.txt" % (profile, who)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(1.0)  # py-spy attaches before the load starts
+
+    x0 = proc_switches(pid)
+    result = run_in_process(fn, *args, started=started)
     result["server_cpu"] = proc_cpu(pid) - c0
+    result["server_switches"] = proc_switches(pid) - x0
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
     return result
 
 
-def run_in_process(fn, *args):
+def run_in_process(fn, *args, started=None):
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    p = ctx.Process(target=fn, args=args + (q,))
+    go = ctx.Event()
+    p = ctx.Process(target=_after, args=(go, fn) + args + (q,))
     p.start()
-    result = q.get(timeout=3600)
+    if started is not None:
+        started(p.pid)
+    go.set()
+    import queue
+
+    deadline = time.monotonic() + 3600
+    while True:
+        try:
+            result = q.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not p.is_alive() or time.monotonic() > deadline:
+                p.join(1)
+                raise RuntimeError("load generator %s ended without a result (exit code %s)" % (fn.__name__, p.exitcode))
     p.join()
     return result
+
+
+def _after(go, fn, *args):
+    go.wait()
+    fn(*args)
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -768,20 +827,24 @@ def pipelined(base, args):
                 "redis_read": (rpid, redis_pipe_read_load, redis.port, key, records, rw),
             }
             order = ("sbp", "redis") if i % 2 == 0 else ("redis", "sbp")
+            order = [side for side in order if side in args.sides.split(",")]
             for what in ("append", "read"):
                 for side in order:
                     name = side + "_" + what
                     load = os.getloadavg()[0]
-                    r = measured(*runs[name])
+                    prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
+                    r = measured(*runs[name], profile=prof)
                     r["load"] = load
                     r["rate"] = r["records"] / r["seconds"]
                     rows[name].append(r)
                     lat = [x * 1000 for x in r["latencies"]]
                     print("  round %d %-12s %10.0f rec/s  p50 %.2f p99 %.2f p99.9 %.2f ms  server CPU %.2f s/1M rec "
-                          "(%.0f us/request)  client CPU %.2f s  errors %d  load %.2f" % (
+                          "(%.0f us/request, %.1f context switches/request)  client CPU %.2f s  errors %d  load %.2f" % (
                               i + 1, name, r["rate"], pct(lat, 50), pct(lat, 99), pct(lat, 99.9),
                               r["server_cpu"] / r["records"] * 1e6, r["server_cpu"] / r["requests"] * 1e6,
-                              r["client_cpu"], r.get("errors", 0), load))
+                              r["server_switches"] / r["requests"],
+                              r["client_cpu"], r.get("errors", 0), load)
+                          + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else ""))
             c.delete_stream(sid)
             with socket.create_connection(("127.0.0.1", redis.port)) as rs:
                 rs.sendall(redis_cmd(b"DEL", key))
@@ -792,6 +855,8 @@ def pipelined(base, args):
     print("|---|---|---|---|")
     for what in ("append", "read"):
         a, b = rows["sbp_" + what], rows["redis_" + what]
+        if not a or not b:
+            continue
         ra, rb = pct([r["rate"] for r in a], 50), pct([r["rate"] for r in b], 50)
         ratios = ", ".join("%.2fx" % (x["rate"] / y["rate"]) for x, y in zip(a, b))
         print("| %s rec/s | %.0f | %.0f | %.2fx (rounds: %s) |" % (what, ra, rb, ra / rb, ratios))
@@ -818,6 +883,9 @@ def main():
                     help="only the pipelined method (issue 24): --rounds alternating rounds of interval appends and reads, "
                          "--append-window / --read-window requests in flight")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sides", default="sbp,redis", help="with --pipelined: sbp, redis or both (A/B runs of the node alone)")
+    ap.add_argument("--py-spy", metavar="DIR", help="with --pipelined: py-spy the server and the load generator "
+                    "of each measurement into DIR (collapsed stacks per thread)")
     ap.add_argument("--append-window", type=int, default=PIPE_APPEND_WINDOW)
     ap.add_argument("--read-window", type=int, default=PIPE_READ_WINDOW)
     args = ap.parse_args()
