@@ -399,6 +399,267 @@ def redis_latency_load(port, rate_bps, seconds, q):
     q.put({"latencies": lat, "sent": k, "seconds": seconds})
 
 
+# -- the pipelined method (issue 24) -----------------------------------------------------------
+#
+# Both sides pipeline: APPENDs / 64-XADD groups with PIPE_APPEND_WINDOW in flight, and reads with
+# PIPE_READ_WINDOW requests in flight. A pipelined reader must know where each request starts
+# before the previous reply is in: SBP offsets are record counts (request k starts at k x 1024),
+# and the Redis side appends with explicit IDs ``1-<n>`` (n = record index + 1) so XRANGE k asks
+# for ``1-(k x 1024 + 1)`` on. Every reply is still checked: SBP batches' CRCs, the frame CRC and
+# the first batch's base offset; Redis replies' byte length, entry marks and first ID.
+
+PIPE_APPEND_WINDOW = 16
+PIPE_READ_WINDOW = 4
+
+
+def _pipe_latencies(sent_at, done_at):
+    return [done_at[i] - sent_at[i] for i in range(len(done_at))]
+
+
+def sbp_pipe_append_load(port, sid, batches, window, q):
+    """``window`` APPEND frames in flight; the time of each from send to its ack."""
+    frames = sbp_append_frames(sid)
+    s = _connect(port)
+    fb = codec.FrameBuffer()
+    sent_at = [0.0] * batches
+    done_at = []
+    sent = acked = errors = 0
+    clock = time.perf_counter
+    t0 = clock()
+    c0 = time.process_time()
+    while acked < batches:
+        if sent < batches and sent - acked < window:
+            n = min(window - (sent - acked), batches - sent)
+            now = clock()
+            for j in range(n):
+                sent_at[sent + j] = now
+            s.sendall(b"".join(frames[(sent + j) % len(frames)] for j in range(n)))
+            sent += n
+        fb.feed(s.recv(1 << 20))
+        now = clock()
+        while (f := fb.next()) is not None:
+            acked += 1
+            done_at.append(now)
+            if f.flags != 0x03 or codec.decode_header(f).append_responses[0].status.code:
+                errors += 1
+    el = clock() - t0
+    s.close()
+    q.put({"seconds": el, "records": batches * BATCH_RECORDS, "errors": errors, "requests": batches,
+           "latencies": _pipe_latencies(sent_at, done_at), "client_cpu": time.process_time() - c0})
+
+
+def redis_id(n):
+    return b"1-%d" % n
+
+
+def redis_pipe_groups(key, first_group, n):
+    """``n`` pipelined groups of 64 XADDs with explicit IDs, from group ``first_group`` on."""
+    out = []
+    for k in range(first_group, first_group + n):
+        base = k * BATCH_RECORDS
+        out.append(b"".join(redis_cmd(b"XADD", key, redis_id(base + i + 1), b"f", record_value(base + i))
+                            for i in range(BATCH_RECORDS)))
+    return out
+
+
+def redis_pipe_append_load(port, key, batches, window, q):
+    """``window`` groups of 64 XADDs in flight (IDs ``1-1``, ``1-2``, ... so the pipelined reader
+    knows where each XRANGE starts); the time of each group from send to its 64th reply. Every
+    group is encoded before the clock starts, as SBP's frames are (~1.1 GB per 1M records in this
+    process)."""
+    groups = redis_pipe_groups(key, 0, batches)
+    s = _connect(port)
+    sent_at = [0.0] * batches
+    done_at = []
+    sent = newlines = errors = 0
+    need = 2 * BATCH_RECORDS  # "$<n>\r\n<id>\r\n" per reply
+    total = batches * need
+    clock = time.perf_counter
+    t0 = clock()
+    c0 = time.process_time()
+    while newlines < total:
+        acked = newlines // need
+        if sent < batches and sent - acked < window:
+            n = min(window - (sent - acked), batches - sent)
+            data = b"".join(groups[sent:sent + n])
+            now = clock()
+            for j in range(n):
+                sent_at[sent + j] = now
+            s.sendall(data)
+            sent += n
+        data = s.recv(1 << 20)
+        now = clock()
+        if data.startswith(b"-") or b"\n-" in data:
+            errors += 1
+        newlines += data.count(b"\n")
+        while len(done_at) < newlines // need:
+            done_at.append(now)
+    el = clock() - t0
+    s.close()
+    q.put({"seconds": el, "records": batches * BATCH_RECORDS, "errors": errors, "requests": batches,
+           "latencies": _pipe_latencies(sent_at, done_at), "client_cpu": time.process_time() - c0})
+
+
+class _Inbox:
+    """One receive buffer for a stream of pipelined replies: ``fill`` receives into it, ``drop``
+    forgets what was consumed (the tail moves to the front when the room runs short)."""
+
+    def __init__(self, sock, size=32 << 20):
+        self.sock = sock
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.start = 0  # first unconsumed byte
+        self.n = 0  # bytes received
+
+    def fill(self):
+        if len(self.buf) - self.n < (2 << 20):
+            tail = self.n - self.start
+            self.buf[:tail] = self.buf[self.start:self.n]
+            self.start, self.n = 0, tail
+        k = self.sock.recv_into(self.view[self.n:])
+        if not k:
+            raise ConnectionError("closed")
+        self.n += k
+        return k
+
+
+def sbp_pipe_read_load(port, sid, total, window, q):
+    """FETCH (1 MiB) with ``window`` in flight; request k at offset k x 1024. Each batch's records
+    CRC is checked once the batch is in, the frame CRC (combined from them) when the frame is, and
+    the first batch must start at the request's offset."""
+    s = _connect(port)
+    inbox = _Inbox(s)
+    buf = inbox.buf
+    per = XRANGE_COUNT  # records per 1 MiB reply (16 batches of 64)
+    nreq = (total + per - 1) // per
+    reqs = []
+    for k in range(nreq):
+        header = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, k * per, FETCH_BYTES)]))
+        reqs.append(codec.encode_frame(codec.FETCH, 0, k + 1, header))
+    sent_at = [0.0] * nreq
+    done_at = [0.0] * nreq
+    sent = done = got = reordered = 0
+    fpos = 0  # the current frame's start in buf
+    end = pos = pend = None
+    crc = records = 0
+    first = None
+    clock = time.perf_counter
+    t0 = clock()
+    c0 = time.process_time()
+    while done < nreq:
+        if sent < nreq and sent - done < window:
+            n = min(window - (sent - done), nreq - sent)
+            now = clock()
+            for j in range(n):
+                sent_at[sent + j] = now
+            s.sendall(b"".join(reqs[sent:sent + n]))
+            sent += n
+        moved = inbox.start
+        inbox.fill()
+        if moved != inbox.start:  # the buffer was compacted: positions shift
+            shift = moved - inbox.start
+            fpos -= shift
+            if end is not None:
+                end, pos, pend = end - shift, pos - shift, pend - shift
+        n = inbox.n
+        now = clock()
+        while True:
+            if end is None:
+                if n - fpos < codec.PREFIX_SIZE:
+                    break
+                length, _magic, _opcode, flags, stream_id, fmt_hlen = codec.PREFIX.unpack_from(buf, fpos)
+                end = fpos + 4 + length
+                pos = fpos + codec.PREFIX_SIZE + (fmt_hlen & 0xFFFFFF)
+                pend = fpos + length
+                crc = records = 0
+                first = None
+            while pos + record_batch.HEADER_SIZE <= min(n, pend):
+                h = record_batch.read_header(buf, pos)
+                bend = pos + record_batch.HEADER_SIZE + h.records_len
+                if bend > n:
+                    break
+                crc = codec.batches_crc(buf, pos, bend, crc, verify=True)  # ValueError if corrupt
+                if first is None:
+                    first = h.base_offset
+                records += h.record_count
+                pos = bend
+            if n < end:
+                break
+            (frame_crc,) = struct.unpack_from(">I", buf, pend)
+            k = stream_id - 1
+            # replies may pass each other (CONTRACT §3: matched by stream_id): one served by the
+            # store's read pool, the next one from the page cache
+            if flags != 0x03 or pos != pend or crc != frame_crc or first != k * per or not 0 <= k < sent or done_at[k]:
+                raise AssertionError("bad FETCH reply %d: flags 0x%02x, %d/%d bytes, crc %08x/%08x, first offset %s" % (
+                    k, flags, pos - fpos, pend - fpos, crc, frame_crc, first))
+            got += records
+            done += 1
+            done_at[k] = now
+            if k != done - 1:
+                reordered += 1
+            fpos = end
+            inbox.start = fpos
+            end = None
+    el = clock() - t0
+    s.close()
+    q.put({"seconds": el, "records": got, "requests": nreq, "latencies": _pipe_latencies(sent_at, done_at),
+           "client_cpu": time.process_time() - c0, "reordered": reordered})
+
+
+def _xrange_entry(n):
+    ident = redis_id(n)
+    return b"*2\r\n$%d\r\n%s\r\n*2\r\n$1\r\nf\r\n$%d\r\n" % (len(ident), ident, RECORD_SIZE)
+
+
+def redis_pipe_read_load(port, key, total, window, q):
+    """``XRANGE key 1-<first> + COUNT 1024`` with ``window`` in flight. A reply's length is known
+    (fixed-size values, IDs of known digits); each is checked once in: its array head, its entry
+    marks counted with ``bytes.count`` (2 per entry) and its first entry's ID."""
+    s = _connect(port)
+    inbox = _Inbox(s)
+    buf = inbox.buf
+    per = XRANGE_COUNT
+    nreq = (total + per - 1) // per
+    reqs, sizes, heads = [], [], []
+    for k in range(nreq):
+        lo = k * per + 1
+        cnt = min(per, total - k * per)
+        reqs.append(redis_cmd(b"XRANGE", key, redis_id(lo), b"+", b"COUNT", b"%d" % per))
+        head = b"*%d\r\n" % cnt
+        sizes.append(len(head) + sum(len(_xrange_entry(lo + i)) + RECORD_SIZE + 2 for i in range(cnt)))
+        heads.append((head + _xrange_entry(lo), cnt))
+    sent_at = [0.0] * nreq
+    done_at = []
+    sent = done = got = 0
+    clock = time.perf_counter
+    t0 = clock()
+    c0 = time.process_time()
+    while done < nreq:
+        if sent < nreq and sent - done < window:
+            n = min(window - (sent - done), nreq - sent)
+            now = clock()
+            for j in range(n):
+                sent_at[sent + j] = now
+            s.sendall(b"".join(reqs[sent:sent + n]))
+            sent += n
+        inbox.fill()
+        now = clock()
+        while done < nreq and inbox.n - inbox.start >= sizes[done]:
+            a = inbox.start
+            b = a + sizes[done]
+            head, cnt = heads[done]
+            if buf[a:a + len(head)] != head or buf.count(_XR_MARK, a, b) != 2 * cnt:
+                raise AssertionError("bad XRANGE reply %d" % done)
+            got += cnt
+            done += 1
+            done_at.append(now)
+            inbox.start = b
+    el = clock() - t0
+    s.close()
+    q.put({"seconds": el, "records": got, "requests": nreq, "latencies": _pipe_latencies(sent_at, done_at),
+           "client_cpu": time.process_time() - c0})
+
+
 def proc_cpu(pid):
     """CPU seconds (user + system) a process has used so far."""
     with open("/proc/%d/stat" % pid) as f:
@@ -406,22 +667,76 @@ def proc_cpu(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measured(pid, fn, *args):
-    """Run a load generator; add the server's CPU seconds over the run to its result."""
+def proc_switches(pid):
+    """Context switches (voluntary + involuntary) of all of a process's threads so far: each
+    hand-off between the node's reactor and writer, each wake-up, is one; less load-sensitive
+    than times."""
+    total = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, tid)) as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        total += int(line.split()[-1])
+        except OSError:
+            pass
+    return total
+
+
+def measured(pid, fn, *args, profile=None):
+    """Run a load generator; add the server's CPU seconds over the run to its result. ``profile``:
+    a path prefix; py-spy records the server (``<prefix>.server.txt``) and the load generator
+    (``<prefix>.client.txt``), collapsed stacks per thread of the samples on CPU, over the run (Redis is not
+    Python: only its load generator is recorded)."""
     c0 = proc_cpu(pid)
-    result = run_in_process(fn, *args)
+    spies = []
+
+    def started(child):
+        if profile:
+            for who, p in ((("server", pid),) if fn.__name__.startswith("sbp") else ()) + (("client", child),):
+                spies.append(subprocess.Popen(
+                    ["py-spy", "record", "--nonblocking", "--threads", "-r", "250", "-f", "raw",
+                     "-p", str(p), "-o", "%s.%s.txt" % (profile, who)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(1.0)  # py-spy attaches before the load starts
+
+    x0 = proc_switches(pid)
+    result = run_in_process(fn, *args, started=started)
     result["server_cpu"] = proc_cpu(pid) - c0
+    result["server_switches"] = proc_switches(pid) - x0
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
     return result
 
 
-def run_in_process(fn, *args):
+def run_in_process(fn, *args, started=None):
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    p = ctx.Process(target=fn, args=args + (q,))
+    go = ctx.Event()
+    p = ctx.Process(target=_after, args=(go, fn) + args + (q,))
     p.start()
-    result = q.get(timeout=3600)
+    if started is not None:
+        started(p.pid)
+    go.set()
+    import queue
+
+    deadline = time.monotonic() + 3600
+    while True:
+        try:
+            result = q.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not p.is_alive() or time.monotonic() > deadline:
+                p.join(1)
+                raise RuntimeError("load generator %s ended without a result (exit code %s)" % (fn.__name__, p.exitcode))
     p.join()
     return result
+
+
+def _after(go, fn, *args):
+    go.wait()
+    fn(*args)
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -491,6 +806,72 @@ def metrics_ab(base, runs, records, window):
               med["on"][1] / med["off"][1], wins, runs))
 
 
+def pipelined(base, args):
+    """Issue 24's method: one node (``--fsync interval:1000``) and one Redis (``everysec``) side by
+    side; ``--rounds`` rounds, each appending ``--records`` records to a fresh stream / key on each
+    side, then reading them back; the side that goes first alternates by round. Medians at the end."""
+    records = args.records // XRANGE_COUNT * XRANGE_COUNT
+    batches = records // BATCH_RECORDS
+    aw, rw = args.append_window, args.read_window
+    print("pipelined method (issue 24): %d records of %d B per round, %d rounds; appends %d x 64 records "
+          "in flight; reads FETCH 1 MiB vs XRANGE COUNT %d, %d in flight; --fsync interval:1000 vs appendfsync everysec"
+          % (records, RECORD_SIZE, args.rounds, aw, XRANGE_COUNT, rw))
+    rows = {k: [] for k in ("sbp_append", "redis_append", "sbp_read", "redis_read")}
+    with Node(base, "interval:1000") as node, Redis(base, "everysec") as redis:
+        npid, rpid = node.proc.proc.pid, redis.proc.pid
+        c = BlockingSbpClient("127.0.0.1", node.port)
+        for i in range(args.rounds):
+            sid = c.create_stream()["stream_id"]
+            key = b"p%d" % i
+            runs = {
+                "sbp_append": (npid, sbp_pipe_append_load, node.port, sid, batches, aw),
+                "redis_append": (rpid, redis_pipe_append_load, redis.port, key, batches, aw),
+                "sbp_read": (npid, sbp_pipe_read_load, node.port, sid, records, rw),
+                "redis_read": (rpid, redis_pipe_read_load, redis.port, key, records, rw),
+            }
+            order = ("sbp", "redis") if i % 2 == 0 else ("redis", "sbp")
+            order = [side for side in order if side in args.sides.split(",")]
+            for what in ("append", "read"):
+                for side in order:
+                    name = side + "_" + what
+                    load = os.getloadavg()[0]
+                    prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
+                    r = measured(*runs[name], profile=prof)
+                    r["load"] = load
+                    r["rate"] = r["records"] / r["seconds"]
+                    rows[name].append(r)
+                    lat = [x * 1000 for x in r["latencies"]]
+                    print("  round %d %-12s %10.0f rec/s  p50 %.2f p99 %.2f p99.9 %.2f ms  server CPU %.2f s/1M rec "
+                          "(%.0f us/request, %.1f context switches/request)  client CPU %.2f s  errors %d  load %.2f" % (
+                              i + 1, name, r["rate"], pct(lat, 50), pct(lat, 99), pct(lat, 99.9),
+                              r["server_cpu"] / r["records"] * 1e6, r["server_cpu"] / r["requests"] * 1e6,
+                              r["server_switches"] / r["requests"],
+                              r["client_cpu"], r.get("errors", 0), load)
+                          + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else ""))
+            c.delete_stream(sid)
+            with socket.create_connection(("127.0.0.1", redis.port)) as rs:
+                rs.sendall(redis_cmd(b"DEL", key))
+                rs.recv(64)
+        c.close()
+    print()
+    print("| pipelined, median of %d (%d records) | SBP | Redis | SBP/Redis |" % (args.rounds, records))
+    print("|---|---|---|---|")
+    for what in ("append", "read"):
+        a, b = rows["sbp_" + what], rows["redis_" + what]
+        if not a or not b:
+            continue
+        ra, rb = pct([r["rate"] for r in a], 50), pct([r["rate"] for r in b], 50)
+        ratios = ", ".join("%.2fx" % (x["rate"] / y["rate"]) for x, y in zip(a, b))
+        print("| %s rec/s | %.0f | %.0f | %.2fx (rounds: %s) |" % (what, ra, rb, ra / rb, ratios))
+        for p in (50, 99, 99.9):
+            la = pct([pct([x * 1000 for x in r["latencies"]], p) for r in a], 50)
+            lb = pct([pct([x * 1000 for x in r["latencies"]], p) for r in b], 50)
+            print("| %s latency p%s per request | %.2f ms | %.2f ms | - |" % (what, p, la, lb))
+        ca = pct([r["server_cpu"] / r["records"] * 1e6 for r in a], 50)
+        cb = pct([r["server_cpu"] / r["records"] * 1e6 for r in b], 50)
+        print("| %s server CPU per 1M records | %.2f s | %.2f s | %.2fx |" % (what, ca, cb, ca / cb))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--always-records", type=int, default=200_000, help="records appended in the fsync-always pair")
@@ -501,9 +882,25 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
     ap.add_argument("--metrics-ab", type=int, default=0, metavar="N",
                     help="only measure the metrics' cost: N alternating pairs of append runs (--records each), metrics on/off")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="only the pipelined method (issue 24): --rounds alternating rounds of interval appends and reads, "
+                         "--append-window / --read-window requests in flight")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sides", default="sbp,redis", help="with --pipelined: sbp, redis or both (A/B runs of the node alone)")
+    ap.add_argument("--py-spy", metavar="DIR", help="with --pipelined: py-spy the server and the load generator "
+                    "of each measurement into DIR (collapsed stacks per thread)")
+    ap.add_argument("--append-window", type=int, default=PIPE_APPEND_WINDOW)
+    ap.add_argument("--read-window", type=int, default=PIPE_READ_WINDOW)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="sbp-bench-")
     rows = []
+    if args.pipelined:
+        try:
+            pipelined(base, args)
+        finally:
+            if not args.keep:
+                shutil.rmtree(base, ignore_errors=True)
+        return
     if args.metrics_ab:
         try:
             metrics_ab(base, args.metrics_ab, args.records, args.window)

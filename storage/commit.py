@@ -289,6 +289,8 @@ class CommitCore:
         self._queue = collections.deque()  # appended by the reactor, taken by the writer
         self._cond = threading.Condition()
         self._writer_idle = False
+        self._wakes_held = 0  # reactor thread: hold_wakeups() depth
+        self._wake_pending = False  # reactor thread: a submit found the writer idle while held
         self._queued_bytes = 0  # reactor thread
         self._drain_waiters = []  # reactor thread
         self._rtxn = None  # reactor thread: the reused read snapshot
@@ -324,9 +326,26 @@ class CommitCore:
         self._queued_bytes += op.nbytes
         self._queue.append(op)  # deque.append is atomic; the lock is taken only to wake the writer
         if self._writer_idle:
+            if self._wakes_held:
+                self._wake_pending = True
+            else:
+                with self._cond:
+                    self._cond.notify()
+        return op.done
+
+    def hold_wakeups(self):
+        """Reactor thread: until the matching ``release_wakeups()``, ``submit`` does not wake an
+        idle writer. A protocol taking in a read's worth of requests queues them all and wakes it
+        once: one group, one commit, one delivery, and one GIL hand-off each way, not one per
+        request (issue 24). Calls nest; the caller releases in a ``finally``."""
+        self._wakes_held += 1
+
+    def release_wakeups(self):
+        self._wakes_held -= 1
+        if not self._wakes_held and self._wake_pending:
+            self._wake_pending = False
             with self._cond:
                 self._cond.notify()
-        return op.done
 
     def transact(self, fn, nbytes=256) -> defer.Deferred:
         """``check_writable`` then ``submit(Transact(fn, nbytes))``, as a Deferred either way."""

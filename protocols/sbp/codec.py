@@ -538,7 +538,10 @@ def _plan(name):
     return plan
 
 
-_PLANS = {name: _plan(name) for name in SCHEMA}
+# per table: (plan, the vtable's full length, a Struct of its field offsets, the class)
+_PLANS = {name: (tuple(_plan(name)), 4 + 2 * len(SCHEMA[name]), struct.Struct("<%dH" % len(SCHEMA[name])), getattr(T, name))
+          for name in SCHEMA}
+_HH = struct.Struct("<HH")
 
 
 class _Budget:
@@ -578,20 +581,28 @@ def _vector(buf, pos, size, elem_size):
     return start, n
 
 
+
+
 def _read_table(buf, pos, size, name, budget):
+    # The hot path of every request: one unpack for the whole vtable (its field offsets padded
+    # with 0 when a builder wrote a shorter one), scalars unpacked inline.
     if pos < 0 or pos + 4 > size:
         raise HeaderDecodeError("table out of bounds")
     vt = pos - _I32.unpack_from(buf, pos)[0]
     if vt < 0 or vt + 4 > size:
         raise HeaderDecodeError("vtable out of bounds")
-    vt_len, obj_len = struct.unpack_from("<HH", buf, vt)
+    vt_len, obj_len = _HH.unpack_from(buf, vt)
     if vt_len < 4 or vt_len & 1 or vt + vt_len > size or pos + obj_len > size:
         raise HeaderDecodeError("bad vtable")
     budget.take(1)
+    plan, full, vt_struct, cls = _PLANS[name]
+    if vt_len >= full:
+        offsets = vt_struct.unpack_from(buf, vt + 4)
+    else:
+        n = (vt_len - 4) >> 1
+        offsets = struct.unpack_from("<%dH" % n, buf, vt + 4) + (0,) * (len(plan) - n)
     values = []
-    for i, (fname, kind, arg, default) in enumerate(_PLANS[name]):
-        voff = 4 + 2 * i
-        o = _U16.unpack_from(buf, vt + voff)[0] if voff < vt_len else 0
+    for o, (fname, kind, arg, default) in zip(offsets, plan):
         if o == 0:
             values.append([] if kind == _KIND_TABLES or kind == _KIND_LONGS else default)
             continue
@@ -602,6 +613,10 @@ def _read_table(buf, pos, size, name, budget):
             if p + arg.size > size:
                 raise HeaderDecodeError("scalar out of bounds")
             values.append(arg.unpack_from(buf, p)[0])
+        elif kind == _KIND_TABLES:
+            start, n = _vector(buf, p, size, 4)
+            budget.take(n)
+            values.append([_read_table(buf, _uoffset_target(buf, start + 4 * j, size), size, arg, budget) for j in range(n)])
         elif kind == _KIND_STRING or kind == _KIND_BYTES:
             start, n = _vector(buf, p, size, 1)
             budget.take(1, n)
@@ -616,13 +631,9 @@ def _read_table(buf, pos, size, name, budget):
             start, n = _vector(buf, p, size, 8)
             budget.take(n)
             values.append(list(struct.unpack_from("<%dq" % n, buf, start)))
-        elif kind == _KIND_TABLE:
+        else:  # one table
             values.append(_read_table(buf, _uoffset_target(buf, p, size), size, arg, budget))
-        else:  # vector of tables
-            start, n = _vector(buf, p, size, 4)
-            budget.take(n)
-            values.append([_read_table(buf, _uoffset_target(buf, start + 4 * j, size), size, arg, budget) for j in range(n)])
-    return getattr(T, name)(*values)
+    return cls(*values)
 
 
 def decode_table(name: str, buf):

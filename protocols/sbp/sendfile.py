@@ -35,6 +35,8 @@ from storage.wal import FileSpan
 
 
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
+# queued bytes items are joined up to this size (larger ones are not copied)
+_COALESCE_MAX = 16 << 10
 
 
 class FileSender:
@@ -75,8 +77,7 @@ class FileSender:
 
     def write(self, data):
         if self._queue:
-            self._queue.append(data)
-            self.queued += len(data)
+            self._append_bytes(data)
             self._check_backlog()
         else:
             self.transport.write(data)
@@ -116,8 +117,17 @@ class FileSender:
         self._drained_check()
 
     def _queue_bytes(self, parts):
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        self._queue.append(data)
+        self._append_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _append_bytes(self, data):
+        """Queue ``data``; small bytes go out in the same ``send()`` as small bytes queued just
+        before them (a reply's CRC and the next reply's prefix and header, acks queued behind a
+        FETCH reply): one syscall, not one each."""
+        q = self._queue
+        if q and type(q[-1]) is not list and len(q[-1]) + len(data) <= _COALESCE_MAX:
+            q[-1] = bytes(q[-1]) + data
+        else:
+            q.append(data)
         self.queued += len(data)
 
     def lose_connection(self):

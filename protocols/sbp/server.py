@@ -269,10 +269,16 @@ class SbpServerProtocol(Protocol):
         if self._processing:
             return  # re-entered from a callback that fired synchronously; the outer loop goes on
         self._processing = True
+        # the frames of one read go to the store's writer together (one group, one wake-up)
+        core = getattr(self.store, "core", None)
+        if core is not None:
+            core.hold_wakeups()
         try:
             self._process_frames()
         finally:
             self._processing = False
+            if core is not None:
+                core.release_wakeups()
         if self._inflight_ops and not self.lost:
             # APPENDs in flight and the store's write queue long: stop reading until it drains
             self.gate.watch_store(self.store)
