@@ -191,6 +191,12 @@ def small_files(node, count, meter):
     meter.start()
     t0 = time.perf_counter()
     ok, window = 0, 128
+    failed = []
+
+    def check(reply):
+        if reply.TYPE != codec.WRITE_SUCCESS and not failed:
+            failed.append(reply)
+        return reply.TYPE == codec.WRITE_SUCCESS
 
     def write_for(i, reply):
         assert reply.TYPE == codec.CREATE_CHUNK_SUCCESS, reply
@@ -203,15 +209,15 @@ def small_files(node, count, meter):
             write_for(sent_writes, chunks.recv())
             sent_writes += 1
             if len(meta.pending) >= window:
-                ok += meta.recv().TYPE == codec.WRITE_SUCCESS
+                ok += check(meta.recv())
     while chunks.pending:
         write_for(sent_writes, chunks.recv())
         sent_writes += 1
     while meta.pending:
-        ok += meta.recv().TYPE == codec.WRITE_SUCCESS
+        ok += check(meta.recv())
     elapsed = time.perf_counter() - t0
     node_cpu, client_cpu = meter.stop()
-    assert ok == count, "%d of %d writes failed" % (count - ok, count)
+    assert ok == count, "%d of %d writes failed, the first with %r" % (count - ok, count, failed[0])
     meta.close()
     chunks.close()
     lat = []
