@@ -1,11 +1,12 @@
 """Toasty benchmark: a big file through the protocols vs `cp` on the same disk, and small files.
 
     python bench/toasty_bench.py [--size MiB] [--files N] [--fsync never|always|interval:MS] [--dir DIR]
+                                 [--chunk-size KiB] [--parallel N] [--rounds N] [--ceiling]
 
 1. Makes a file of --size MiB (random bytes, so nothing deduplicates) in DIR.
 2. `cp` of it to DIR (timed; `cp` does not fsync, see --fsync), the reference.
-3. put: the blocking client writes it to a node on loopback (64 KiB chunks: READ, CREATE_CHUNK x N
-   pipelined, WRITE per 1024 chunks), reading the source file as it goes.
+3. put: the blocking client writes it to a node on loopback (64 KiB chunks, or --chunk-size: READ,
+   CREATE, CREATE_CHUNK x N pipelined, WRITE per 1024 chunks), reading the source file as it goes.
 4. get: the blocking client reads it back into a file in DIR, checking every chunk's SHA-256.
    With --rounds N, put and get run N times each (alternating) and every round is printed.
    With --ceiling, bench/toasty_ceiling.py measures this machine's bound first, in the same run,
@@ -105,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=1, help="put + get rounds of the big file (default 1)")
     ap.add_argument("--ceiling", action="store_true", help="measure bench/toasty_ceiling.py first and print fractions of it")
     ap.add_argument("--parallel", type=int, default=32, help="chunk requests in flight (default 32)")
+    ap.add_argument("--chunk-size", type=int, default=64, help="the big file's chunk size in KiB (default 64)")
     args = ap.parse_args(argv)
 
     base = args.dir or tempfile.mkdtemp(prefix="toasty-bench-", dir=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,13 +131,13 @@ def main(argv=None):
         meter = CpuMeter(node.proc.pid)
         mb = size / 1e6
         cp_rate = mb / t_cp
-        print("big file: %d MiB, chunk size 64 KiB, node --fsync %s, %d in flight; load average %.2f %.2f %.2f"
-              % ((args.size, args.fsync, args.parallel) + os.getloadavg()))
+        print("big file: %d MiB, chunk size %d KiB, node --fsync %s, %d in flight; load average %.2f %.2f %.2f"
+              % ((args.size, args.chunk_size, args.fsync, args.parallel) + os.getloadavg()))
         print("  cp   %8.1f MB/s  (%.2f s); cp + sync of the copy %.1f MB/s" % (cp_rate, t_cp, mb / t_cps))
         with BlockingToastyClient(*node.address("meta"), timeout=120, parallel=args.parallel) as c:
             for _ in range(args.rounds):
                 with open(src, "rb") as f:
-                    t_put, _, put_node, put_client = cpu_timed(meter, lambda: c.write_stream("/big", f, size, truncate=True, chunk_size=64 * 1024))
+                    t_put, _, put_node, put_client = cpu_timed(meter, lambda: c.write_stream("/big", f, size, truncate=True, chunk_size=args.chunk_size * 1024))
 
                 def get():
                     with open(got, "wb") as out:
@@ -189,6 +191,12 @@ def small_files(node, count, meter):
     meter.start()
     t0 = time.perf_counter()
     ok, window = 0, 128
+    failed = []
+
+    def check(reply):
+        if reply.TYPE != codec.WRITE_SUCCESS and not failed:
+            failed.append(reply)
+        return reply.TYPE == codec.WRITE_SUCCESS
 
     def write_for(i, reply):
         assert reply.TYPE == codec.CREATE_CHUNK_SUCCESS, reply
@@ -201,15 +209,15 @@ def small_files(node, count, meter):
             write_for(sent_writes, chunks.recv())
             sent_writes += 1
             if len(meta.pending) >= window:
-                ok += meta.recv().TYPE == codec.WRITE_SUCCESS
+                ok += check(meta.recv())
     while chunks.pending:
         write_for(sent_writes, chunks.recv())
         sent_writes += 1
     while meta.pending:
-        ok += meta.recv().TYPE == codec.WRITE_SUCCESS
+        ok += check(meta.recv())
     elapsed = time.perf_counter() - t0
     node_cpu, client_cpu = meter.stop()
-    assert ok == count, "%d of %d writes failed" % (count - ok, count)
+    assert ok == count, "%d of %d writes failed, the first with %r" % (count - ok, count, failed[0])
     meta.close()
     chunks.close()
     lat = []

@@ -35,14 +35,24 @@ def send_now(transport, data):
 def send_parts_now(transport, parts):
     """Write a reply made of several buffers (at most the kernel's IOV_MAX, 1024 on Linux) with one
     ``sendmsg`` when :func:`idle_socket` allows (no join, no copy into Twisted's buffer); the rest
-    (or all of it, joined) through ``transport.write``, which takes bytes only."""
+    (or all of it) through ``transport.writeSequence`` part by part, not joined first: Twisted
+    joins what it holds when it sends, so a big reply queued behind others is copied once there,
+    not also here (``transport.write`` takes bytes only: a part not sent whole is copied)."""
     sock = idle_socket(transport)
-    if sock is None:
-        transport.write(b"".join(parts))
-        return
-    try:
-        sent = sock.sendmsg(parts)
-    except OSError:
-        sent = 0
-    if sent < sum(len(p) for p in parts):
-        transport.write(b"".join(parts)[sent:])
+    sent = 0
+    if sock is not None:
+        try:
+            sent = sock.sendmsg(parts)
+        except OSError:
+            sent = 0
+    rest = []
+    for p in parts:
+        n = len(p)
+        if sent >= n:
+            sent -= n
+            continue
+        if sent:
+            p, sent = memoryview(p)[sent:], 0
+        rest.append(p if type(p) is bytes else bytes(p))
+    if rest:
+        transport.writeSequence(rest)

@@ -248,8 +248,9 @@ async def test_twisted_client_across_nodes(cluster):
 
 
 def toasty_status(node):
+    """The node's Toasty cluster status (None until it has joined its cluster)."""
     with BlockingSbpClient("127.0.0.1", node.ports["sbp"], timeout=10) as c:
-        return c.call(call_status())["cluster"]["toasty"]
+        return (c.call(call_status()).get("cluster") or {}).get("toasty")
 
 
 def test_unreferenced_chunks_are_released_cluster_wide(cluster):
@@ -322,6 +323,45 @@ def test_10mib_across_nodes_kill9_holder_and_rereplication(cluster):
         assert cl.read("/shared/ten") == data
     with BlockingToastyClient(*b.address("meta")) as cl:
         assert cl.read("/shared/ten") == data
+
+    # The dead holder comes back with its old copies: the lists keep R = 3 live holders (it was
+    # cut from them once the copies made 3 live ones), so it drops its references and its copies
+    # are left to the sweep.
+    assert toasty_status(b)["pinned"] > 0
+    a.start(timeout=60)
+    wait_for(lambda: (toasty_status(a) or {}).get("pinned") == 0, timeout=30, what="the returned node to drop its references")
+    back = a.address("chunks")
+    for path, size in ((b"/shared/ten", len(data)), (b"/shared/small", len(small))):
+        for off in range(0, size, span):
+            assert all(len(h) == 3 and back not in h for h in holders_of(c, path, off, span))
+    with BlockingToastyClient(*a.address("meta")) as cl:
+        assert cl.read("/shared/ten") == data
+
+    # A WRITE that names four holding locations: the list is cut to the first three, and the
+    # fourth drops its reference.
+    live = [b, c, d, a]
+    piece = blob(4096, b"four")
+    for n in live:
+        with closing(BlockingConnection(*n.address("chunks"))) as cs:
+            h = cs.call(codec.CreateChunk(4096, 0, piece)).hash
+    pinned = [toasty_status(n)["pinned"] for n in live]
+    with meta(b) as m:
+        w = m.call(codec.Write(MISSING, codec.CREATE_IF_MISSING, b"/shared/four", 0, 4096,
+                               [codec.WriteChunk(h, [n.address("chunks") for n in live])]))
+    assert isinstance(w, codec.WriteSuccess), w
+    wait_for(lambda: holders_of(c, b"/shared/four", 0, 4096) == [[n.address("chunks") for n in live[:3]]],
+             timeout=30, what="the four holders cut to the first three")
+    wait_for(lambda: [toasty_status(n)["pinned"] for n in live] == [p + 1 for p in pinned[:3]] + [pinned[3]],
+             timeout=30, what="only the three listed holders to reference the chunk")
+
+
+def test_holder_lists_are_cut_to_r_live_holders():
+    from node.cluster.toasty_chunks import trimmed
+
+    assert trimmed([1, 2, 3, 4], {1, 2, 3, 4}, 3) == [1, 2, 3]  # a returned node's extra copy
+    assert trimmed([1, 2, 3, 4], {2, 3, 4}, 3) == [2, 3, 4]  # the dead holder once 3 are live
+    assert trimmed([1, 2, 3], {2, 3}, 3) == [1, 2, 3]  # too few live: the dead one stays listed
+    assert trimmed([4, 1, 2], {1, 2, 4}, 3) == [4, 1, 2]
 
 
 def check_twisted_read(node, path, expected):

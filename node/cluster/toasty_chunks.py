@@ -13,6 +13,13 @@ copies that keep R of them live, and the collection of chunks no file references
   in a per-chunk rendezvous order of the live members; each of them notices on its own (no
   coordinator), downloads the chunk from a live holder (SHA-256 checked), stores it and adds
   itself to the page's holder list by compare-and-swap on the page's revision.
+- **Trimming** (what a returning node finds): once a chunk has at least R live holders, its list
+  is cut to the first R live ones in list order, dropping dead nodes and extra copies (a node that
+  came back after its chunks were copied elsewhere, or a WRITE that named more than R holding
+  locations). The first live holder in the list writes the cut (compare-and-swap on the page's
+  revision), so one node does it. A node listed for a chunk its store does not hold (it came back
+  without its data) takes itself off the list, and the repair copies the chunk elsewhere. A node
+  taken off a list drops its reference and its copy is collected as below.
 - **Collection**: a node holds one local reference (table ``toasty.cpin`` + the chunk refcount in
   ``store.meta``) for every chunk some page lists it as a holder of, and drops it when none does;
   the store's sweep then reclaims the chunk after its grace period (``chunk_grace_s``, 60 s). The
@@ -39,6 +46,13 @@ REPAIR_BATCH = 256  # chunks fetched per pass at most
 COPIES_IN_FLIGHT = 16  # downloads of one pass at a time
 PROBES_IN_FLIGHT = 512
 PEER_TIMEOUT = 10.0  # seconds a peer's chunk listener may take to answer one request
+
+
+def trimmed(ids, live, rf):
+    """A holder list cut to its first ``rf`` live holders when it has that many; else as it is
+    (a dead holder stays listed while it may be needed: it may come back with its copy)."""
+    alive = [i for i in ids if i in live]
+    return alive[:rf] if len(alive) >= rf else ids
 
 
 def _rank(h, node_id):
@@ -278,6 +292,7 @@ class ToastyCluster:
     def _pass(self):
         yield self._reconcile_pins()
         yield self._repair()
+        yield self._trim()
         self.under = len(self.under_replicated())
 
     def _wanted_pins(self):
@@ -288,6 +303,17 @@ class ToastyCluster:
     def _reconcile_pins(self):
         want = self._wanted_pins()
         add, drop = want - self.pinned, self.pinned - want
+        if add:
+            # newly listed here (or all of them, after a restart that lost the pin table with the
+            # data): a chunk the store does not hold is not ours to keep; leave its lists
+            listed = sorted(add)
+            lost = {h for h, held in zip(listed, self.store.chunks.has_many(listed)) if not held}
+            if lost:
+                self.log.warn("listed as a holder of {n} chunks this store does not hold; leaving their holder lists", n=len(lost))
+                add -= lost
+                me = self.node_id
+                # (the only holder listed stays: an empty list would read as no chunk at all)
+                yield self._rewrite(lambda h, ids: [i for i in ids if i != me] if h in lost and len(ids) > 1 else ids)
         if not add and not drop:
             return
 
@@ -363,24 +389,46 @@ class ToastyCluster:
                 return bytes(reply.data)
         return None
 
-    @defer.inlineCallbacks
     def _add_holder(self, hashes):
-        """Add this node to the holder list of every slot naming one of ``hashes``, page by page
-        by compare-and-swap (a page changed meanwhile is left to the next pass)."""
+        """Add this node to the holder list of every slot naming one of ``hashes``."""
         me = self.node_id
+        return self._rewrite(lambda h, ids: ids + [me] if h in hashes and me not in ids else ids)
+
+    def _trim(self):
+        """Cut the holder lists this node keeps (it is their first live holder) to R live
+        holders (``trimmed``)."""
+        live = set(self._chunk_servers())
+        if self.node_id not in live:
+            return defer.succeed(None)
+        me, rf = self.node_id, self.rf
+
+        def cut(h, ids):
+            if len(ids) <= rf and all(i in live for i in ids):
+                return ids
+            first = next((i for i in ids if i in live), None)
+            return trimmed(ids, live, rf) if first == me else ids
+
+        return self._rewrite(cut)
+
+    @defer.inlineCallbacks
+    def _rewrite(self, change):
+        """Apply ``change(hash, ids) -> ids`` to every slot, writing the pages it changes by
+        compare-and-swap on their revision (a page changed meanwhile is left to the next pass)."""
         for key, (rev, slots) in list(self.pages.items()):
             changed = False
             new = {}
             for slot, (h, ids) in slots.items():
-                if h in hashes and me not in ids:
-                    ids = ids + [me]
+                out = change(h, ids)
+                if out != ids:
                     changed = True
-                new[slot] = (h, ids)
+                new[slot] = (h, out)
             if not changed:
                 continue
             r = yield self.client.txn([etcd.compare_mod_revision(key, rev)], [etcd.op_put(key, encode_page(new))])
             if r.succeeded:
                 self.pages[key] = (r.revision, new)
+            else:
+                self._dirty = True
 
     # -- status ---------------------------------------------------------------------------------
 

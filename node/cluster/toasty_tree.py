@@ -37,7 +37,6 @@ from node.cluster import etcd
 from protocols.toasty import file_tree
 from protocols.toasty.file_tree import (
     CREATE_IF_MISSING,
-    MAX_CHUNK_SIZE,
     MISSING_GENERATION,
     ROOT_GEN,
     TRUNCATE_AFTER,
@@ -46,7 +45,6 @@ from protocols.toasty.file_tree import (
     BadGeneration,
     InvalidOperation,
     IsADirectory,
-    NotADirectory,
     NotFound,
     ReadResult,
     check_gen,
@@ -183,15 +181,11 @@ class ClusterFileTree:
         r = yield self.client.txn([], ops)
         if components:
             kvs = r.kvs(0)
-            if not kvs:
-                raise NotFound("%s does not exist" % _show(components))
-            entity = Entity.of(kvs[0])
+            entity = Entity.of(kvs[0]) if kvs else None
             rows = r.kvs(1)
         else:
             entity, rows = ROOT, r.kvs(0)
-        if not entity.is_dir:
-            raise NotADirectory("%s is a file" % _show(components))
-        check_gen(entity, expect_gen, _show(components))
+        file_tree.check_list(components, entity, expect_gen)
         items = [(kv.key[len(prefix):], kv.mod_revision, Entity.of(kv).is_dir) for kv in rows[:limit]]
         return entity.gen, len(rows) > limit, items
 
@@ -252,16 +246,8 @@ class ClusterFileTree:
 
     def _read_result(self, components, entity, expect_gen, offset, length, max_chunks, page_kvs):
         """The ReadResult, or None if it needs pages and ``page_kvs`` is None (not read yet)."""
-        if entity is None:
-            raise NotFound("%s does not exist" % _show(components))
-        if entity.is_dir:
-            raise IsADirectory("%s is a directory" % _show(components))
-        check_gen(entity, expect_gen, _show(components))
-        end = min(entity.size, offset + length)
-        readable = max(0, end - offset)
-        first, count = span(offset, readable, entity.chunk_size)
-        if count > max_chunks:
-            raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
+        file_tree.check_file(components, entity, expect_gen)
+        readable, first, count = file_tree.read_span(entity, offset, length, max_chunks)
         result = ClusterReadResult(entity.gen, entity.chunk_size, readable, first, [ZERO_HASH] * count, entity.size)
         result.holders = [[] for _ in range(count)]
         if not count:
@@ -284,17 +270,13 @@ class ClusterFileTree:
     @defer.inlineCallbacks
     def create(self, components, is_dir, chunk_size=0):
         """-> gen of the new entity (the revision of the transaction that made it)."""
-        if not components:
-            raise AlreadyExists("the root directory always exists")
-        if not is_dir and not 0 < chunk_size <= MAX_CHUNK_SIZE:
-            raise InvalidOperation("chunk_size must be 1..%d, not %d" % (MAX_CHUNK_SIZE, chunk_size))
+        file_tree.check_create_args(components, is_dir, chunk_size)
         key = self.ent_key(components)
         for _ in range(ATTEMPTS):
             entity, _, parent, parent_kv = yield self._entity(components, with_parent=True)
-            if entity is not None:
-                raise AlreadyExists("%s exists" % _show(components))
+            file_tree.check_new_entry(components, entity, parent)
             compares = [etcd.compare_version(key, 0)]
-            self._check_parent(components, parent, parent_kv, compares)
+            self._parent_stays(parent_kv, compares)
             value = Entity(0, is_dir, 0 if is_dir else chunk_size).value()
             r = yield self.client.txn(compares, [etcd.op_put(key, value)])
             if r.succeeded:
@@ -303,18 +285,14 @@ class ClusterFileTree:
                 return r.revision
         raise AlreadyExists("%s kept changing while being created" % _show(components))
 
-    def _check_parent(self, components, parent, parent_kv, compares):
-        if parent is None:
-            raise NotFound("%s does not exist" % _show(components[:-1]))
-        if not parent.is_dir:
-            raise NotADirectory("%s is a file" % _show(components[:-1]))
+    @staticmethod
+    def _parent_stays(parent_kv, compares):
         if parent_kv is not None:  # still that directory when the transaction runs
             compares.append(etcd.compare_mod_revision(parent_kv.key, parent_kv.mod_revision))
 
     @defer.inlineCallbacks
     def delete(self, components, expect_gen):
-        if not components:
-            raise InvalidOperation("the root directory cannot be deleted")
+        file_tree.check_delete_args(components)
         key = self.ent_key(components)
         for _ in range(ATTEMPTS):
             entity, kv, _, _ = yield self._entity(components)
@@ -344,7 +322,7 @@ class ClusterFileTree:
     @defer.inlineCallbacks
     def write(self, components, expect_gen, flags, offset, length, hashes, holders=None):
         """-> new gen. ``holders[i]``: the node ids holding ``hashes[i]`` (checked by the caller)."""
-        hashes = file_tree.FileTree._write_args(components, expect_gen, offset, length, hashes)
+        hashes = file_tree.check_write_args(components, expect_gen, offset, length, hashes)
         holders = holders if holders is not None else [[] for _ in hashes]
         key = self.ent_key(components)
         for _ in range(ATTEMPTS):
@@ -362,19 +340,15 @@ class ClusterFileTree:
             if entity is None:
                 if not (expect_gen == MISSING_GENERATION and flags & CREATE_IF_MISSING):
                     raise NotFound("%s does not exist" % _show(components))
-                self._check_parent(components, parent, parent_kv, compares)
+                file_tree.check_parent(components, parent)
+                self._parent_stays(parent_kv, compares)
                 entity = Entity(0, False, file_tree.DEFAULT_CHUNK_SIZE, 0)
                 compares.append(etcd.compare_version(key, 0))
             else:
-                if entity.is_dir:
-                    raise IsADirectory("%s is a directory" % _show(components))
-                check_gen(entity, expect_gen, _show(components))
+                file_tree.check_file(components, entity, expect_gen)
                 compares.append(etcd.compare_mod_revision(key, kv.mod_revision))
             cs = entity.chunk_size
-            first, count = span(offset, length, cs)
-            if count != len(hashes):
-                raise InvalidOperation("num_chunks is %d but [%d, %d) spans %d chunks of %d bytes"
-                                       % (len(hashes), offset, offset + length, count, cs))
+            first, count = file_tree.write_span(offset, length, cs, len(hashes))
             end = offset + length
             size = end if flags & TRUNCATE_AFTER else max(entity.size, end)
             if flags & TRUNCATE_AFTER and not length and size % cs:

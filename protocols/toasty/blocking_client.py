@@ -106,9 +106,9 @@ class BlockingConnection:
             self._rpos = pos + n
             return self._rview[pos : pos + n]
         if avail:
-            head = buf[pos:]
+            head = self._rview[pos:]
             self._rbuf, self._rview, self._rpos = b"", memoryview(b""), 0
-            return head + bytes(self._rest(n - avail))
+            return b"".join((head, self._rest(n - avail)))  # one copy of the reply, not two
         if self.tls:
             return self._rest(n)
         data = self.sock.recv(max(n, READ_SIZE))  # what is there (waiting for at least a byte)
@@ -117,7 +117,7 @@ class BlockingConnection:
         if len(data) >= n:
             self._rbuf, self._rview, self._rpos = data, memoryview(data), n
             return self._rview[:n]
-        return data + bytes(self._rest(n - len(data)))
+        return b"".join((data, self._rest(n - len(data))))
 
     def _rest(self, n):
         # MSG_WAITALL: one call, one allocation, no zero-fill.
@@ -126,7 +126,7 @@ class BlockingConnection:
             return data
         if not data:
             raise ConnectionError("toasty server %s:%d closed the connection" % self.address)
-        return data + bytes(self._rest(n - len(data)))
+        return b"".join((data, self._rest(n - len(data))))
 
     def recv(self):
         try:

@@ -137,6 +137,96 @@ def check_gen(entity, expect_gen: int, what: str) -> None:
         raise BadGeneration("%s has generation %d, not %d" % (what, entity.gen, expect_gen))
 
 
+# -- the checks of a request's path and entity, shared with the cluster's tree ------------------
+# (node/cluster/toasty_tree.py): both trees look the entity up their own way, then refuse the
+# same requests with the same replies (CONTRACT §5).
+
+
+def check_create_args(components, is_dir, chunk_size) -> None:
+    if not components:
+        raise AlreadyExists("the root directory always exists")
+    if not is_dir and not 0 < chunk_size <= MAX_CHUNK_SIZE:
+        raise InvalidOperation("chunk_size must be 1..%d, not %d" % (MAX_CHUNK_SIZE, chunk_size))
+
+
+def check_delete_args(components) -> None:
+    if not components:
+        raise InvalidOperation("the root directory cannot be deleted")
+
+
+def check_new_entry(components, entity, parent) -> None:
+    """A CREATE (or WRITE with CREATE_IF_MISSING) of ``components``: ``entity`` (None if missing)
+    must not exist and ``parent`` (None if missing) must be a directory."""
+    if entity is not None:
+        raise AlreadyExists("%s exists" % _show(components))
+    check_parent(components, parent)
+
+
+def check_parent(components, parent) -> None:
+    if parent is None:
+        raise NotFound("%s does not exist" % _show(components[:-1]))
+    if not parent.is_dir:
+        raise NotADirectory("%s is a file" % _show(components[:-1]))
+
+
+def check_list(components, entity, expect_gen) -> None:
+    """LIST: ``entity`` (None if missing) must be a directory of the expected generation."""
+    if entity is None:
+        raise NotFound("%s does not exist" % _show(components))
+    if not entity.is_dir:
+        raise NotADirectory("%s is a file" % _show(components))
+    check_gen(entity, expect_gen, _show(components))
+
+
+def check_file(components, entity, expect_gen) -> None:
+    """READ and WRITE: ``entity`` (None if missing) must be a file of the expected generation."""
+    if entity is None:
+        raise NotFound("%s does not exist" % _show(components))
+    if entity.is_dir:
+        raise IsADirectory("%s is a directory" % _show(components))
+    check_gen(entity, expect_gen, _show(components))
+
+
+def read_span(entity, offset, length, max_chunks):
+    """READ of a checked file: (readable bytes, first chunk index, chunk count); CONTRACT §5:
+    at most ``max_chunks`` chunks, nothing readable past the end of file."""
+    end = min(entity.size, offset + length)
+    readable = max(0, end - offset)
+    first, count = span(offset, readable, entity.chunk_size)
+    if count > max_chunks:
+        raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
+    return readable, first, count
+
+
+def write_span(offset, length, chunk_size, num_chunks):
+    """WRITE: (first chunk index, count); num_chunks must be the count the range spans
+    (CONTRACT §5 override)."""
+    first, count = span(offset, length, chunk_size)
+    if count != num_chunks:
+        raise InvalidOperation(
+            "num_chunks is %d but [%d, %d) spans %d chunks of %d bytes" % (num_chunks, offset, offset + length, count, chunk_size)
+        )
+    return first, count
+
+
+def check_write_args(components, expect_gen, offset, length, hashes):
+    """A WRITE's own fields -> its hashes as bytes."""
+    if expect_gen == NO_GENERATION:
+        # CONTRACT §5: WRITE refuses expect_gen 0 (the chunk size must be the one the writer saw).
+        raise BadGeneration("WRITE needs an expect_gen (0 is refused)")
+    if not components:
+        raise IsADirectory("/ is a directory")
+    if offset + length > MAX_FILE_SIZE:
+        raise InvalidOperation("a file may not grow past %d bytes" % MAX_FILE_SIZE)
+    hashes = [bytes(h) for h in hashes]
+    if len(hashes) > MAX_CHUNKS_PER_OP:
+        raise InvalidOperation("a WRITE may carry at most %d chunks, not %d" % (MAX_CHUNKS_PER_OP, len(hashes)))
+    for h in hashes:
+        if h == ZERO_HASH:
+            raise InvalidOperation("the all-zero hash names no chunk")
+    return hashes
+
+
 class ReadResult:
     __slots__ = ("gen", "chunk_size", "file_length", "first_index", "hashes", "size")
 
@@ -227,15 +317,14 @@ class FileTree:
 
     def create(self, components, is_dir: bool, chunk_size: int = 0):
         """-> Deferred[gen of the new entity]."""
-        if not components:
-            return defer.fail(AlreadyExists("the root directory always exists"))
-        if not is_dir and not 0 < chunk_size <= MAX_CHUNK_SIZE:
-            return defer.fail(InvalidOperation("chunk_size must be 1..%d, not %d" % (MAX_CHUNK_SIZE, chunk_size)))
+        try:
+            check_create_args(components, is_dir, chunk_size)
+        except FsError:
+            return defer.fail()
 
         def fn(txn):
             parent, entity = self._lookup(txn, components, create_root=True)
-            if entity is not None:
-                raise AlreadyExists("%s exists" % _show(components))
+            check_new_entry(components, entity, parent)
             gen = self._new_gen(txn)
             inode = gen  # generations are node-unique, so the creation generation names the inode
             txn.put(ENT_TABLE, _ent_key(parent.inode, components[-1]), [inode, gen, bool(is_dir), 0 if is_dir else chunk_size, 0])
@@ -245,8 +334,10 @@ class FileTree:
 
     def delete(self, components, expect_gen: int):
         """-> Deferred[None]. DELETE of a missing path succeeds only with expect_gen 2^64-1."""
-        if not components:
-            return defer.fail(InvalidOperation("the root directory cannot be deleted"))
+        try:
+            check_delete_args(components)
+        except FsError:
+            return defer.fail()
 
         def fn(txn):
             parent, entity = self._lookup_missing_ok(txn, components, expect_gen)
@@ -290,11 +381,7 @@ class FileTree:
 
     def _list_in(self, txn, components, expect_gen, after, limit):
         _, entity = self._lookup(txn, components)
-        if entity is None:
-            raise NotFound("%s does not exist" % _show(components))
-        if not entity.is_dir:
-            raise NotADirectory("%s is a file" % _show(components))
-        check_gen(entity, expect_gen, _show(components))
+        check_list(components, entity, expect_gen)
         prefix = _U64.pack(entity.inode)
         start = prefix + after + b"\x00" if after is not None else prefix
         rows = txn.scan(ENT_TABLE, start=start, prefix=prefix, limit=limit + 1)
@@ -324,16 +411,8 @@ class FileTree:
 
     def _read_in(self, txn, components, expect_gen, offset, length, max_chunks):
         _, entity = self._lookup(txn, components)
-        if entity is None:
-            raise NotFound("%s does not exist" % _show(components))
-        if entity.is_dir:
-            raise IsADirectory("%s is a directory" % _show(components))
-        check_gen(entity, expect_gen, _show(components))
-        end = min(entity.size, offset + length)
-        readable = max(0, end - offset)
-        first, count = span(offset, readable, entity.chunk_size)
-        if count > max_chunks:
-            raise InvalidOperation("a READ may span at most %d chunks (this one spans %d)" % (max_chunks, count))
+        check_file(components, entity, expect_gen)
+        readable, first, count = read_span(entity, offset, length, max_chunks)
         hashes = [ZERO_HASH] * count
         if count:
             rows = txn.scan(CHK_TABLE, start=_chk_key(entity.inode, first), prefix=_U64.pack(entity.inode), limit=count)
@@ -347,7 +426,7 @@ class FileTree:
     def write(self, components, expect_gen: int, flags: int, offset: int, length: int, hashes):
         """-> Deferred[new gen]. ``hashes`` are the new addresses of the chunks the range spans."""
         try:
-            hashes = self._write_args(components, expect_gen, offset, length, hashes)
+            hashes = check_write_args(components, expect_gen, offset, length, hashes)
         except FsError:
             return defer.fail()
         return self._batched(lambda txn: self._write_txn(txn, components, expect_gen, flags, offset, length, hashes))
@@ -403,23 +482,6 @@ class FileTree:
 
         self.meta.transact(run).addCallbacks(done, failed)
 
-    @staticmethod
-    def _write_args(components, expect_gen, offset, length, hashes):
-        if expect_gen == NO_GENERATION:
-            # CONTRACT §5: WRITE refuses expect_gen 0 (the chunk size must be the one the writer saw).
-            raise BadGeneration("WRITE needs an expect_gen (0 is refused)")
-        if not components:
-            raise IsADirectory("/ is a directory")
-        if offset + length > MAX_FILE_SIZE:
-            raise InvalidOperation("a file may not grow past %d bytes" % MAX_FILE_SIZE)
-        hashes = [bytes(h) for h in hashes]
-        if len(hashes) > MAX_CHUNKS_PER_OP:
-            raise InvalidOperation("a WRITE may carry at most %d chunks, not %d" % (MAX_CHUNKS_PER_OP, len(hashes)))
-        for h in hashes:
-            if h == ZERO_HASH:
-                raise InvalidOperation("the all-zero hash names no chunk")
-        return hashes
-
     def _write_txn(self, txn, components, expect_gen, flags, offset, length, hashes):
         parent, entity = self._lookup(txn, components, create_root=True)
         if entity is None:
@@ -429,15 +491,9 @@ class FileTree:
             else:
                 raise NotFound("%s does not exist" % _show(components))
         else:
-            if entity.is_dir:
-                raise IsADirectory("%s is a directory" % _show(components))
-            check_gen(entity, expect_gen, _show(components))
+            check_file(components, entity, expect_gen)
         cs = entity.chunk_size
-        first, count = span(offset, length, cs)
-        if count != len(hashes):
-            raise InvalidOperation(
-                "num_chunks is %d but [%d, %d) spans %d chunks of %d bytes" % (len(hashes), offset, offset + length, count, cs)
-            )
+        first, _ = write_span(offset, length, cs, len(hashes))
         missing = [h.hex() for h in set(hashes) if not txn.chunk_has(h)]
         if missing:
             raise ChunkNotFound("the chunk store does not hold %s" % ", ".join(sorted(missing)[:4]))

@@ -38,6 +38,10 @@ MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
 READ_SIZE = 1024 * 1024
 DIRECT_SEND_MIN = 32 * 1024  # replies this big go straight to the socket when nothing is queued
+# Whole-chunk downloads answered at once during one pass over the received bytes are sent
+# together: one sendmsg per this many bytes (or parts, under the kernel's IOV_MAX of 1024).
+DIRECT_BATCH_BYTES = 1024 * 1024
+DIRECT_BATCH_PARTS = 512
 _CREATE_CHUNK_HEAD = struct.Struct("<III")
 
 
@@ -578,6 +582,8 @@ class ChunkServerProtocol(_ToastyServerProtocol):
     def __init__(self, node):
         super().__init__(node)
         self._puts = []  # CREATE_CHUNK / UPLOAD_CHUNK data of this pass: [(data, Deferred)]
+        self._direct = []  # parts of the downloads of this pass answered at once, not sent yet
+        self._direct_bytes = 0
 
     def cost(self, msg, length):
         # A CREATE_CHUNK builds a chunk_size chunk; a patch or a download loads a stored chunk
@@ -594,16 +600,24 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         t = msg.TYPE
         # A whole-chunk download with no reply queued ahead of it and an empty send buffer is
         # answered at once: the chunk is read from the page cache (never waiting for the disk)
-        # and its reply goes straight to the socket -- no thread hop, no Deferred, no slot.
-        if t == codec.DOWNLOAD_CHUNK and msg.full and not self._slots and idle_socket(self.transport) is not None:
+        # and its reply goes straight to the socket -- no thread hop, no Deferred, no slot. The
+        # replies of one pass over the received bytes leave together (one sendmsg for the
+        # pipelined requests of one read: fewer system calls here, fewer wake-ups and bigger
+        # reads in the client).
+        if t == codec.DOWNLOAD_CHUNK and msg.full and not self._slots and (self._direct or idle_socket(self.transport) is not None):
             try:
                 data = self.node.store.chunks.get_cached(msg.hash)
             except Exception:
                 data = None  # the ordinary path answers errors
             if data is not None:
                 self._count(t)
-                self._send(codec.encode_parts(codec.DownloadChunkSuccess(data)))
+                parts = codec.encode_parts(codec.DownloadChunkSuccess(data))
+                self._direct.extend(parts)
+                self._direct_bytes += sum(len(p) for p in parts)
+                if self._direct_bytes >= DIRECT_BATCH_BYTES or len(self._direct) >= DIRECT_BATCH_PARTS:
+                    self._send_direct()
                 return
+        self._send_direct()  # replies keep request order: the ones answered at once go first
         # A CREATE_CHUNK joins this pass's batch of chunks to store; its reply is written when
         # the batch is stored (no Deferred per chunk).
         if t == codec.CREATE_CHUNK:
@@ -644,7 +658,21 @@ class ChunkServerProtocol(_ToastyServerProtocol):
             self.frames_done()
         return d
 
+    def _send_direct(self):
+        if self._direct:
+            parts, self._direct, self._direct_bytes = self._direct, [], 0
+            send_parts_now(self.transport, parts)
+
+    def _drop(self, why):
+        self._send_direct()  # the replies to the requests before the malformed one
+        super()._drop(why)
+
+    def connectionLost(self, reason):
+        self._direct, self._direct_bytes = [], 0
+        super().connectionLost(reason)
+
     def frames_done(self):
+        self._send_direct()
         if not self._puts:
             return
         puts, self._puts = self._puts, []
