@@ -2,6 +2,7 @@
 nodes on loopback, kill -9."""
 
 import random
+import signal
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ from protocols.partition.client import BlockingKvClient, KvError
 from protocols.partition.codec import GET_FB, GET_FF, GET_KEYS, GET_KEYS_PREFIX
 from protocols.sbp.client import call_status
 from tests.etcdproc import etcd_available
-from tests.test_cluster import client, sbpctl, three_nodes, wait_for
+from tests.test_cluster import client, sbpctl, three_nodes, view, wait_for
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
 
@@ -149,6 +150,72 @@ def test_kv_client_framing_reaches_every_key(kv3):
         assert client_framing.decode_reply(data, codec.GET) == (codec.OK, None, [(b"\xe0client", b"framed")])
     finally:
         s.close()
+
+
+def placement_of(node):
+    with client(node) as s:
+        return s.call(call_status()).get("cluster", {}).get("kv", {}).get("partitions")
+
+
+def test_a_peer_connection_is_stalled_only_while_requests_get_no_reply():
+    from twisted.internet.task import Clock
+    from twisted.internet.testing import StringTransport
+
+    from node.cluster.kv_partitions import PeerProtocol
+
+    clock = Clock()
+    peer = PeerProtocol(clock)
+    peer.makeConnection(StringTransport())
+    clock.advance(100)
+    assert not peer.stalled(clock.seconds(), 10)  # idle: nothing waits
+    d = peer.get(b"k")
+    clock.advance(9)
+    assert not peer.stalled(clock.seconds(), 10)
+    clock.advance(2)
+    assert peer.stalled(clock.seconds(), 10)
+    peer.dataReceived(codec.encode_status(1, codec.DATA_NOT_FOUND))
+    assert d.called and not peer.stalled(clock.seconds(), 10)
+
+
+def test_requests_forwarded_to_a_hung_leader_end_in_bounded_time(kv3):
+    """SIGSTOP a partition's leader: what another node forwarded to it is retried on the new
+    leader (reads) or answered ERR 0 (writes: outcome unknown), never left hanging."""
+    _etcd, nodes = kv3
+    with kv(nodes[0]) as c:
+        c.set(b"\x00hung", b"1")
+    parts = wait_for(lambda: placement_of(nodes[0]), what="placement")
+    by_id = {n.node_id: n for n in nodes}
+    # a partition led by another node than the one the client talks to
+    p, victim = next((q["partition"], by_id[q["leader"]]) for q in parts if q["leader"] != nodes[0].node_id)
+    front = next(n for n in nodes if n is not victim)
+    keys = [bytes([p << 5]) + b"hung%03d" % i for i in range(20)]
+    with kv(front, timeout=90) as c:
+        c.pipeline([(codec.SET, lambda cid, k=k: codec.encode_set(cid, k, b"before")) for k in keys])
+        victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            requests = []
+            for i, k in enumerate(keys):
+                requests.append((codec.GET, lambda cid, k=k: codec.encode_get(cid, k)))
+                if i % 4 == 0:
+                    requests.append((codec.SET, lambda cid, k=k: codec.encode_set(cid, k, b"during")))
+            results = c.pipeline(requests)
+            elapsed = time.monotonic() - t0
+            # bounded: the lease TTL (3 s) plus a failover, far below ROUTE_WAIT_S (20 s)
+            assert elapsed < 20, elapsed
+            for (cmd, _), r in zip(requests, results):
+                if cmd == codec.GET:
+                    assert r in (b"before", b"during"), r  # retried on the new leader
+                else:
+                    assert r is None or (isinstance(r, KvError) and r.code in (0, 1)), r
+            # the new leader takes writes
+            c.set(keys[0], b"after")
+            assert c.get(keys[0]) == b"after"
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: victim.node_id in view(nodes[0])[0], timeout=30, what="the resumed node to be a member again")
+    with kv(victim) as c:
+        assert c.get(keys[0]) == b"after"
 
 
 @pytest.mark.slow

@@ -62,6 +62,10 @@ APPLY_WRITE = 8 << 20  # bytes of operations per write_many while applying
 PERSIST_S = 1.0  # applied offsets are written to STATE_FILE at most this often
 CHECK_S = 0.5  # leadership and appliers are re-checked this often (besides the record watch)
 PEER_CONNECT_S = 3.0
+# a peer connection with requests pending and no reply for this long is dropped (a hung leader:
+# SIGSTOP, a network partition); its reads are retried on the partition's leader as it is then,
+# its writes answered ERR 0 (outcome unknown). A peer that leaves the member list is dropped at once.
+FORWARD_TIMEOUT_S = 10.0
 PEER_CURSOR = b"c"
 
 
@@ -71,6 +75,28 @@ class NotLeader(Exception):
 
 class Unavailable(Exception):
     """The partition has no live, ready leader within ROUTE_WAIT_S (ERR 1)."""
+
+
+class PeerProtocol(KvClientProtocol):
+    """A forwarding connection to a kv peer port that notes when it last made progress."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+        self.progress = clock.seconds()
+
+    def _request(self, cmd, encode):
+        if not self._pending:
+            self.progress = self.clock.seconds()
+        return super()._request(cmd, encode)
+
+    def dataReceived(self, data):
+        self.progress = self.clock.seconds()
+        super().dataReceived(data)
+
+    def stalled(self, now, limit):
+        """True if requests have waited ``limit`` seconds with no reply at all."""
+        return bool(self._pending) and now - self.progress > limit
 
 
 def bounds(p):
@@ -270,12 +296,35 @@ class KvPartitions:
         self._check(self.parts[self.map.index(rec["stream_id"])], rec)
 
     def check(self):
-        if self.stopped or self.map is None:
+        if self.stopped:
+            return
+        self._check_peers()
+        if self.map is None:
             return
         for part in self.parts.values():
             rec = self.pd.streams.get(part.sid)
             if rec is not None:
                 self._check(part, rec)
+
+    def _check_peers(self):
+        """Drop the forwarding connections to nodes that left the cluster or stopped answering:
+        what waits on them fails (ConnectionError) and ``_routed`` decides what happens next."""
+        now = self.reactor.seconds()
+        members = self.cluster.membership.members
+        for nid, peer in list(self.peers.items()):
+            if not isinstance(peer, KvClientProtocol) or peer._lost is not None:
+                continue
+            if nid not in members:
+                why = "it left the cluster"
+            elif peer.stalled(now, FORWARD_TIMEOUT_S):
+                why = "no answer for %ss" % FORWARD_TIMEOUT_S
+            else:
+                continue
+            if peer._pending:
+                self.log.warn("dropping the kv peer connection to node {nid} ({why}): {n} forwarded request(s) "
+                              "fail over", nid=nid, why=why, n=len(peer._pending))
+            del self.peers[nid]
+            peer.transport.abortConnection()
 
     def _check(self, part, rec):
         if self.stopped:
@@ -629,7 +678,7 @@ class KvPartitions:
         waiters = self.peers[nid] = [d]
         host, port = addr.rsplit(":", 1)
         host = host.strip("[]")
-        cc = protocol.ClientCreator(self.reactor, KvClientProtocol)
+        cc = protocol.ClientCreator(self.reactor, PeerProtocol, self.reactor)
         tls = self.cluster.tls
         if tls:
             from node.cluster.tls import client_options
