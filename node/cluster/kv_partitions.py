@@ -46,8 +46,7 @@ from twisted.python.failure import Failure
 from node.cluster import etcd, kv_log, placement
 from protocols.partition import codec
 from protocols.partition.client import KvClientProtocol, KvError
-from protocols.partition.server import (BEGIN, END, SCAN_REPLY_BUDGET, FIRST_VALUE_FETCH, _key_key, _key_size,
-                                        _pair_key, _pair_size, collect_page)
+from protocols.partition.server import BEGIN, END, SCAN_REPLY_BUDGET, scan_page
 from storage import errors as store_errors
 from storage import record_batch
 
@@ -601,11 +600,22 @@ class KvPartitions:
         yield part.when_applied(end)
         return results
 
-    def scan_local(self, cmd, start, count, prefix=b""):
-        """One page of partition ``partition_of(start)`` (led here): forward from ``start`` for
-        GET_FF / GET_KEYS / GET_KEYS_PREFIX, down from it for GET_FB (ascending in the page).
-        Fires with ``(items, next)``: [(key, value or None)] and the position after the page
-        inside the partition, None when the partition ran out."""
+    def scan_local(self, cmd, position, count, prefix=b""):
+        """One page of one partition led here, from ``position`` (BEGIN, END or a key; the
+        partition is the key's, partition 0 from BEGIN, 7 from END): forward for GET_FF /
+        GET_KEYS / GET_KEYS_PREFIX, down for GET_FB (ascending in the page). Fires with
+        ``(items, new_position)``: [(key, value or None)] and the position after the page, BEGIN /
+        END when the partition ran out (CONTRACT §4 paging: ``server.scan_page``)."""
+        if cmd == codec.GET_FB:
+            if position is BEGIN:
+                return defer.succeed(([], BEGIN))
+            start = bounds(PARTITIONS - 1)[1] if position is END else position
+        else:
+            if position is END:
+                return defer.succeed(([], END))
+            start = b"\x00" if position is BEGIN else position
+            if cmd == codec.GET_KEYS_PREFIX and prefix and start < prefix:
+                start = prefix  # CONTRACT §4: forward from max(position, prefix)
         p = codec.partition_of(start)
         part = self._led(p)
         if isinstance(part, defer.Deferred):
@@ -615,24 +625,17 @@ class KvPartitions:
     def _scan_now(self, p, cmd, start, count, prefix):
         lo, hi = bounds(p)
         kv = self.kv
-        if cmd == codec.GET_FB:
-            def fetch(s, limit):
-                return [e for e in kv.scan_backward(s, limit) if e[0] >= lo]
-            items, nxt = collect_page(fetch, start, count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH,
-                                      descending=True)
-            items.reverse()
-            return items, (nxt[0] if nxt is not None else None)
-        if cmd == codec.GET_FF:
-            def fetch(s, limit):
-                return [e for e in kv.scan_forward(s, limit) if e[0] <= hi]
-            items, nxt = collect_page(fetch, start, count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH)
-            return items, (nxt[0] if nxt is not None else None)
 
-        def fetch(s, limit):
+        def backward(s, limit):
+            return [e for e in kv.scan_backward(s, limit) if e[0] >= lo]
+
+        def forward(s, limit):
+            return [e for e in kv.scan_forward(s, limit) if e[0] <= hi]
+
+        def keys(s, limit):
             return [k for k in kv.scan_keys(s, limit) if k <= hi]
-        keys, nxt = collect_page(fetch, start, count, _key_key, _key_size,
-                                 prefix=prefix if cmd == codec.GET_KEYS_PREFIX and prefix else None)
-        return [(k, None) for k in keys], nxt
+
+        return scan_page(cmd, start, count, prefix, forward, backward, keys)
 
     # -- routing (any node) ------------------------------------------------------------------------
 
@@ -805,11 +808,17 @@ class KvPartitions:
         return d.addErrback(self._retry_routed, p, local, remote, False)
 
     def scan_partition(self, p, cmd, start, count, prefix=b""):
+        """One page of partition ``p`` from the key ``start`` on its leader: ``(items, next)``,
+        next the position after the page, None when the partition ran out."""
         def remote(peer):
             return peer.scan(cmd, PEER_CURSOR, count, start, prefix).addCallback(
                 lambda page: (page.items, page.next_key or None))
 
-        return self._routed(p, lambda: self.scan_local(cmd, start, count, prefix), remote)
+        def local():
+            return self.scan_local(cmd, start, count, prefix).addCallback(
+                lambda page: (page[0], page[1] if isinstance(page[1], bytes) else None))
+
+        return self._routed(p, local, remote)
 
     @defer.inlineCallbacks
     def scan(self, cmd, position, count, prefix=b""):
