@@ -14,7 +14,7 @@ from protocols.partition.client import BlockingKvClient, KvError
 from protocols.partition.codec import GET_FB, GET_FF, GET_KEYS, GET_KEYS_PREFIX
 from protocols.sbp.client import call_status
 from tests.etcdproc import etcd_available
-from tests.test_cluster import client, sbpctl, three_nodes, view, wait_for
+from tests.test_cluster import client, sbpctl, start_nodes, three_nodes, view, wait_for
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
 
@@ -269,3 +269,98 @@ def test_kill9_of_a_partition_leader_loses_no_acknowledged_set(tmp_path):
                     got = c.pipeline([(codec.GET, lambda cid, k=k: codec.encode_get(cid, k)) for k in chunk])
                     assert got == [acked[k] for k in chunk]
         assert recovered < 60
+
+
+def test_plan_move_spreads_replicas_then_leaders():
+    from node.cluster.kv_partitions import plan_move
+
+    three = {p: ([1, 2, 3][p % 3], [1, 2, 3]) for p in range(8)}
+    assert plan_move(three, [1, 2, 3]) is None  # 3/3/2 leaders, every node holds every partition
+    assert plan_move({p: (1, [1, 2, 3]) for p in range(8)}, [1, 2, 3]) == ("leader", 0, 2)
+    # a 4th node: replicas move to it first, from partitions the source does not lead
+    move = plan_move(three, [1, 2, 3, 4])
+    assert move[0] == "replica" and move[3] == 4 and three[move[1]][0] != move[2]
+    # applying the moves converges: 6 replicas and 2 leaders per node
+    ranges = dict(three)
+    for _ in range(40):
+        move = plan_move(ranges, [1, 2, 3, 4])
+        if move is None:
+            break
+        leader, servers = ranges[move[1]]
+        if move[0] == "replica":
+            servers = [n for n in servers if n != move[2]] + [move[3]]
+            leader = leader if leader != move[2] else servers[0]
+        else:
+            leader = move[2]
+        ranges[move[1]] = (leader, servers)
+    held = {n: sum(n in s for _l, s in ranges.values()) for n in (1, 2, 3, 4)}
+    led = {n: sum(leader == n for leader, _s in ranges.values()) for n in (1, 2, 3, 4)}
+    assert set(held.values()) == {6} and set(led.values()) == {2}
+    assert plan_move(ranges, [1, 2, 3, 4], skip=set(range(8))) is None
+
+
+@pytest.mark.slow
+def test_a_joining_node_takes_partitions_and_a_dead_ones_are_taken_over(tmp_path):
+    """3 nodes, then a 4th joins: partitions' replicas and leaders spread over the 4 (6 replicas,
+    2 leaders each) without losing a write; kill -9 one: the other 3 lead every partition and
+    hold every write."""
+    with three_nodes(tmp_path) as (etcd, nodes):
+        model = {}
+        with kv(nodes[0]) as c:
+            for i in range(400):
+                model[bytes([i % 256]) + b"join%04d" % i] = b"v%d" % i
+            c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v)) for k, v in model.items()])
+        fourth = start_nodes(tmp_path, etcd.client_urls, [4])[0]
+        nodes.append(fourth)  # killed by three_nodes' cleanup too
+        acked, stop, errors = {}, threading.Event(), []
+
+        def load():
+            i = 0
+            with kv(nodes[1], timeout=60) as c:
+                while not stop.is_set():
+                    batch = [(bytes([(i * 7 + j * 31) % 256]) + b"during%06d" % (i * 8 + j), b"d%d" % i) for j in range(8)]
+                    for (k, v), r in zip(batch, c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v))
+                                                            for k, v in batch])):
+                        if r is None:
+                            acked[k] = v
+                        else:
+                            errors.append(r)
+                    i += 1
+
+        writer = threading.Thread(target=load)
+        writer.start()
+        try:
+            def spread(live):
+                parts = placement_of(nodes[1])
+                if not parts or any(p["leader"] not in live or set(p["replicas"]) - set(live) for p in parts):
+                    return None
+                held = {n: sum(n in p["replicas"] for p in parts) for n in live}
+                led = {n: sum(p["leader"] == n for p in parts) for n in live}
+                ok = max(held.values()) - min(held.values()) <= 1 and max(led.values()) - min(led.values()) <= 1
+                return (held, led) if ok and all(len(p["replicas"]) == 3 for p in parts) else None
+
+            held, led = wait_for(lambda: spread([1, 2, 3, 4]), timeout=90, what="partitions spread over 4 nodes")
+            assert set(held.values()) == {6} and set(led.values()) == {2}
+        finally:
+            stop.set()
+            writer.join(60)
+        # writes refused during a move are ERR 0 (outcome unknown) or ERR 1, never anything else
+        assert all(isinstance(e, KvError) and e.code in (0, 1) for e in errors), errors[:3]
+        assert len(acked) > 0
+        model.update(acked)
+
+        def read_all(node):
+            keys = sorted(model)
+            with kv(node, timeout=60) as c:
+                for i in range(0, len(keys), 500):
+                    chunk = keys[i:i + 500]
+                    got = c.pipeline([(codec.GET, lambda cid, k=k: codec.encode_get(cid, k)) for k in chunk])
+                    assert got == [model[k] for k in chunk]
+
+        read_all(fourth)
+        # kill -9 a node that leads something: the other 3 take its partitions over
+        victim = nodes[0]
+        victim.kill9()
+        wait_for(lambda: spread([2, 3, 4]), timeout=90, what="partitions taken over by the 3 survivors")
+        for node in nodes[1:]:
+            read_all(node)

@@ -66,6 +66,8 @@ PEER_CONNECT_S = 3.0
 # its writes answered ERR 0 (outcome unknown). A peer that leaves the member list is dropped at once.
 FORWARD_TIMEOUT_S = 10.0
 PEER_CURSOR = b"c"
+REBALANCE_S = 1.0  # at most one rebalancing move this often (the placement-driver leader's)
+REBALANCE_RETRY_S = 5.0  # a partition whose move did not take is left alone this long
 
 
 class NotLeader(Exception):
@@ -96,6 +98,43 @@ class PeerProtocol(KvClientProtocol):
     def stalled(self, now, limit):
         """True if requests have waited ``limit`` seconds with no reply at all."""
         return bool(self._pending) and now - self.progress > limit
+
+
+def plan_move(ranges, live, skip=()):
+    """The next rebalancing move, or None: ``ranges`` {partition: (leader id, [replica ids])} of
+    healthy open ranges, ``live`` the live node ids. Replicas first: while one live node holds
+    two or more replicas more than another, ``("replica", p, from_id, to_id)`` (a partition the
+    fuller node holds and the emptier does not, preferring one it does not lead); then leaders:
+    while one leads two or more partitions more than another, ``("leader", p, to_id)`` (a
+    partition the busier one leads that the idler one holds)."""
+    live = sorted(live)
+    if len(live) < 2:
+        return None
+    held = {nid: 0 for nid in live}
+    led = {nid: 0 for nid in live}
+    for leader, servers in ranges.values():
+        for nid in servers:
+            if nid in held:
+                held[nid] += 1
+        if leader in led:
+            led[leader] += 1
+    parts = sorted(p for p in ranges if p not in skip)
+    lo = min(live, key=lambda n: (held[n], n))
+    for hi in sorted(live, key=lambda n: (-held[n], n)):
+        if held[hi] - held[lo] < 2:
+            break
+        options = [p for p in parts if hi in ranges[p][1] and lo not in ranges[p][1]]
+        options.sort(key=lambda p: (ranges[p][0] == hi, p))
+        if options:
+            return ("replica", options[0], hi, lo)
+    for hi in sorted(live, key=lambda n: (-led[n], n)):
+        for to in sorted(live, key=lambda n: (led[n], n)):
+            if led[hi] - led[to] < 2:
+                break
+            options = [p for p in parts if ranges[p][0] == hi and to in ranges[p][1]]
+            if options:
+                return ("leader", options[0], to)
+    return None
 
 
 def bounds(p):
@@ -144,6 +183,10 @@ class KvPartitions:
         self._loop = None
         self._watch = None
         self._persist_loop = None
+        self._moving = False
+        self._next_move = 0.0
+        self._move_skip = {}  # partition -> reactor time until which the rebalancer leaves it alone
+        self.moves = 0  # rebalancing moves this node made (as placement-driver leader)
         self.reactor = node.reactor
         self.path = os.path.join(node.config.data_dir, STATE_FILE)
 
@@ -300,6 +343,7 @@ class KvPartitions:
         self._check_peers()
         if self.map is None:
             return
+        self._rebalance()
         for part in self.parts.values():
             rec = self.pd.streams.get(part.sid)
             if rec is not None:
@@ -324,6 +368,75 @@ class KvPartitions:
                               "fail over", nid=nid, why=why, n=len(peer._pending))
             del self.peers[nid]
             peer.transport.abortConnection()
+
+    # -- rebalancing (the placement-driver leader) -----------------------------------------------
+
+    def _rebalance(self):
+        """One move at a time toward partitions spread evenly over the live nodes (``plan_move``),
+        only while every partition's open range is whole (R live replicas, no failover running):
+        a dead node's partitions are the failover's and re-replication's first."""
+        cluster = self.cluster
+        election, failover = cluster.election, cluster.failover
+        now = self.reactor.seconds()
+        if self._moving or now < self._next_move or failover is None or not (election and election.is_leader):
+            return
+        live = set(cluster.membership.live_ids())
+        ranges = {}
+        for p, sid in enumerate(self.map):
+            rec = self.pd.streams.get(sid)
+            rng = placement.open_range(rec) if rec is not None else None
+            primary = placement.primary_of(rng) if rng else None
+            if primary is None or sid in failover.busy:
+                return
+            ids = [s["id"] for s in rng["servers"]]
+            if len(ids) < rec["replica_nums"] or not live.issuperset(ids):
+                return
+            ranges[p] = (primary["id"], ids)
+        skip = {p for p, until in self._move_skip.items() if until > now}
+        move = plan_move(ranges, live, skip)
+        if move is None:
+            return
+        self._moving = True
+        sid = self.map[move[1]]
+        failover.busy.add(sid)
+        d = self._move(move, sid)
+
+        def done(result):
+            failover.busy.discard(sid)
+            self._moving = False
+            self._next_move = self.reactor.seconds() + REBALANCE_S
+            if isinstance(result, Failure):
+                self._move_skip[move[1]] = self.reactor.seconds() + REBALANCE_RETRY_S
+                self.log.warn("key-value rebalancing move {move} not done: {e}", move=move, e=result.value)
+
+        d.addBoth(done)
+
+    @defer.inlineCallbacks
+    def _move(self, move, sid):
+        """Seal the partition's open range and open the next one moved (failover.reopen): the new
+        replica copies the stream through the replica channel's catch-up before it applies and
+        may lead; a leader moves only to a replica holding everything (else it stays)."""
+        failover = self.cluster.failover
+        rec = yield self.pd.get(sid)
+        rng = placement.open_range(rec)
+        if rng is None:
+            return
+        if move[0] == "replica":
+            _, p, source, target = move
+            live = set(self.cluster.membership.live_ids())
+            # the failover's spare rule: a node never gets a copy past a tail it may hold unacknowledged
+            spares = yield failover._spares(rec, rng, rec.get("epoch", 0), live, live - {target}, 1)
+            if not spares:
+                raise placement.NoAvailableRS("no node can take a copy of stream %d" % sid)
+            why = "key-value rebalancing: partition %d's replica on node %d moves to node %d" % (p, source, spares[0])
+            yield failover.reopen(rec, why, spares=spares, drop=(source,))
+        else:
+            _, p, target = move
+            why = "key-value rebalancing: partition %d's leader moves to node %d" % (p, target)
+            new = yield failover.reopen(rec, why, spares=[], prefer=target)
+            if placement.primary_of(placement.open_range(new))["id"] != target:
+                raise placement.Conflict("node %d has not caught up with partition %d yet" % (target, p))
+        self.moves += 1
 
     def _check(self, part, rec):
         if self.stopped:
@@ -908,4 +1021,4 @@ class KvPartitions:
             out.append({"partition": p, "stream_id": part.sid, "leader": primary["id"] if primary else None,
                         "replicas": [s["id"] for s in rng["servers"]] if rng else [],
                         "applied": part.applied, "serving_here": part.ready})
-        return {"placed": True, "partitions": out}
+        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves}
