@@ -56,6 +56,7 @@ STATE_FILE = "kv_partitions.json"
 ROUTE_WAIT_S = 20.0  # longest a request waits for its partition to have a live, ready leader
 RETRY_S = 0.05  # between two looks at the partition's leader while it has none
 RECORD_BYTES = 4 << 20  # a write run is split into records of about this size
+SETTLE_S = 5.0  # how long a leader whose appends failed waits to learn from the seal what became of them
 REPLICA_APPLY_DELAY_S = 0.02  # a replica's applier, woken by new data, first waits this long
 APPLY_READ = 4 << 20  # bytes read from the log at once by an applier
 APPLY_WRITE = 8 << 20  # bytes of operations per write_many while applying
@@ -676,7 +677,7 @@ class KvPartitions:
             run[key] = value
         replicator = self.cluster.replicator
         log = self.node.store.log
-        ds, end = [], None
+        ds, end, bases = [], None, []
         chunk, size = [], 0
         now = int(time.time() * 1000)
 
@@ -686,6 +687,7 @@ class KvPartitions:
             if d.called and hasattr(d.result, "value"):
                 return d  # refused at once: nothing sequenced
             e = log.assigned_end(part.sid)
+            bases.append(e - 1)
             part.sequenced[e - 1] = (e, chunk)  # one record per batch: base = end - 1
             for k, v in chunk:
                 overlay[k] = (v, e)
@@ -698,24 +700,73 @@ class KvPartitions:
             if size >= RECORD_BYTES:
                 end = append(chunk)
                 if isinstance(end, defer.Deferred):
-                    yield end
+                    yield self._refused_at_once(part, end, bases)
                 chunk, size = [], 0
         if chunk:
             end = append(chunk)
             if isinstance(end, defer.Deferred):
-                yield end
+                yield self._refused_at_once(part, end, bases)
+        base = bases[0] if bases else end
         try:
             yield defer.gatherResults(ds, consumeErrors=True)
         except defer.FirstError as e:
             if part.lead_epoch == epoch:
-                # unknown outcome (e.g. the range was sealed under it): start the lead over
+                # the range was sealed under it (a failover, a rebalancing move) or replicas failed:
+                # start the lead over, then learn from the seal what became of these records
                 self._not_leader(part, "append failed: %s" % e.subFailure.value)
                 rec = self.pd.streams.get(part.sid)
                 if rec is not None:
                     self._check(part, rec)
-            e.subFailure.raiseException()
+            kept = yield self._sealed_outcome(part, epoch, base, end)
+            if kept is None:
+                e.subFailure.raiseException()  # not known in time: ERR 0, outcome unknown
+            if not kept:
+                # the seal ended the range below them: nothing of the run exists anywhere, so it is
+                # sent to the new leader (ERR 1 to a forwarding node, a retry here)
+                raise NotLeader("partition %d: the run was cut by the seal of epoch %d" % (part.p, epoch))
+            try:
+                yield self._applied_within(part, end, SETTLE_S)  # kept: acknowledged once applied here
+            except Unavailable:
+                e.subFailure.raiseException()  # kept but not applied here in time: ERR 0
+            return results
         yield part.when_applied(end)
         return results
+
+    @staticmethod
+    def _refused_at_once(part, failed, bases):
+        """An append refused before anything was sequenced: a range sealed under this leader
+        (its record not handled here yet) means nothing was done: NotLeader (re-routed)."""
+        def refused(f):
+            if not bases and f.check(store_errors.RangeAlreadySealed):
+                raise NotLeader("partition %d: %s" % (part.p, f.value))
+            return f
+
+        return failed.addErrback(refused)
+
+    @defer.inlineCallbacks
+    def _sealed_outcome(self, part, epoch, base, end):
+        """What the seal of ``epoch``'s range did to the records [base, end) this node appended in
+        it: True (all kept: the seal's end is at or past them), False (none: it ends at or below
+        base; replicas cut the tail past a seal), None (part of them, or no seal within
+        SETTLE_S, e.g. replicas down without a failover)."""
+        deadline = self.reactor.seconds() + SETTLE_S
+        while not self.stopped:
+            rec = self.pd.streams.get(part.sid)
+            for rng in (rec or {}).get("ranges", []):
+                if rng.get("epoch") == epoch and rng["end"] >= 0:
+                    if rng["end"] >= end:
+                        return True
+                    return False if rng["end"] <= base else None
+            if self.reactor.seconds() > deadline:
+                return None
+            yield deferLater(self.reactor, RETRY_S, lambda: None)
+        return None
+
+    def _applied_within(self, part, offset, seconds):
+        d = part.when_applied(offset)
+        timeout = self.reactor.callLater(seconds, lambda: d.called or d.errback(Unavailable(
+            "partition %d: offset %d not applied here within %ss" % (part.p, offset, seconds))))
+        return d.addBoth(lambda r: (timeout.active() and timeout.cancel(), r)[1])
 
     def scan_local(self, cmd, position, count, prefix=b""):
         """One page of one partition led here, from ``position`` (BEGIN, END or a key; the
