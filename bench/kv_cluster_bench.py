@@ -71,6 +71,30 @@ def wait_placed(node, timeout=60):
     raise RuntimeError("partitions not placed")
 
 
+def cpu_seconds(nodes):
+    """User + system CPU seconds the node processes used so far (/proc; 0 where unreadable)."""
+    total = 0
+    for n in nodes:
+        try:
+            with open("/proc/%d/stat" % n.proc.pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def records(nodes):
+    """Records in the 8 partition streams (the largest applied offset any node reports)."""
+    applied = [0] * 8
+    for n in nodes:
+        with BlockingSbpClient("127.0.0.1", n.ports["sbp"], timeout=30) as c:
+            parts = c.call(call_status()).get("cluster", {}).get("kv", {}).get("partitions") or []
+        for p in parts:
+            applied[p["partition"]] = max(applied[p["partition"]], p["applied"])
+    return sum(applied)
+
+
 def run_spread(ports, per_port_requests, reply_len, depth):
     """One connection per port, all at once: (ops/s overall, merged latency samples)."""
     out = [None] * len(ports)
@@ -152,12 +176,19 @@ def main(argv=None):
             print("placement: " + ", ".join("p%d->%s" % (p["partition"], p["leader"]) for p in parts))
             port = nodes[0].ports["kv"]
             sock = connect(port)
+            before = records(nodes)
+            cpu0 = cpu_seconds(nodes)
             t0 = time.perf_counter()
             _el, lat, tail = pipelined(sock, kv_sets(keys, value), codec.HEADER_LEN, args.depth)
             el = time.perf_counter() - t0
+            cpu = cpu_seconds(nodes) - cpu0
             assert tail == codec.encode_status(len(keys) - 1, codec.OK), tail
             results[("kv", "set one")] = args.keys / el
             print("sbpnode SET one    %9.0f ops/s  %s" % (args.keys / el, fmt_lat(lat)))
+            # how well write runs are grouped: replicated records per SET (one record per append)
+            print("sbpnode SET one    %.3f records per SET, %.0f us of node CPU per SET (3 nodes; "
+                  "load-independent, unlike ops/s on a loaded machine)" % ((records(nodes) - before) / args.keys,
+                                                                          cpu / args.keys * 1e6))
             el, lat, tail = pipelined(sock, kv_gets(keys), get_reply, args.depth)
             assert tail == codec.encode_get_reply(len(keys) - 1, keys[-1], value), tail
             results[("kv", "get one")] = args.keys / el

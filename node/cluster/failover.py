@@ -178,9 +178,11 @@ class Failover:
         return new
 
     @defer.inlineCallbacks
-    def reopen(self, rec, why, spares=None):
+    def reopen(self, rec, why, spares=None, prefer=None, drop=()):
         """Seal ``rec``'s open range (CONTRACT §9 Failover) and open range index+1; ``spares``:
-        the nodes to add (None: failover's choice, up to R)."""
+        the nodes to add (None: failover's choice, up to R); ``prefer``: the primary wanted if
+        it holds the largest end; ``drop``: replicas left out of the new range (sealed all the
+        same) unless one alone holds the largest end (the key-value rebalancer's moves)."""
         t0 = time.monotonic()
         sid = rec["stream_id"]
         rng = placement.open_range(rec)
@@ -206,8 +208,10 @@ class Failover:
             raise placement.NoAvailableRS("the replicas of stream %d that answered end at %d, below range %d's start %d"
                                           % (sid, end, rng["index"], rng["start"]))
         # the primary stays if it holds the largest end (a seal of a live primary's range)
-        primary = p["id"] if ends.get(p["id"]) == end else min(nid for nid in ends if ends[nid] == end)
-        copies = sorted(nid for nid in ends if nid != primary)
+        holders = [nid for nid in ends if ends[nid] == end]
+        holders = [nid for nid in holders if nid not in drop] or holders
+        primary = prefer if prefer in holders else p["id"] if p["id"] in holders else min(holders)
+        copies = sorted(nid for nid in ends if nid != primary and nid not in drop)
         if spares is None:
             spares = yield self._spares(rec, rng, epoch, live, set(ends), rec["replica_nums"] - 1 - len(copies))
         copies += [nid for nid in spares if nid not in ends]

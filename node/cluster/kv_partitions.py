@@ -46,8 +46,7 @@ from twisted.python.failure import Failure
 from node.cluster import etcd, kv_log, placement
 from protocols.partition import codec
 from protocols.partition.client import KvClientProtocol, KvError
-from protocols.partition.server import (BEGIN, END, SCAN_REPLY_BUDGET, FIRST_VALUE_FETCH, _key_key, _key_size,
-                                        _pair_key, _pair_size, collect_page)
+from protocols.partition.server import BEGIN, END, SCAN_REPLY_BUDGET, scan_page
 from storage import errors as store_errors
 from storage import record_batch
 
@@ -57,12 +56,20 @@ STATE_FILE = "kv_partitions.json"
 ROUTE_WAIT_S = 20.0  # longest a request waits for its partition to have a live, ready leader
 RETRY_S = 0.05  # between two looks at the partition's leader while it has none
 RECORD_BYTES = 4 << 20  # a write run is split into records of about this size
+SETTLE_S = 5.0  # how long a leader whose appends failed waits to learn from the seal what became of them
+REPLICA_APPLY_DELAY_S = 0.02  # a replica's applier, woken by new data, first waits this long
 APPLY_READ = 4 << 20  # bytes read from the log at once by an applier
 APPLY_WRITE = 8 << 20  # bytes of operations per write_many while applying
 PERSIST_S = 1.0  # applied offsets are written to STATE_FILE at most this often
 CHECK_S = 0.5  # leadership and appliers are re-checked this often (besides the record watch)
 PEER_CONNECT_S = 3.0
+# a peer connection with requests pending and no reply for this long is dropped (a hung leader:
+# SIGSTOP, a network partition); its reads are retried on the partition's leader as it is then,
+# its writes answered ERR 0 (outcome unknown). A peer that leaves the member list is dropped at once.
+FORWARD_TIMEOUT_S = 10.0
 PEER_CURSOR = b"c"
+REBALANCE_S = 1.0  # at most one rebalancing move this often (the placement-driver leader's)
+REBALANCE_RETRY_S = 5.0  # a partition whose move did not take is left alone this long
 
 
 class NotLeader(Exception):
@@ -71,6 +78,65 @@ class NotLeader(Exception):
 
 class Unavailable(Exception):
     """The partition has no live, ready leader within ROUTE_WAIT_S (ERR 1)."""
+
+
+class PeerProtocol(KvClientProtocol):
+    """A forwarding connection to a kv peer port that notes when it last made progress."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+        self.progress = clock.seconds()
+
+    def _request(self, cmd, encode):
+        if not self._pending:
+            self.progress = self.clock.seconds()
+        return super()._request(cmd, encode)
+
+    def dataReceived(self, data):
+        self.progress = self.clock.seconds()
+        super().dataReceived(data)
+
+    def stalled(self, now, limit):
+        """True if requests have waited ``limit`` seconds with no reply at all."""
+        return bool(self._pending) and now - self.progress > limit
+
+
+def plan_move(ranges, live, skip=()):
+    """The next rebalancing move, or None: ``ranges`` {partition: (leader id, [replica ids])} of
+    healthy open ranges, ``live`` the live node ids. Replicas first: while one live node holds
+    two or more replicas more than another, ``("replica", p, from_id, to_id)`` (a partition the
+    fuller node holds and the emptier does not, preferring one it does not lead); then leaders:
+    while one leads two or more partitions more than another, ``("leader", p, to_id)`` (a
+    partition the busier one leads that the idler one holds)."""
+    live = sorted(live)
+    if len(live) < 2:
+        return None
+    held = {nid: 0 for nid in live}
+    led = {nid: 0 for nid in live}
+    for leader, servers in ranges.values():
+        for nid in servers:
+            if nid in held:
+                held[nid] += 1
+        if leader in led:
+            led[leader] += 1
+    parts = sorted(p for p in ranges if p not in skip)
+    lo = min(live, key=lambda n: (held[n], n))
+    for hi in sorted(live, key=lambda n: (-held[n], n)):
+        if held[hi] - held[lo] < 2:
+            break
+        options = [p for p in parts if hi in ranges[p][1] and lo not in ranges[p][1]]
+        options.sort(key=lambda p: (ranges[p][0] == hi, p))
+        if options:
+            return ("replica", options[0], hi, lo)
+    for hi in sorted(live, key=lambda n: (-led[n], n)):
+        for to in sorted(live, key=lambda n: (led[n], n)):
+            if led[hi] - led[to] < 2:
+                break
+            options = [p for p in parts if ranges[p][0] == hi and to in ranges[p][1]]
+            if options:
+                return ("leader", options[0], to)
+    return None
 
 
 def bounds(p):
@@ -119,6 +185,10 @@ class KvPartitions:
         self._loop = None
         self._watch = None
         self._persist_loop = None
+        self._moving = False
+        self._next_move = 0.0
+        self._move_skip = {}  # partition -> reactor time until which the rebalancer leaves it alone
+        self.moves = 0  # rebalancing moves this node made (as placement-driver leader)
         self.reactor = node.reactor
         self.path = os.path.join(node.config.data_dir, STATE_FILE)
 
@@ -270,12 +340,105 @@ class KvPartitions:
         self._check(self.parts[self.map.index(rec["stream_id"])], rec)
 
     def check(self):
-        if self.stopped or self.map is None:
+        if self.stopped:
             return
+        self._check_peers()
+        if self.map is None:
+            return
+        self._rebalance()
         for part in self.parts.values():
             rec = self.pd.streams.get(part.sid)
             if rec is not None:
                 self._check(part, rec)
+
+    def _check_peers(self):
+        """Drop the forwarding connections to nodes that left the cluster or stopped answering:
+        what waits on them fails (ConnectionError) and ``_routed`` decides what happens next."""
+        now = self.reactor.seconds()
+        members = self.cluster.membership.members
+        for nid, peer in list(self.peers.items()):
+            if not isinstance(peer, KvClientProtocol) or peer._lost is not None:
+                continue
+            if nid not in members:
+                why = "it left the cluster"
+            elif peer.stalled(now, FORWARD_TIMEOUT_S):
+                why = "no answer for %ss" % FORWARD_TIMEOUT_S
+            else:
+                continue
+            if peer._pending:
+                self.log.warn("dropping the kv peer connection to node {nid} ({why}): {n} forwarded request(s) "
+                              "fail over", nid=nid, why=why, n=len(peer._pending))
+            del self.peers[nid]
+            peer.transport.abortConnection()
+
+    # -- rebalancing (the placement-driver leader) -----------------------------------------------
+
+    def _rebalance(self):
+        """One move at a time toward partitions spread evenly over the live nodes (``plan_move``),
+        only while every partition's open range is whole (R live replicas, no failover running):
+        a dead node's partitions are the failover's and re-replication's first."""
+        cluster = self.cluster
+        election, failover = cluster.election, cluster.failover
+        now = self.reactor.seconds()
+        if self._moving or now < self._next_move or failover is None or not (election and election.is_leader):
+            return
+        live = set(cluster.membership.live_ids())
+        ranges = {}
+        for p, sid in enumerate(self.map):
+            rec = self.pd.streams.get(sid)
+            rng = placement.open_range(rec) if rec is not None else None
+            primary = placement.primary_of(rng) if rng else None
+            if primary is None or sid in failover.busy:
+                return
+            ids = [s["id"] for s in rng["servers"]]
+            if len(ids) < rec["replica_nums"] or not live.issuperset(ids):
+                return
+            ranges[p] = (primary["id"], ids)
+        skip = {p for p, until in self._move_skip.items() if until > now}
+        move = plan_move(ranges, live, skip)
+        if move is None:
+            return
+        self._moving = True
+        sid = self.map[move[1]]
+        failover.busy.add(sid)
+        d = self._move(move, sid)
+
+        def done(result):
+            failover.busy.discard(sid)
+            self._moving = False
+            self._next_move = self.reactor.seconds() + REBALANCE_S
+            if isinstance(result, Failure):
+                self._move_skip[move[1]] = self.reactor.seconds() + REBALANCE_RETRY_S
+                self.log.warn("key-value rebalancing move {move} not done: {e}", move=move, e=result.value)
+
+        d.addBoth(done)
+
+    @defer.inlineCallbacks
+    def _move(self, move, sid):
+        """Seal the partition's open range and open the next one moved (failover.reopen): the new
+        replica copies the stream through the replica channel's catch-up before it applies and
+        may lead; a leader moves only to a replica holding everything (else it stays)."""
+        failover = self.cluster.failover
+        rec = yield self.pd.get(sid)
+        rng = placement.open_range(rec)
+        if rng is None:
+            return
+        if move[0] == "replica":
+            _, p, source, target = move
+            live = set(self.cluster.membership.live_ids())
+            # the failover's spare rule: a node never gets a copy past a tail it may hold unacknowledged
+            spares = yield failover._spares(rec, rng, rec.get("epoch", 0), live, live - {target}, 1)
+            if not spares:
+                raise placement.NoAvailableRS("no node can take a copy of stream %d" % sid)
+            why = "key-value rebalancing: partition %d's replica on node %d moves to node %d" % (p, source, spares[0])
+            yield failover.reopen(rec, why, spares=spares, drop=(source,))
+        else:
+            _, p, target = move
+            why = "key-value rebalancing: partition %d's leader moves to node %d" % (p, target)
+            new = yield failover.reopen(rec, why, spares=[], prefer=target)
+            if placement.primary_of(placement.open_range(new))["id"] != target:
+                raise placement.Conflict("node %d has not caught up with partition %d yet" % (target, p))
+        self.moves += 1
 
     def _check(self, part, rec):
         if self.stopped:
@@ -403,7 +566,10 @@ class KvPartitions:
     def _unpark(self, _, part):
         part.parked = False
         if not self.stopped:
-            self.reactor.callLater(0, self._kick, part)
+            # a replica's applier is off every answer's path: it waits a little so that it reads
+            # and applies many records at once (one log read and one store write, not one each)
+            delay = 0 if part.lead_epoch is not None else REPLICA_APPLY_DELAY_S
+            self.reactor.callLater(delay, self._kick, part)
 
     @defer.inlineCallbacks
     def _write_local(self, ops):
@@ -511,7 +677,7 @@ class KvPartitions:
             run[key] = value
         replicator = self.cluster.replicator
         log = self.node.store.log
-        ds, end = [], None
+        ds, end, bases = [], None, []
         chunk, size = [], 0
         now = int(time.time() * 1000)
 
@@ -521,6 +687,7 @@ class KvPartitions:
             if d.called and hasattr(d.result, "value"):
                 return d  # refused at once: nothing sequenced
             e = log.assigned_end(part.sid)
+            bases.append(e - 1)
             part.sequenced[e - 1] = (e, chunk)  # one record per batch: base = end - 1
             for k, v in chunk:
                 overlay[k] = (v, e)
@@ -533,30 +700,90 @@ class KvPartitions:
             if size >= RECORD_BYTES:
                 end = append(chunk)
                 if isinstance(end, defer.Deferred):
-                    yield end
+                    yield self._refused_at_once(part, end, bases)
                 chunk, size = [], 0
         if chunk:
             end = append(chunk)
             if isinstance(end, defer.Deferred):
-                yield end
+                yield self._refused_at_once(part, end, bases)
+        base = bases[0] if bases else end
         try:
             yield defer.gatherResults(ds, consumeErrors=True)
         except defer.FirstError as e:
             if part.lead_epoch == epoch:
-                # unknown outcome (e.g. the range was sealed under it): start the lead over
+                # the range was sealed under it (a failover, a rebalancing move) or replicas failed:
+                # start the lead over, then learn from the seal what became of these records
                 self._not_leader(part, "append failed: %s" % e.subFailure.value)
                 rec = self.pd.streams.get(part.sid)
                 if rec is not None:
                     self._check(part, rec)
-            e.subFailure.raiseException()
+            kept = yield self._sealed_outcome(part, epoch, base, end)
+            if kept is None:
+                e.subFailure.raiseException()  # not known in time: ERR 0, outcome unknown
+            if not kept:
+                # the seal ended the range below them: nothing of the run exists anywhere, so it is
+                # sent to the new leader (ERR 1 to a forwarding node, a retry here)
+                raise NotLeader("partition %d: the run was cut by the seal of epoch %d" % (part.p, epoch))
+            try:
+                yield self._applied_within(part, end, SETTLE_S)  # kept: acknowledged once applied here
+            except Unavailable:
+                e.subFailure.raiseException()  # kept but not applied here in time: ERR 0
+            return results
         yield part.when_applied(end)
         return results
 
-    def scan_local(self, cmd, start, count, prefix=b""):
-        """One page of partition ``partition_of(start)`` (led here): forward from ``start`` for
-        GET_FF / GET_KEYS / GET_KEYS_PREFIX, down from it for GET_FB (ascending in the page).
-        Fires with ``(items, next)``: [(key, value or None)] and the position after the page
-        inside the partition, None when the partition ran out."""
+    @staticmethod
+    def _refused_at_once(part, failed, bases):
+        """An append refused before anything was sequenced: a range sealed under this leader
+        (its record not handled here yet) means nothing was done: NotLeader (re-routed)."""
+        def refused(f):
+            if not bases and f.check(store_errors.RangeAlreadySealed):
+                raise NotLeader("partition %d: %s" % (part.p, f.value))
+            return f
+
+        return failed.addErrback(refused)
+
+    @defer.inlineCallbacks
+    def _sealed_outcome(self, part, epoch, base, end):
+        """What the seal of ``epoch``'s range did to the records [base, end) this node appended in
+        it: True (all kept: the seal's end is at or past them), False (none: it ends at or below
+        base; replicas cut the tail past a seal), None (part of them, or no seal within
+        SETTLE_S, e.g. replicas down without a failover)."""
+        deadline = self.reactor.seconds() + SETTLE_S
+        while not self.stopped:
+            rec = self.pd.streams.get(part.sid)
+            for rng in (rec or {}).get("ranges", []):
+                if rng.get("epoch") == epoch and rng["end"] >= 0:
+                    if rng["end"] >= end:
+                        return True
+                    return False if rng["end"] <= base else None
+            if self.reactor.seconds() > deadline:
+                return None
+            yield deferLater(self.reactor, RETRY_S, lambda: None)
+        return None
+
+    def _applied_within(self, part, offset, seconds):
+        d = part.when_applied(offset)
+        timeout = self.reactor.callLater(seconds, lambda: d.called or d.errback(Unavailable(
+            "partition %d: offset %d not applied here within %ss" % (part.p, offset, seconds))))
+        return d.addBoth(lambda r: (timeout.active() and timeout.cancel(), r)[1])
+
+    def scan_local(self, cmd, position, count, prefix=b""):
+        """One page of one partition led here, from ``position`` (BEGIN, END or a key; the
+        partition is the key's, partition 0 from BEGIN, 7 from END): forward for GET_FF /
+        GET_KEYS / GET_KEYS_PREFIX, down for GET_FB (ascending in the page). Fires with
+        ``(items, new_position)``: [(key, value or None)] and the position after the page, BEGIN /
+        END when the partition ran out (CONTRACT §4 paging: ``server.scan_page``)."""
+        if cmd == codec.GET_FB:
+            if position is BEGIN:
+                return defer.succeed(([], BEGIN))
+            start = bounds(PARTITIONS - 1)[1] if position is END else position
+        else:
+            if position is END:
+                return defer.succeed(([], END))
+            start = b"\x00" if position is BEGIN else position
+            if cmd == codec.GET_KEYS_PREFIX and prefix and start < prefix:
+                start = prefix  # CONTRACT §4: forward from max(position, prefix)
         p = codec.partition_of(start)
         part = self._led(p)
         if isinstance(part, defer.Deferred):
@@ -566,24 +793,17 @@ class KvPartitions:
     def _scan_now(self, p, cmd, start, count, prefix):
         lo, hi = bounds(p)
         kv = self.kv
-        if cmd == codec.GET_FB:
-            def fetch(s, limit):
-                return [e for e in kv.scan_backward(s, limit) if e[0] >= lo]
-            items, nxt = collect_page(fetch, start, count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH,
-                                      descending=True)
-            items.reverse()
-            return items, (nxt[0] if nxt is not None else None)
-        if cmd == codec.GET_FF:
-            def fetch(s, limit):
-                return [e for e in kv.scan_forward(s, limit) if e[0] <= hi]
-            items, nxt = collect_page(fetch, start, count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH)
-            return items, (nxt[0] if nxt is not None else None)
 
-        def fetch(s, limit):
+        def backward(s, limit):
+            return [e for e in kv.scan_backward(s, limit) if e[0] >= lo]
+
+        def forward(s, limit):
+            return [e for e in kv.scan_forward(s, limit) if e[0] <= hi]
+
+        def keys(s, limit):
             return [k for k in kv.scan_keys(s, limit) if k <= hi]
-        keys, nxt = collect_page(fetch, start, count, _key_key, _key_size,
-                                 prefix=prefix if cmd == codec.GET_KEYS_PREFIX and prefix else None)
-        return [(k, None) for k in keys], nxt
+
+        return scan_page(cmd, start, count, prefix, forward, backward, keys)
 
     # -- routing (any node) ------------------------------------------------------------------------
 
@@ -629,7 +849,7 @@ class KvPartitions:
         waiters = self.peers[nid] = [d]
         host, port = addr.rsplit(":", 1)
         host = host.strip("[]")
-        cc = protocol.ClientCreator(self.reactor, KvClientProtocol)
+        cc = protocol.ClientCreator(self.reactor, PeerProtocol, self.reactor)
         tls = self.cluster.tls
         if tls:
             from node.cluster.tls import client_options
@@ -756,11 +976,17 @@ class KvPartitions:
         return d.addErrback(self._retry_routed, p, local, remote, False)
 
     def scan_partition(self, p, cmd, start, count, prefix=b""):
+        """One page of partition ``p`` from the key ``start`` on its leader: ``(items, next)``,
+        next the position after the page, None when the partition ran out."""
         def remote(peer):
             return peer.scan(cmd, PEER_CURSOR, count, start, prefix).addCallback(
                 lambda page: (page.items, page.next_key or None))
 
-        return self._routed(p, lambda: self.scan_local(cmd, start, count, prefix), remote)
+        def local():
+            return self.scan_local(cmd, start, count, prefix).addCallback(
+                lambda page: (page[0], page[1] if isinstance(page[1], bytes) else None))
+
+        return self._routed(p, local, remote)
 
     @defer.inlineCallbacks
     def scan(self, cmd, position, count, prefix=b""):
@@ -850,4 +1076,4 @@ class KvPartitions:
             out.append({"partition": p, "stream_id": part.sid, "leader": primary["id"] if primary else None,
                         "replicas": [s["id"] for s in rng["servers"]] if rng else [],
                         "applied": part.applied, "serving_here": part.ready})
-        return {"placed": True, "partitions": out}
+        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves}

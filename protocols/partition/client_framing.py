@@ -51,6 +51,28 @@ def refused(length: int) -> bytes:
     return _U64.pack(MAX_MESSAGE + 1) + _U64.pack(0)
 
 
+def translate(frames, data) -> tuple:
+    """Feed ``data`` to ``frames`` (a ``framing.Framer`` over ``Layout``) and return ``(bytes,
+    refused)``: the §4 messages for every complete client message, and whether a total_len out of
+    bounds ended the stream (its §4 refusal is then the last message: ERR 3 after the replies
+    before it, then the close; the framer is cleared and takes nothing more)."""
+    frames.feed(data)
+    out = []
+    refused_now = False
+    while True:
+        try:
+            span = frames.next()
+        except framing.FrameRefused as e:
+            out.append(refused(e.length))
+            refused_now = True
+            frames.clear()
+            break
+        if span is None:
+            break
+        out.append(to_partition(*span))
+    return (out[0] if len(out) == 1 else b"".join(out)), refused_now
+
+
 def to_partition(buf, pos: int, end: int) -> bytes:
     """The §4 message for the complete client message at ``buf[pos:end]`` (client_id = its cmd)."""
     total = end - pos

@@ -7,7 +7,7 @@ framed with the project's one framer, rewritten into §4 messages and handed to 
 set through either listener is seen through the other.
 """
 
-from protocols.framing import Framer, FrameRefused
+from protocols.framing import Framer
 from protocols.partition import client_framing, codec
 from protocols.partition.server import KvServerFactory, KvServerProtocol
 
@@ -21,23 +21,9 @@ class KvClientServerProtocol(KvServerProtocol):
     def dataReceived(self, data):
         if self._closing or self._lost or self._refused:
             return
-        frames = self._client_frames
-        frames.feed(data)
-        out = []
-        while True:
-            try:
-                span = frames.next()
-            except FrameRefused as e:
-                # the §4 refusal of the same length: ERR 3 after the replies before it, then close
-                out.append(client_framing.refused(e.length))
-                self._refused = True
-                frames.clear()
-                break
-            if span is None:
-                break
-            out.append(client_framing.to_partition(*span))
-        if out:
-            self._frames.feed(out[0] if len(out) == 1 else b"".join(out))
+        translated, self._refused = client_framing.translate(self._client_frames, data)
+        if translated:
+            self._frames.feed(translated)
         self._process()
 
     def connectionLost(self, reason=None):

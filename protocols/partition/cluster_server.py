@@ -26,12 +26,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from protocols import tcp_internals
-from protocols.framing import Framer, FrameRefused
+from protocols.framing import Framer
 from protocols.partition import client_framing, codec
 from protocols.partition.codec import (CREATE_CURSOR, DATA_NOT_FOUND, DELETE_CURSOR, E_CURSOR_NOT_FOUND,
-                                       E_MSG_TOO_SHORT, E_PARTITION_DIED, E_UNKNOWN, GET, GET_FB, GET_KEYS_PREFIX,
+                                       E_MSG_TOO_SHORT, E_PARTITION_DIED, E_UNKNOWN, GET,
                                        HEADER_LEN, INVALID_COMMAND, OK, REMOVE, SET)
-from protocols.partition.server import BEGIN, END, ERR_STATUS, MAX_CURSORS
+from protocols.partition.server import BEGIN, ERR_STATUS, MAX_CURSORS
 
 PARTITION_DIED_ERRORS = ("NotLeader", "Unavailable")  # the partition service's "no leader here/now"
 
@@ -353,23 +353,8 @@ class ClusterKvPeerProtocol(ClusterKvProtocol):
 
     @defer.inlineCallbacks
     def _scan(self, req, position):
-        from node.cluster.kv_partitions import PARTITIONS, bounds
-
-        cmd = req.cmd
-        if cmd == GET_FB:
-            if position is BEGIN:
-                return [], BEGIN, False
-            start = bounds(PARTITIONS - 1)[1] if position is END else position
-        else:
-            if position is END:
-                return [], END, False
-            start = b"\x00" if position is BEGIN else position
-            if cmd == GET_KEYS_PREFIX and req.prefix and start < req.prefix:
-                start = req.prefix
-        items, nxt = yield self._svc().scan_local(cmd, start, req.count, req.prefix)
-        if nxt is None:
-            nxt = BEGIN if cmd == GET_FB else END
-        return items, nxt, False
+        items, new_position = yield self._svc().scan_local(req.cmd, position, req.count, req.prefix)
+        return items, new_position, False
 
 
 class ClusterKvClientProtocol(ClusterKvProtocol):
@@ -384,21 +369,8 @@ class ClusterKvClientProtocol(ClusterKvProtocol):
     def dataReceived(self, data):
         if self._closing or self._lost or self._refused:
             return
-        frames = self._client_frames
-        frames.feed(data)
-        out = []
-        while True:
-            try:
-                span = frames.next()
-            except FrameRefused as e:
-                out.append(client_framing.refused(e.length))
-                self._refused = True
-                frames.clear()
-                break
-            if span is None:
-                break
-            out.append(client_framing.to_partition(*span))
-        self._feed(b"".join(out))
+        translated, self._refused = client_framing.translate(self._client_frames, data)
+        self._feed(translated)
 
     def connectionLost(self, reason=None):
         self._client_frames.clear()

@@ -170,6 +170,35 @@ def collect_page(fetch, start, count, key_of, size_of, prefix=None, first_fetch=
         limit = max(2, min(remaining + 2, (SCAN_REPLY_BUDGET - nbytes) // avg + 2))
 
 
+def scan_page(cmd, position, count, prefix, scan_forward, scan_backward, scan_keys):
+    """One page of the scan ``cmd`` (CONTRACT §4) from ``position`` (BEGIN, END or a key) over the
+    given store scans (``fetch(start, limit)``, ``start`` inclusive, None = from the open end):
+    ``(items, new_position)``, items [(key, value or None for key scans)] in ascending order,
+    the new position BEGIN / END when the scan ran out."""
+    if cmd == GET_FB:
+        if position is BEGIN:
+            return [], BEGIN
+        entries, nxt = collect_page(scan_backward, None if position is END else position, count,
+                                    _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH, descending=True)
+        entries.reverse()  # each page is returned in ascending order
+        return entries, BEGIN if nxt is None else nxt[0]
+    if position is END:
+        return [], END
+    start = None if position is BEGIN else position
+    if cmd == GET_FF:
+        items, nxt = collect_page(scan_forward, start, count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH)
+        return items, END if nxt is None else nxt[0]
+    if cmd == GET_KEYS_PREFIX:
+        prefix = prefix or None
+        # CONTRACT §4: forward from max(position, prefix).
+        if prefix is not None and (start is None or start < prefix):
+            start = prefix
+    else:
+        prefix = None
+    keys, nxt = collect_page(scan_keys, start, count, _key_key, _key_size, prefix=prefix)
+    return [(k, None) for k in keys], END if nxt is None else nxt
+
+
 def with_pending(fetch, pending, descending=False, keys_only=False):
     """``fetch(start, limit)`` (a store scan: ``start`` inclusive, None = from the open end) as
     this connection sees it: merged with ``pending`` ({key: value, or None for a remove}: its own
@@ -845,36 +874,7 @@ class KvServerProtocol(Protocol):
             scan_backward = with_pending(scan_backward, pending, descending=True)
             scan_keys = with_pending(scan_keys, pending, keys_only=True)
         try:
-            if cmd == GET_FB:
-                if position is BEGIN:
-                    entries, nxt = [], None
-                else:
-                    entries, nxt = collect_page(
-                        scan_backward, None if position is END else position, req.count,
-                        _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH, descending=True,
-                    )
-                    entries.reverse()  # each page is returned in ascending order
-                new_position = BEGIN if nxt is None else nxt[0]
-                items = entries
-            elif position is END:
-                items, new_position = [], END
-            else:
-                start = None if position is BEGIN else position
-                if cmd == GET_FF:
-                    items, nxt = collect_page(
-                        scan_forward, start, req.count, _pair_key, _pair_size, first_fetch=FIRST_VALUE_FETCH
-                    )
-                    new_position = END if nxt is None else nxt[0]
-                else:
-                    prefix = None
-                    if cmd == GET_KEYS_PREFIX:
-                        prefix = req.prefix
-                        # CONTRACT §4: forward from max(position, prefix).
-                        if start is None or start < prefix:
-                            start = prefix or None
-                    keys, nxt = collect_page(scan_keys, start, req.count, _key_key, _key_size, prefix=prefix or None)
-                    new_position = END if nxt is None else nxt
-                    items = [(k, None) for k in keys]
+            items, new_position = scan_page(cmd, position, req.count, req.prefix, scan_forward, scan_backward, scan_keys)
         except Exception as e:
             return self._store_error(cid, e, cmd)
         self._cursors[name] = new_position
