@@ -77,6 +77,49 @@ def own_cpu():
     return r.ru_utime + r.ru_stime
 
 
+def thread_cpu(pid):
+    """{thread: CPU seconds so far} of process ``pid``'s threads ("reactor" for the main thread,
+    the others by thread id: Python's thread names are not the OS's)."""
+    out = {}
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out["reactor" if int(tid) == pid else "thread " + tid] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+class Profiler:
+    """``--py-spy DIR``: py-spy records the node over one phase (raw collapsed stacks, one file per
+    phase, ``DIR/<phase>.txt``, summarised by ``bench/pyspy_top.py``), and the phase's CPU per
+    operation is printed per thread (reactor ``python3``/``twistd``, ``storage-writer``, ...)."""
+
+    extra = []  # ``--py-spy-gil``: ["--gil"] (only samples holding the GIL: the Python work)
+
+    def __init__(self, outdir, pid, phase):
+        self.pid = pid
+        self.phase = phase
+        self.proc = None
+        self.threads0 = thread_cpu(pid)
+        if outdir:
+            os.makedirs(outdir, exist_ok=True)
+            self.proc = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--threads", *self.extra,
+                 "--output", os.path.join(outdir, phase + ".txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # py-spy attaches before the load starts
+
+    def stop(self, n):
+        threads = thread_cpu(self.pid)
+        if self.proc is not None:
+            self.proc.send_signal(2)
+            self.proc.wait(60)
+        per = sorted(((v - self.threads0.get(k, 0.0)) * 1e6 / n, k) for k, v in threads.items())
+        print("  %s per thread: %s" % (self.phase, ", ".join("%s %.2f us/op" % (k, v) for v, k in reversed(per) if v >= 0.01)))
+
+
 class CpuMeter:
     """CPU seconds spent by the server process and by this load generator over one phase: on a
     shared machine these say more than wall-clock time (another process's load shows up as less
@@ -383,7 +426,14 @@ def main(argv=None):
     ap.add_argument("--pairs", type=int, default=100_000, help="SET k; GET k pairs of the SETGET phase (0: skip)")
     ap.add_argument("--only", choices=["kv", "redis"], default=None, help="run one side only")
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="the node's --metrics (A/B of their cost, docs/benchmarks.md)")
+    ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
+    ap.add_argument("--threads", action="store_true", help="also print the node's CPU per op by thread")
+    ap.add_argument("--py-spy", default=None, metavar="DIR",
+                    help="record each node phase with py-spy into DIR/<phase>.txt (implies --threads)")
     args = ap.parse_args(argv)
+    profiling = args.threads or args.py_spy
+    if args.py_spy_gil:
+        Profiler.extra = ["--gil"]
     fsync = args.fsync or ("always" if args.durable else "never")
     redis_fsync = args.redis_fsync or ("always" if args.durable else "none")
 
@@ -409,18 +459,24 @@ def main(argv=None):
             pid = node.proc.pid
             sets = kv_requests_set(keys, value)
             sock = connect(port)
+            prof = Profiler(args.py_spy, pid, "set") if profiling else None
             cpu = CpuMeter(pid)
             el, lat, tail = pipelined(sock, sets, codec.HEADER_LEN, args.depth)
             cpu = cpu.us_per(args.keys)
+            if prof:
+                prof.stop(args.keys)
             assert tail == codec.encode_status(len(keys) - 1, codec.OK), tail
             del sets
             results[("kv", "set")] = (args.keys / el, cpu)
             print("sbpnode SET  %10.0f ops/s  %s  %s" % (args.keys / el, fmt_lat(lat), fmt_cpu(cpu)))
             gets = kv_requests_get(keys)
             reply_len = codec.HEADER_LEN + 6 + 8 + args.value_size
+            prof = Profiler(args.py_spy, pid, "get") if profiling else None
             cpu = CpuMeter(pid)
             el, lat, tail = pipelined(sock, gets, reply_len, args.depth)
             cpu = cpu.us_per(args.keys)
+            if prof:
+                prof.stop(args.keys)
             assert tail == codec.encode_get_reply(len(keys) - 1, keys[-1], value), tail
             del gets
             sock.close()

@@ -186,7 +186,9 @@ class Transact(Operation):
 
 class Direct(Operation):
     """Run ``fn(txn) -> (result, raw ops or None)`` on the group's LMDB transaction itself. ``fn``
-    must not raise for a caller's error: a raise fails the whole group, as an I/O error does."""
+    must not raise for a caller's error: a raise fails the whole group, as an I/O error does.
+    With ``memtable=True`` its ops go to the WAL only and ``txn`` may be None (a group of such
+    operations alone begins no LMDB transaction)."""
 
     __slots__ = ("fn", "memtable")
 
@@ -524,7 +526,10 @@ class CommitCore:
     def _commit_group(self, work, durable):
         wal = self.wal
         dbs = self.dbs
-        txn = self.env.begin(write=True)
+        # A group of kv memtable runs alone (the common kv group) writes the WAL and nothing in
+        # LMDB: it begins a write transaction only if the checkpoint moves (below), not per group.
+        kv_only = all(type(op) is Direct and op.memtable for op in work)
+        txn = None if kv_only else self.env.begin(write=True)
         group_start = wal.end
         lmdb_changed = False  # a group of memtable writes alone leaves LMDB as it is
         try:
@@ -595,17 +600,20 @@ class CommitCore:
             live.flush(txn, dbs)
             checkpoint = wal.end if self.kv_floor is None else min(wal.end, self.kv_floor)
             if checkpoint != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
+                if txn is None:
+                    txn = self.env.begin(write=True)
                 txn.put(index.CHECKPOINT, U64.pack(checkpoint), db=dbs[index.SYS])
                 lmdb_changed = True
             if lmdb_changed:
                 txn.commit()
                 if not durable:
                     self._env_dirty = True
-            else:
+            elif txn is not None:
                 txn.abort()  # nothing to commit: the group lives in the WAL (replayed past the checkpoint)
             self._checkpoint = checkpoint
         except BaseException:
-            txn.abort()
+            if txn is not None:
+                txn.abort()
             wal.discard()
             raise
         for raw in raw_txns:
