@@ -49,6 +49,8 @@ class ReplicaChannel(protocol.Protocol):
                 pass
         if hasattr(self.transport, "bufferSize"):
             self.transport.bufferSize = READ_SIZE
+        if hasattr(self.transport, "SEND_LIMIT"):
+            self.transport.SEND_LIMIT = READ_SIZE  # (Twisted's 128 KiB: two batches per send())
         self.handler.connected(self)
 
     def connectionLost(self, reason=None):
