@@ -233,7 +233,7 @@ class Replicator:
 
     def _live(self, st):
         """Live replicas of the range ``st`` sequences, this node included."""
-        live = set(self.membership.live_ids()) if self.membership is not None else set()
+        live = self.membership.members if self.membership is not None else ()  # (per append: no copy)
         return 1 + sum(1 for nid in st.peers if nid in live)
 
     def members_changed(self, _members):

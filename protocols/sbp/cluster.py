@@ -90,7 +90,7 @@ class ClusterRouter:
                 o = offsets.get(i.stream_id)
                 offsets[i.stream_id] = i.fetch_offset if o is None else min(o, i.fetch_offset)
         for sid in set(sids):
-            w = self.pd.route(sid, read, offsets.get(sid))
+            w = self.pd.route(sid, read, offsets.get(sid), read and req.max_wait_ms > 0)
             if isinstance(w, defer.Deferred):
                 waits.append(w.addCallback(lambda a, sid=sid: where.__setitem__(sid, a)))
             else:
