@@ -16,6 +16,7 @@ from twisted.internet import protocol
 from twisted.internet import reactor as default_reactor
 from twisted.logger import Logger
 
+from protocols import tcp_internals
 from protocols.replica import codec
 
 _LEN = struct.Struct(">I")
@@ -47,10 +48,8 @@ class ReplicaChannel(protocol.Protocol):
                 nodelay(True)
             except Exception:
                 pass
-        if hasattr(self.transport, "bufferSize"):
-            self.transport.bufferSize = READ_SIZE
-        if hasattr(self.transport, "SEND_LIMIT"):
-            self.transport.SEND_LIMIT = READ_SIZE  # (Twisted's 128 KiB: two batches per send())
+        tcp_internals.set_read_size(self.transport, READ_SIZE)
+        tcp_internals.set_send_limit(self.transport, READ_SIZE)  # (Twisted's 128 KiB: two batches per send())
         self.handler.connected(self)
 
     def connectionLost(self, reason=None):
