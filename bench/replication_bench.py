@@ -19,9 +19,12 @@ APPEND (for Redis 64 pipelined XADDs), ``--window`` (16) APPENDs in flight. Redi
 pipeline window of 16 x 64 XADDs, a ``WAIT N 0`` (N = 2 by default: both replicas; ``--wait 1``
 asks for one, two copies as ours): the window's batches are acknowledged by the WAIT's answer, the
 next window is sent after it. Printed: records/s, MiB/s, per-batch latency p50/p99 (send to
-acknowledgement), the ratios; then the append latency of ours at a steady ``--rate-mb`` MB/s
+acknowledgement), the servers' CPU time per record (user + system of the three nodes, of the three
+redis-servers, of the single node: less sensitive to the machine's load than wall-clock rates), the
+ratios; then the append latency of ours at a steady ``--rate-mb`` MB/s
 (64 KiB batches paced open-loop), then failover: ``--failovers`` kill -9s of the primary under a
-steady writer, each the time to the first acknowledged append on the new range (median).
+steady writer, each the time to the first acknowledged append on the new range (median over the
+kills that hit the primary: it is asked of every live node right before each kill).
 """
 
 import argparse
@@ -129,7 +132,10 @@ def wait_loaded(port):
     c.close()
 
 
-def primary_of(nodes, sid):
+def open_range(nodes, sid):
+    """The stream's open range as the cluster says it now: LIST_RANGES asked of every live node,
+    the newest answer kept (a node that just restarted may still show an older range)."""
+    best = None
     for n in nodes:
         if n.proc is None or n.proc.poll() is not None:
             continue
@@ -138,9 +144,18 @@ def primary_of(nodes, sid):
                 r = c.list_ranges(sid)[-1]
         except Exception:
             continue
-        pid = next(s["server_id"] for s in r["servers"] if s["is_primary"])
-        return next((x for x in nodes if x.node_id == pid), None)
-    return None
+        if best is None or r["range_index"] > best["range_index"]:
+            best = r
+    return best
+
+
+def primary_of(nodes, sid, rng=None):
+    """The node sequencing the stream's open range now (None while no live node names one)."""
+    r = rng or open_range(nodes, sid)
+    if r is None:
+        return None
+    pid = next((s["server_id"] for s in r["servers"] if s["is_primary"]), None)
+    return next((x for x in nodes if x.node_id == pid and x.proc is not None and x.proc.poll() is None), None)
 
 
 # -- load generators (own process) ------------------------------------------------------------------
@@ -211,12 +226,32 @@ def redis_wait_load(port, batches, window, replicas, q):
 # -- measurements -----------------------------------------------------------------------------------
 
 
+def cpu_seconds(pids):
+    """User + system CPU seconds used so far by the processes ``pids`` (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run, pids, n):
+    """``run(n)`` with the server processes' CPU seconds over it (``r["cpu"]``): CPU time per record
+    moves much less with the machine's load than wall-clock throughput does."""
+    before = cpu_seconds(pids)
+    r = run(n)
+    r["cpu"] = cpu_seconds(pids) - before
+    return r
+
+
 def show(name, r):
     rate = r["records"] / r["seconds"]
     lat = [x * 1000 for x in r["latencies"]]
-    print("%-44s %9.0f rec/s %7.1f MiB/s  p50 %6.2f ms  p99 %6.2f ms  errors %d"
-          % (name, rate, rate * RECORD_SIZE / 1048576, pct(lat, 50), pct(lat, 99), r["errors"]), flush=True)
-    return rate
+    print("%-44s %9.0f rec/s %7.1f MiB/s  p50 %6.2f ms  p99 %6.2f ms  errors %d  server CPU %.2f us/rec"
+          % (name, rate, rate * RECORD_SIZE / 1048576, pct(lat, 50), pct(lat, 99), r["errors"],
+             r["cpu"] / r["records"] * 1e6), flush=True)
+    return rate, r["cpu"] / r["records"] * 1e6
 
 
 def side_by_side(base, args):
@@ -235,21 +270,30 @@ def side_by_side(base, args):
                 sbp_bench.Node(os.path.join(base, "single"), "always") as single:
             with BlockingSbpClient("127.0.0.1", single.port) as c:
                 single_sid = c.create_stream()["stream_id"]
+            # server CPU: the three nodes (etcd is idle in steady state), the three redis-servers, the node
+            pids = {"ours": [n.proc.pid for n in nodes], "redis": [x.pid for x in redis.procs], "single": [single.proc.proc.pid]}
             sides = [
-                ("sbpnode R=3 ack 2, --fsync always", lambda n: run_in_process(sbp_window_load, p.ports["sbp"], sid, n, args.window)),
+                ("sbpnode R=3 ack 2, --fsync always",
+                 lambda n: measured(lambda k: run_in_process(sbp_window_load, p.ports["sbp"], sid, k, args.window), pids["ours"], n)),
                 ("redis master+2 replicas, always, WAIT %d 0" % args.wait,
-                 lambda n: run_in_process(redis_wait_load, redis.ports[0], n, args.window, args.wait)),
-                ("sbpnode single node, --fsync always", lambda n: run_in_process(sbp_window_load, single.port, single_sid, n, args.window)),
+                 lambda n: measured(lambda k: run_in_process(redis_wait_load, redis.ports[0], k, args.window, args.wait),
+                                    pids["redis"], n)),
+                ("sbpnode single node, --fsync always",
+                 lambda n: measured(lambda k: run_in_process(sbp_window_load, single.port, single_sid, k, args.window),
+                                    pids["single"], n)),
             ]
             for _, run in sides:
                 run(200)  # warm-up
             rates = {name: [] for name, _ in sides}
+            cpus = {name: [] for name, _ in sides}
             for i in range(args.rounds):
                 print("round %d (load average %.1f)" % (i + 1, os.getloadavg()[0]), flush=True)
                 for name, run in sides:
-                    rates[name].append(show("  " + name, run(args.batches)))
+                    rate, cpu = show("  " + name, run(args.batches))
+                    rates[name].append(rate)
+                    cpus[name].append(cpu)
         lat = run_in_process(sbp_bench.sbp_latency_load, p.ports["sbp"], sid, args.rate_mb * 1e6, args.latency_seconds)
-        return [statistics.median(rates[name]) for name, _ in sides], lat
+        return [statistics.median(rates[name]) for name, _ in sides], [statistics.median(cpus[name]) for name, _ in sides], lat
     finally:
         for n in nodes:
             n.kill9()
@@ -259,8 +303,11 @@ def side_by_side(base, args):
 def failovers(base, count):
     """``count`` kill -9s of the stream's primary under a steady writer (one append at a time on
     whichever node LIST_RANGES names, retrying on any error); each the seconds from the kill to
-    the first acknowledged append after it. The killed node is restarted and the stream is back
-    at three copies (re-replication) before the next kill."""
+    the first acknowledged append after it. The primary is asked of the cluster right before each
+    kill (every live node's LIST_RANGES, the newest range), and a kill counts only if the stream
+    then moved to a new range (the killed node was its primary); the others are reported and left
+    out of the median. The killed node is restarted and the stream is back at three copies
+    (re-replication) before the next kill."""
     etcd, nodes = start_cluster(os.path.join(base, "failover"), fsync="never")
     out = []
     try:
@@ -292,24 +339,34 @@ def failovers(base, count):
 
         t = threading.Thread(target=writer, daemon=True)
         t.start()
-        for i in range(count):
-            # steady state: three copies, appends flowing
+        kills = 0
+        while len(out) < count and kills < 2 * count:
+            # steady state: three copies, appends flowing, every live node naming the same range
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
-                p = primary_of(nodes, sid)
-                with BlockingSbpClient("127.0.0.1", nodes[(i + 1) % 3].ports["sbp"], timeout=5) as c:
-                    r = c.list_ranges(sid)[-1]
-                if p is not None and len(r["servers"]) == 3 and acked and time.monotonic() - acked[-1] < 0.2:
+                r = open_range(nodes, sid)
+                if r is not None and len(r["servers"]) == 3 and acked and time.monotonic() - acked[-1] < 0.2:
                     break
                 time.sleep(0.1)
+            r = open_range(nodes, sid)  # right before the kill
+            p = primary_of(nodes, sid, r)
+            if p is None:
+                continue
             killed = time.monotonic()
             p.kill9()
-            while not any(x > killed for x in acked[-5:]):
+            dead = time.monotonic()  # (an answer read between the signal and the exit is not one of the new range's)
+            kills += 1
+            while not any(x > dead for x in acked[-5:]):
                 time.sleep(0.01)
-            took = next(x for x in acked if x > killed) - killed
-            out.append(took)
-            print("  failover %d: kill -9 of node %d to the first acknowledged append: %.2f s" % (i + 1, p.node_id, took),
-                  flush=True)
+            took = next(x for x in acked if x > dead) - killed
+            after = open_range(nodes, sid)
+            if after is not None and after["range_index"] > r["range_index"]:
+                out.append(took)
+                print("  failover %d: kill -9 of node %d (primary of range %d) to the first acknowledged append on range %d: "
+                      "%.2f s" % (len(out), p.node_id, r["range_index"], after["range_index"], took), flush=True)
+            else:
+                print("  kill -9 of node %d: the stream stayed on range %d (it was not the primary by then): %.2f s, "
+                      "not counted" % (p.node_id, r["range_index"], took), flush=True)
             p.start(timeout=60)
         stop.set()
         t.join(10)
@@ -329,14 +386,22 @@ def main():
     ap.add_argument("--rate-mb", type=float, default=20.0)
     ap.add_argument("--latency-seconds", type=float, default=10.0)
     ap.add_argument("--failovers", type=int, default=10)
+    ap.add_argument("--no-speed", action="store_true", help="only the failovers")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="sbp-repl-bench-")
     try:
         print("load average: %.2f %.2f %.2f, %d CPUs" % (os.getloadavg() + (os.cpu_count(),)), flush=True)
         print("1 KiB records, 64 per APPEND, %d in flight, %d APPENDs per run" % (args.window, args.batches))
-        (r_ours, r_redis, r_single), lat = side_by_side(base, args)
+        if args.no_speed:
+            times = failovers(base, args.failovers)
+            print("failover over %d kill -9s of the primary: median %.2f s, min %.2f s, max %.2f s (target median < 5 s)"
+                  % (len(times), statistics.median(times), min(times), max(times)))
+            return
+        (r_ours, r_redis, r_single), (c_ours, c_redis, c_single), lat = side_by_side(base, args)
         print("medians over %d rounds: replicated %.0f rec/s, redis+WAIT %.0f rec/s, single node %.0f rec/s"
               % (args.rounds, r_ours, r_redis, r_single))
+        print("server CPU per record (medians): replicated %.2f us (3 nodes), redis+WAIT %.2f us (3 servers), single node "
+              "%.2f us; replicated / single %.2fx" % (c_ours, c_redis, c_single, c_ours / c_single))
         print("ratio replicated / redis+WAIT: %.2fx (target >= 2x)" % (r_ours / r_redis))
         print("ratio replicated / single node: %.2fx (target >= 0.5x)" % (r_ours / r_single))
         ms = [x * 1000 for x in lat["latencies"]]
@@ -344,8 +409,9 @@ def main():
               "(target p99 < 10 ms)" % (args.rate_mb, pct(ms, 50), pct(ms, 99), pct(ms, 99.9), len(ms), lat["sent"]), flush=True)
         if args.failovers:
             times = failovers(base, args.failovers)
-            print("failover over %d kill -9s: median %.2f s, min %.2f s, max %.2f s (target median < 5 s)"
-                  % (len(times), statistics.median(times), min(times), max(times)))
+            if times:
+                print("failover over %d kill -9s of the primary: median %.2f s, min %.2f s, max %.2f s (target median < 5 s)"
+                      % (len(times), statistics.median(times), min(times), max(times)))
         print("load average: %.2f %.2f %.2f" % os.getloadavg())
     finally:
         shutil.rmtree(base, ignore_errors=True)

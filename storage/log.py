@@ -371,6 +371,14 @@ class RecordLog:
         s.cap = offset
         self.advance(sid, s.durable, 0)
 
+    def visible_end(self, sid) -> int:
+        """Where readers of ``sid`` see the stream end now (its StreamMeta's next_offset)."""
+        return self._get(sid).next_offset
+
+    def confirm_offset(self, sid):
+        """The confirm offset given to ``confirm`` (None: the stream is not held at one)."""
+        return self._get(sid).cap
+
     def durable_end(self, sid) -> int:
         """The end of the batches durable here (above the visible next_offset while capped)."""
         return self._get(sid).durable

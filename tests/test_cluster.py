@@ -205,9 +205,15 @@ def test_membership_placement_and_routing(shared3):
         with pytest.raises(SbpError) as info:
             c.append(sid, batch(1))
         assert info.value.code == codec.PD_NOT_LEADER and info.value.message == primary.endpoint("sbp")
-        # a replica serves FETCH (issue 17): the batches the primary acknowledged
-        wait_for(lambda: sum(len(record_batch.decode(b)[1]) for b in record_batch.split(c.fetch(sid, 0))) == 5,
-                 what="the replica serves the acknowledged records")
+        # a replica serves FETCH (issue 17): the batches the primary acknowledged (while it
+        # lacks some of them, a read past its end names the primary)
+        def replica_records():
+            try:
+                return sum(len(record_batch.decode(b)[1]) for b in record_batch.split(c.fetch(sid, 0)))
+            except SbpError as e:
+                assert e.code == codec.PD_NOT_LEADER and e.message == primary.endpoint("sbp")
+                return 0
+        wait_for(lambda: replica_records() == 5, what="the replica serves the acknowledged records")
         # DESCRIBE_RANGES from any node; TRIM must go to the primary
         assert c.describe_range(sid, 0)["servers"] == r0["servers"]
         with pytest.raises(SbpError) as info:

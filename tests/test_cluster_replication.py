@@ -26,12 +26,18 @@ def roles(nodes, sid):
 
 def fetch_all(node, sid, upto, start=0):
     """Every batch of ``sid`` on ``node`` from ``start`` (FETCH, plain client: no following), as
-    bytes."""
+    bytes; a copy still catching up answers a read past its end with PD_NOT_LEADER naming the
+    primary: what it served up to there."""
     out = []
     offset = start
     with client(node) as c:
         while offset < upto:
-            data = c.fetch(sid, offset)
+            try:
+                data = c.fetch(sid, offset)
+            except SbpError as e:
+                if e.code != codec.PD_NOT_LEADER:
+                    raise
+                break
             if not data:
                 break
             for b in record_batch.split(data):
@@ -109,8 +115,19 @@ def test_reads_stop_at_the_confirm_offset_and_a_restarted_replica_catches_up(tri
         bases = c.append_pipelined([(sid, batch(2, tag=b"x%d-" % i)) for i in range(50)], window=16)
     assert bases == list(range(3, 103, 2))
 
-    # it comes back and catches up what it missed (the primary resends from its store)
+    # it comes back and catches up what it missed (the primary resends from its store); until
+    # then a read past its own end is not answered short: it names the primary (a following
+    # client reads there)
     r2.restart()
+    with client(r2) as c:
+        try:
+            data = c.fetch(sid, 3)
+            assert int.from_bytes(data[1:9], "big") == 3  # (caught up already)
+        except SbpError as e:
+            assert e.code == codec.PD_NOT_LEADER and e.message == primary.endpoint("sbp")
+    with BlockingSbpClient("127.0.0.1", r2.ports["sbp"], timeout=10, follow_cluster=True) as c:
+        data = c.fetch(sid, 3)
+        assert int.from_bytes(data[1:9], "big") == 3
     wait_for(lambda: fetch_all(primary, sid, 103)[0] == 103, what="the primary serves 103")
     end, want = fetch_all(primary, sid, 103)
     wait_for(lambda: fetch_all(r2, sid, 103) == (103, want), timeout=30, what="the restarted replica caught up")

@@ -28,3 +28,24 @@ def test_messages_round_trip_as_msgpack_arrays():
 def test_malformed_messages_are_refused(raw):
     with pytest.raises(codec.BadMessage):
         codec.decode(raw)
+
+
+@pytest.mark.parametrize("batches", [[b"\x22x"], [b"a" * 300, b"b" * 70000, b"c"], [b"z"] * 20])
+def test_batches_message_parts_join_to_the_msgpack_array(batches):
+    import msgpack
+
+    parts = codec.encode_batches(1 << 40, 300, batches)
+    raw = b"".join(parts)
+    assert raw == msgpack.packb(["B", 1 << 40, 300, batches], use_bin_type=True)
+    assert codec.decode(memoryview(raw)) == ["B", 1 << 40, 300, batches]
+    assert any(p is batches[0] for p in parts)  # the batches are handed over, not copied
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x94\xa1B\x01\x00\x90",  # no batches
+    b"\x94\xa1B\x01\x00\x91\xa1x",  # a batch that is a string
+    b"\x94\xa1B\x01\x00\xc4\x01x",  # batches that are not a list
+])
+def test_malformed_batches_messages_are_refused(raw):
+    with pytest.raises(codec.BadMessage):
+        codec.decode(raw)

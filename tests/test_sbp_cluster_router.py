@@ -17,7 +17,7 @@ class Placement:
     def __init__(self):
         self.where = {}
 
-    def route(self, sid, read=False):
+    def route(self, sid, read=False, offset=None, wait=False):
         return self.where.get(sid)
 
 

@@ -319,23 +319,27 @@ class PlacementDriver:
 
     # -- routing (APPEND / FETCH / TRIM) ---------------------------------------------------------
 
-    def route(self, sid, read=False):
+    def route(self, sid, read=False, offset=None, wait=False):
         """Where a data operation on ``sid`` is served: ``None`` here; a ``str`` the SBP address of
         the node to ask; or a Deferred (this node must learn about the stream first) that fires
-        with one of those. Appends go to the open range's primary; reads (``read``) are served
-        by any node holding a replica (issue 17: each holds the stream up to the confirm
-        offset)."""
+        with one of those. Appends go to the open range's primary; reads (``read``, from
+        ``offset`` when given) are served by any node holding a replica (issue 17: each holds the
+        stream up to the confirm offset), except that a replica still catching up (a
+        re-replication spare, a lagging copy) sends a read it cannot answer in full to the
+        primary (``_catching_up``; ``wait``: a long-poll read)."""
         rec = self.streams.get(sid)
         if rec is None:
             if self._local(sid):
                 return None  # a stream of this node outside the cluster's records (made before --cluster)
-            return self._lookup(sid, read)
+            return self._lookup(sid, read, offset, wait)
         rng = open_range(rec)
         # a read is served by a replica of the open range (after a failover a node that held
         # an older range only may hold an unacknowledged tail past its seal)
         serves = any(s["id"] == self.node_id for s in rng["servers"]) if rng else hosts(rec, self.node_id)
         if read and serves:
             if self._local(sid):
+                if offset is not None and rng is not None:
+                    return self._catching_up(sid, rng, offset, wait)
                 return None
             return self.ensure_local(rec).addCallback(lambda _: None)
         primary = primary_of(rng) if rng else None
@@ -353,9 +357,38 @@ class PlacementDriver:
                                                 "are left, ack_count %d" % (sid, primary["id"], live, ack)))
         return self.address(primary)
 
+    def _catching_up(self, sid, rng, offset, wait=False):
+        """A read at ``offset`` on this replica of the open range ``rng``: ``None`` (served here)
+        unless this copy ends at or below ``offset`` while acknowledged batches go further (the
+        range's start, which a majority holds, or the confirm offset this node learned): then
+        the primary's address, so the reader gets what is acknowledged rather than this copy's
+        end (CONTRACT §9 Reads: "served from any replica of the range holding the offset"). A
+        copy the primary has not reached since this node started (no confirm offset yet: it
+        cannot know how far it lags) counts as catching up too. A long-poll read (``wait``) on a
+        copy the primary feeds live (it has the range's start and a confirm offset) waits here
+        instead: the batches are on their way (the usual case: a tail reader on the replica
+        that is a few milliseconds behind the majority). With the primary down (a failover
+        under way) it is served here as it can be."""
+        primary = primary_of(rng)
+        if primary is None or primary["id"] == self.node_id:
+            return None
+        log = self.store.log
+        try:
+            visible = log.visible_end(sid)
+            confirm = log.confirm_offset(sid)
+        except store_errors.StreamNotFound:
+            return None
+        if offset < visible:
+            return None
+        if confirm is not None and (max(rng["start"], confirm) <= visible or wait and visible >= rng["start"]):
+            return None
+        if primary["id"] not in self.membership.live_ids():
+            return None
+        return self.address(primary) or None
+
     def _local(self, sid):
         try:
-            self.store.log.stream(sid)
+            self.store.log.assigned_end(sid)  # (per APPEND and FETCH: no StreamMeta built)
             return True
         except store_errors.StreamNotFound:
             return False
@@ -371,13 +404,13 @@ class PlacementDriver:
         return rec
 
     @defer.inlineCallbacks
-    def _lookup(self, sid, read=False):
+    def _lookup(self, sid, read=False, offset=None, wait=False):
         try:
             rec = yield self.get(sid)
         except StreamGone:
             return None  # the local store answers STREAM_NOT_FOUND
         self._remember(rec)
-        where = self.route(sid, read)
+        where = self.route(sid, read, offset, wait)
         if isinstance(where, defer.Deferred):
             where = yield where
         return where

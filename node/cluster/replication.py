@@ -164,9 +164,9 @@ class Replicator:
         except store_errors.StoreError:
             return defer.fail()
         base = st.assigned
-        stored = bytearray(batch)
-        stored[1:9] = base.to_bytes(8, "big", signed=True)
-        stored = bytes(stored)
+        # the batch with its base offset set, in one copy (the client's buffer may change once
+        # this returns; the store, the window and every replica message share this one)
+        stored = b"".join((batch[:1], base.to_bytes(8, "big", signed=True), memoryview(batch)[9:]))
         d_local = log.append_replica(sid, stored)
         if d_local.called and isinstance(d_local.result, Failure):
             return d_local  # refused by the store (busy, failed): nothing was assigned
@@ -181,7 +181,7 @@ class Replicator:
                 continue
             link = self._link(nid)
             if ps.sent == base and link.channel is not None:
-                link.channel.send(rcodec.APPEND, sid, st.epoch, stored)
+                link.channel.queue_batch(sid, st.epoch, stored)
                 ps.sent = end
         return done
 
@@ -234,7 +234,7 @@ class Replicator:
 
     def _live(self, st):
         """Live replicas of the range ``st`` sequences, this node included."""
-        live = set(self.membership.live_ids()) if self.membership is not None else set()
+        live = self.membership.members if self.membership is not None else ()  # (per append: no copy)
         return 1 + sum(1 for nid in st.peers if nid in live)
 
     def members_changed(self, _members):
@@ -427,7 +427,7 @@ class Replicator:
                     and self.primaries.get(st.sid) is st:
                 entry = st.window.get(ps.sent)
                 if entry is not None:
-                    link.channel.send(rcodec.APPEND, st.sid, st.epoch, entry[1])
+                    link.channel.queue_batch(st.sid, st.epoch, entry[1])
                     ps.sent = entry[0]
                     continue
                 start = ps.sent
@@ -447,7 +447,7 @@ class Replicator:
                     return
                 for b in batches:
                     b = bytes(b)
-                    link.channel.send(rcodec.APPEND, st.sid, st.epoch, b)
+                    link.channel.queue_batch(st.sid, st.epoch, b)
                     ps.sent = int.from_bytes(b[1:9], "big", signed=True) + int.from_bytes(b[9:13], "big", signed=True)
         finally:
             ps.pumping = False
@@ -482,7 +482,7 @@ class Replicator:
             waiting.append((channel, msg))
             return
         try:
-            self.store.log.stream(sid)
+            self.store.log.assigned_end(sid)  # (cheaper than stream(): no StreamMeta built)
         except store_errors.StreamNotFound:
             # the stream's record has not reached this node's watch yet: learn it first, keep order
             self._inbound[sid] = [(channel, msg)]
@@ -523,8 +523,9 @@ class Replicator:
                 lambda end: channel.send(rcodec.SEALED, sid, epoch, end),
                 lambda f: self.log.warn("seal of stream {sid} failed: {e}", sid=sid, e=f.value))
             return
-        # APPEND
-        epoch, batch = msg[2], msg[3]
+        # APPEND (one batch) or BATCHES (consecutive batches, one answer)
+        epoch = msg[2]
+        batches = (msg[3],) if kind == rcodec.APPEND else msg[3]
         mine = self.primaries.get(sid)
         if mine is not None and mine.epoch >= epoch:
             channel.send(rcodec.ERROR, sid, SEALED, "this node sequences stream %d at epoch %d" % (sid, mine.epoch))
@@ -533,22 +534,33 @@ class Replicator:
         if epoch < max(self.refused_epochs.get(sid, 0), rec.get("epoch", 0) if rec else 0):
             channel.send(rcodec.ERROR, sid, SEALED, "epoch %d is stale" % epoch)
             return
-        base = int.from_bytes(batch[1:9], "big", signed=True)
-        assigned = log.assigned_end(sid)
-        if base < assigned:
-            self._ack(channel, sid)  # a copy of a batch it holds (resent after a reconnect)
+        last = None  # the Deferred of the last batch stored: the answer waits for it
+        for batch in batches:
+            base = int.from_bytes(batch[1:9], "big", signed=True)
+            assigned = log.assigned_end(sid)
+            if base < assigned:
+                continue  # a copy of a batch it holds (resent after a reconnect): answered below
+            if base > assigned:
+                channel.send(rcodec.GAP, sid, assigned)  # it misses batches: where to resend from
+                if last is None:
+                    return
+                break
+            # this node is a copy in the range of ``epoch`` even if its watch has not said so
+            # yet: the placement driver must not cut its copy to an older range's end meanwhile
+            fed = self.pd.fed_epochs
+            if fed.get(sid, -1) < epoch:
+                fed[sid] = epoch
+            d = log.append_replica(sid, batch)
+            if d.called and isinstance(d.result, Failure):
+                d.addErrback(lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
+                break
+            last = d
+        if last is None:
+            self._ack(channel, sid)
             return
-        if base > assigned:
-            channel.send(rcodec.GAP, sid, assigned)  # it misses batches: where to resend from
-            return
-        # this node is a copy in the range of ``epoch`` even if its watch has not said so yet:
-        # the placement driver must not cut its copy to an older range's end meanwhile
-        fed = self.pd.fed_epochs
-        if fed.get(sid, -1) < epoch:
-            fed[sid] = epoch
-        d = log.append_replica(sid, batch)
-        d.addCallbacks(lambda _: self._ack(channel, sid),
-                       lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
+        # the store commits in log order: the last batch durable means every earlier one is
+        last.addCallbacks(lambda _: self._ack(channel, sid),
+                          lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
 
     # -- sealing (CONTRACT §9 Failover) ---------------------------------------------------------------
 
@@ -634,7 +646,7 @@ class _ReplicaSide:
         pass
 
     def message(self, channel, msg):
-        if msg[0] in (rcodec.SYNC, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL, rcodec.START):
+        if msg[0] in (rcodec.SYNC, rcodec.BATCHES, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL, rcodec.START):
             self.replicator.to_replica(channel, msg)
 
 

@@ -6,6 +6,8 @@ protocols/replica/channel.py). Primary -> replica:
 - ``["S", stream_id]``: where are you? (answered with ``K``)
 - ``["A", stream_id, epoch, batch]``: store this record batch; its base offset is in its bytes 1..8
   (storage/record_batch.py), assigned by the primary, the range's only sequencer
+- ``["B", stream_id, epoch, [batch, ...]]``: store these consecutive batches, each as ``A`` does
+  (what the primary sends: the batches of one reactor turn in one message, answered by one ``K``)
 - ``["C", stream_id, confirm_offset]``: every offset below this is acknowledged: readers may see it
 - ``["T", stream_id, offset]``: the primary's copy starts at ``offset`` (trimmed below it): a
   replica holding less starts its copy there (a new copy of a trimmed stream, re-replication)
@@ -28,11 +30,12 @@ Replica -> primary:
 import msgpack
 
 SYNC, APPEND, CONFIRM, ACK, GAP, ERROR = "S", "A", "C", "K", "G", "E"
+BATCHES = "B"
 SEAL, SEALED = "X", "Z"
 START = "T"
 MAX_MESSAGE = 32 << 20  # a batch is at most 16 MiB (CONTRACT §3)
 
-_ARITY = {SYNC: 2, APPEND: 4, CONFIRM: 3, ACK: 4, GAP: 3, ERROR: 4, SEAL: 3, SEALED: 4, START: 3}
+_ARITY = {SYNC: 2, APPEND: 4, BATCHES: 4, CONFIRM: 3, ACK: 4, GAP: 3, ERROR: 4, SEAL: 3, SEALED: 4, START: 3}
 
 
 class BadMessage(ValueError):
@@ -43,7 +46,34 @@ def encode(*fields) -> bytes:
     return msgpack.packb(list(fields), use_bin_type=True)
 
 
-def decode(data: bytes) -> list:
+def _bin_head(n: int) -> bytes:
+    # msgpack's shortest bin header, as packb writes it
+    if n < 0x100:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _array_head(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 0x10000:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def encode_batches(stream_id: int, epoch: int, batches) -> list:
+    """``["B", stream_id, epoch, batches]`` as a list of byte strings whose concatenation is the
+    message (the batches themselves are not copied: the channel writes the parts in sequence)."""
+    parts = [b"\x94\xa1B" + msgpack.packb(stream_id) + msgpack.packb(epoch) + _array_head(len(batches))]
+    for b in batches:
+        parts.append(_bin_head(len(b)))
+        parts.append(b)
+    return parts
+
+
+def decode(data) -> list:
     try:
         msg = msgpack.unpackb(data, raw=False, use_list=True)
     except Exception as e:
@@ -54,4 +84,7 @@ def decode(data: bytes) -> list:
         raise BadMessage("replica message without a stream id")
     if msg[0] == APPEND and not isinstance(msg[3], bytes):
         raise BadMessage("replica append without a batch")
+    if msg[0] == BATCHES and (not isinstance(msg[3], list) or not msg[3]
+                              or not all(isinstance(b, bytes) for b in msg[3])):
+        raise BadMessage("replica batches message without batches")
     return msg

@@ -82,8 +82,15 @@ class ClusterRouter:
         where = {}
         waits = []
         read = frame.opcode == codec.FETCH
+        offsets = {}
+        if read:
+            # the lowest offset read of each stream: a replica still catching up sends a read
+            # it does not hold to the primary (PlacementDriver.route)
+            for i in req.fetch_requests:
+                o = offsets.get(i.stream_id)
+                offsets[i.stream_id] = i.fetch_offset if o is None else min(o, i.fetch_offset)
         for sid in set(sids):
-            w = self.pd.route(sid, read)
+            w = self.pd.route(sid, read, offsets.get(sid), read and req.max_wait_ms > 0)
             if isinstance(w, defer.Deferred):
                 waits.append(w.addCallback(lambda a, sid=sid: where.__setitem__(sid, a)))
             else:
