@@ -212,13 +212,16 @@ class S2Catalog:
     # -- basins -----------------------------------------------------------------------------------
 
     @defer.inlineCallbacks
-    def basin(self, name):
-        rec = self.basins.get(name)
+    def basin(self, name, fresh=False):
+        """The basin's record, or None. From the watch cache, which trails other nodes' writes
+        by milliseconds; ``fresh`` (a control-plane GET) reads etcd, so a basin deleted through
+        another node a moment ago is not found here."""
+        rec = None if fresh else self.basins.get(name)
         if rec is None:
             kv = yield self.client.get(self._basin_key(name))
             if kv is not None:
                 self._put(kv)
-                rec = self.basins.get(name)
+                rec = json.loads(kv.value)
         return rec
 
     @defer.inlineCallbacks
@@ -248,13 +251,14 @@ class S2Catalog:
     # -- streams ----------------------------------------------------------------------------------
 
     @defer.inlineCallbacks
-    def stream(self, basin, name):
-        rec = self.streams.get((basin, name))
+    def stream(self, basin, name, fresh=False):
+        """The stream's record, or None (``fresh``: as for ``basin``)."""
+        rec = None if fresh else self.streams.get((basin, name))
         if rec is None:
             kv = yield self.client.get(self._stream_key(basin, name))
             if kv is not None:
                 self._put(kv)
-                rec = self.streams.get((basin, name))
+                rec = json.loads(kv.value)
         return rec
 
     def name_of(self, sid):

@@ -282,14 +282,16 @@ class S2Api:
     # -----------------------------------------------------------------------------------------
     # Basins
 
-    async def _basin(self, name):
+    async def _basin(self, name, fresh=False):
         rec = self.store.meta.read(lambda txn: txn.get(BASINS_TABLE, name.encode()))
         if rec is None and name == DEFAULT_BASIN:
             rec = {"created_ms": 0, "config": codec.default_basin_config()}
         return rec
 
-    async def _require_basin(self, name):
-        rec = await self._basin(name)
+    async def _require_basin(self, name, fresh=False):
+        """``fresh``: a read that must see every write acknowledged before it, on any node (a
+        cluster's control-plane GETs); the data path may use a cache that trails by milliseconds."""
+        rec = await self._basin(name, fresh)
         if rec is None:
             raise S2Error(404, "basin_not_found", "basin %s not found" % name)
         return rec
@@ -366,7 +368,7 @@ class S2Api:
                           codec.dumps(self._basin_info(name, rec)))
 
     async def h_get_basin(self, req, responder, body):
-        rec = await self._require_basin(req.segments[2])
+        rec = await self._require_basin(req.segments[2], fresh=True)
         responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
 
     async def h_reconfigure_basin(self, req, responder, body):
@@ -444,8 +446,8 @@ class S2Api:
             return None
         return meta
 
-    async def find_stream(self, basin, name):
-        """The stream's meta (S2 attrs included), or None."""
+    async def find_stream(self, basin, name, fresh=False):
+        """The stream's meta (S2 attrs included), or None (``fresh``: see _require_basin)."""
         return self._find(basin, name)
 
     def _req_basin(self, req):
@@ -457,11 +459,11 @@ class S2Api:
         m = _BASIN_HOST.match(req.header("host", ""))
         return m.group(1) if m else DEFAULT_BASIN
 
-    async def _stream(self, req, auto_create=None):
+    async def _stream(self, req, auto_create=None, fresh=False):
         basin = self._req_basin(req)
-        rec = await self._require_basin(basin)
+        rec = await self._require_basin(basin, fresh)
         name = req.segments[2]
-        meta = await self.find_stream(basin, name)
+        meta = await self.find_stream(basin, name, fresh)
         if meta is None:
             if auto_create and rec["config"].get(auto_create):
                 config = self._initial_config(rec, req.header("s2-stream-config"))
@@ -576,7 +578,7 @@ class S2Api:
         responder.respond(200, [JSON], codec.dumps(out))
 
     async def h_get_stream(self, req, responder, body):
-        meta = await self._stream(req)
+        meta = await self._stream(req, fresh=True)
         responder.respond(200, [JSON, ("sbp-stream-id", str(meta.stream_id))], codec.dumps(self._config_of(meta)))
 
     async def _reconfigure(self, meta, config):

@@ -169,8 +169,8 @@ class ClusterS2Api(S2Api):
     def ensure_default_basin(self):
         return defer.succeed(None)  # implied on every node (a catalog record once reconfigured)
 
-    async def _basin(self, name):
-        rec = await self.catalog.basin(name)
+    async def _basin(self, name, fresh=False):
+        rec = await self.catalog.basin(name, fresh)
         if rec is None and name == DEFAULT_BASIN:
             rec = {"created_ms": 0, "config": codec.default_basin_config()}
         return rec
@@ -274,8 +274,8 @@ class ClusterS2Api(S2Api):
             return StreamView(self.store.log, DEFAULT_BASIN, str(sid), {"stream_id": sid})
         return StreamView(self.store.log, key[0], key[1], entry)
 
-    async def find_stream(self, basin, name):
-        entry = await self.catalog.stream(basin, name)
+    async def find_stream(self, basin, name, fresh=False):
+        entry = await self.catalog.stream(basin, name, fresh)
         if entry is not None:
             return StreamView(self.store.log, basin, name, entry)
         if basin == DEFAULT_BASIN and name.isdigit() and name == str(int(name)):
