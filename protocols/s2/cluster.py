@@ -27,7 +27,7 @@ from protocols.s2 import access, codec
 from protocols.s2.api import DEFAULT_BASIN, JSON, S2Api, check_cipher, check_location, limit_param
 from protocols.s2.codec import S2Error
 from protocols.s2.forward import FORWARDED, REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
-from protocols.s2.sessions import now_ms
+from protocols.s2.sessions import AppendSession, now_ms
 from protocols.s2.tokens import AccessTokens
 from storage import errors
 
@@ -376,17 +376,32 @@ class ClusterS2Api(S2Api):
         return req.header(FORWARDED) is not None
 
     async def _primary(self, req, sid):
-        """None: this node sequences ``sid``; else the primary's HTTP address."""
-        target = await self.catalog.append_target(sid)
+        """None: this node sequences ``sid``; else the primary's HTTP address. A forwarded
+        request is answered at once (503) when this node does not sequence the stream: the
+        forwarding node waits out a failover and retries, not this one."""
+        if self._forwarded(req):
+            try:
+                target = await self.catalog.append_target(sid, wait_s=0)
+            except Exception as e:
+                kind = self.catalog.classify(e)
+                if kind is None or kind[0] != "no_primary":
+                    raise
+                target = ""
+        else:
+            target = await self.catalog.append_target(sid)
         if target is not None and self._forwarded(req):
             raise S2Error(503, "unavailable", "the stream's primary moved; retry")
         return target
 
     async def _retarget(self, sid, avoid):
-        target = await self.catalog.append_target(sid, avoid=avoid)
-        if target is None:
-            raise S2Error(503, "unavailable", "this node became the stream's primary; retry")
-        return target
+        """Where appends to ``sid`` go now (None: here), waiting out a failover; 503 after it."""
+        try:
+            return await self.catalog.append_target(sid, avoid=avoid)
+        except Exception as e:
+            kind = self.catalog.classify(e)
+            if kind is not None and kind[0] == "no_primary":
+                raise S2Error(503, "unavailable", "the stream has no live primary yet (failover); retry")
+            raise
 
     async def _forward_unary(self, req, responder, sid, target, body=None):
         while True:
@@ -394,6 +409,8 @@ class ClusterS2Api(S2Api):
                 return await self.forwarder.unary(target, req, responder, body)
             except REFUSED:
                 target = await self._retarget(sid, target)  # nothing was sent: the next primary
+                if target is None:
+                    raise S2Error(503, "unavailable", "this node became the stream's primary; retry")
 
     async def h_append(self, req, responder, body):
         meta = await self._stream(req, auto_create="create_stream_on_append")
@@ -405,13 +422,37 @@ class ClusterS2Api(S2Api):
     async def open_append_session(self, req, responder):
         meta = await self._stream(req, auto_create="create_stream_on_append")
         sid = meta.stream_id
-        target = await self._primary(req, sid)
+        if self._forwarded(req):
+            await self._primary(req, sid)  # 503 unless this node sequences the stream
+            return await super().open_append_session(req, responder)
+        try:
+            target = await self.catalog.append_target(sid, wait_s=0)
+        except Exception as e:
+            kind = self.catalog.classify(e)
+            if kind is None or kind[0] != "no_primary":
+                raise
+            target = ""  # a failover is under way: the session waits for the new primary itself
         if target is None:
             return await super().open_append_session(req, responder)
-        session = ForwardedAppendSession(self.forwarder, responder, req, target,
-                                         lambda avoid: defer.ensureDeferred(self._retarget(sid, avoid)))
+        # The session starts at once whatever the failover does: the SDKs give up on a session
+        # whose response headers take longer than their request timeout (5 s by default), and
+        # do not retry that; its inputs wait for the new primary inside the session instead.
+        session = ForwardedAppendSession(
+            self.forwarder, responder, req, target or None,
+            lambda avoid: defer.ensureDeferred(self._retarget(sid, avoid)),
+            open_range=lambda: self.catalog.open_range(sid),
+            take_over=lambda payloads, ended: self._take_over(req, responder, sid, payloads, ended))
         responder.start(200, [("content-type", "s2s/proto")])
         responder.attach_sink(session)
+
+    def _take_over(self, req, responder, sid, payloads, ended):
+        """This node became the primary during a forwarded session: a local session goes on
+        with the client's stream (the forwarded one hands it every input it did not send)."""
+        session = AppendSession(self, responder, sid, req.auth, self.cipher_for(self._view(sid), req))
+        session.take(payloads)
+        if ended:
+            session.end()
+        return session
 
     # -- reads: a local replica, else the primary ---------------------------------------------------
 
