@@ -24,10 +24,10 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from protocols.s2 import access, codec
-from protocols.s2.api import DEFAULT_BASIN, JSON, S2Api, check_cipher, check_location, limit_param
+from protocols.s2.api import DEFAULT_BASIN, JSON, S2Api, limit_param
 from protocols.s2.codec import S2Error
 from protocols.s2.forward import FORWARDED, REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
-from protocols.s2.sessions import AppendSession, now_ms
+from protocols.s2.sessions import AppendSession
 from protocols.s2.tokens import AccessTokens
 from storage import errors
 
@@ -76,6 +76,28 @@ class StreamView:
         return m.trim_offset if m is not None else 0
 
 
+class CatalogBasins:
+    """The basin calls of protocols/s2/basins.py, served by the etcd catalog."""
+
+    def __init__(self, catalog):
+        self.catalog = catalog
+
+    def get(self, name, fresh=False):
+        return self.catalog.basin(name, fresh)
+
+    def list(self, prefix=""):
+        return self.catalog.list_basins(prefix)
+
+    def create(self, name, rec):
+        return self.catalog.create_basin(name, rec)
+
+    def change(self, name, fn):
+        return self.catalog.change_basin(name, fn)
+
+    def delete(self, name):
+        return self.catalog.delete_basin(name)  # its streams too
+
+
 class ClusterAccessTokens(AccessTokens):
     """Access tokens in etcd: issued on any node, valid on every node; every node's
     ``--http-token`` is a root token on all of them, and the API is open only while no node has one."""
@@ -117,6 +139,7 @@ class ClusterS2Api(S2Api):
         self.catalog = node.cluster.s2_catalog
         self.forwarder = Forwarder(self.reactor)
         self.tokens = ClusterAccessTokens(self.catalog, self.token)
+        self.basins = CatalogBasins(self.catalog)
         self.epochs = {}  # stream id -> the epoch its S2 state was loaded under (this node as primary)
 
     def shutdown(self):
@@ -168,87 +191,6 @@ class ClusterS2Api(S2Api):
 
     def ensure_default_basin(self):
         return defer.succeed(None)  # implied on every node (a catalog record once reconfigured)
-
-    async def _basin(self, name, fresh=False):
-        rec = await self.catalog.basin(name, fresh)
-        if rec is None and name == DEFAULT_BASIN:
-            rec = {"created_ms": 0, "config": codec.default_basin_config()}
-        return rec
-
-    async def h_list_basins(self, req, responder, body):
-        prefix = req.query.get("prefix", "")
-        start_after = req.query.get("start_after", "")
-        limit = limit_param(req.query)
-        names = dict(await self.catalog.list_basins(prefix))
-        if DEFAULT_BASIN not in names and DEFAULT_BASIN.startswith(prefix):
-            names[DEFAULT_BASIN] = await self._basin(DEFAULT_BASIN)
-        ordered = [n for n in sorted(names) if n > start_after and req.auth.sees("basins", n)]
-        out = {"basins": [self._basin_info(n, names[n]) for n in ordered[:limit]], "has_more": len(ordered) > limit}
-        responder.respond(200, [JSON], codec.dumps(out))
-
-    async def h_create_basin(self, req, responder, body):
-        obj = codec.parse_json(body)
-        if not isinstance(obj, dict):
-            raise codec.bad("bad_json", "expected {\"basin\": name}")
-        name = codec.validate_basin_name(obj.get("basin"))
-        req.auth.require("create-basin", basin=name)
-        check_location(obj.get("location"))
-        config = codec.merge_basin_config(codec.default_basin_config(), obj.get("config"))
-        check_cipher(config)
-        rec = {"created_ms": now_ms(), "config": config}
-        if name == DEFAULT_BASIN or not await self.catalog.create_basin(name, rec):
-            raise S2Error(409, "resource_already_exists", "basin %s already exists" % name)
-        responder.respond(201, [JSON], codec.dumps(self._basin_info(name, rec)))
-
-    async def h_ensure_basin(self, req, responder, body):
-        name = codec.validate_basin_name(req.segments[2])
-        obj = codec.parse_json(body) or {}
-        if not isinstance(obj, dict):
-            raise codec.bad("bad_json", "expected an object")
-        patch = obj.get("config")
-        check_location(obj.get("location"))
-        check_cipher(codec.merge_basin_config({}, patch))
-        if await self.catalog.basin(name) is not None or name == DEFAULT_BASIN:
-            req.auth.require("reconfigure-basin", basin=name)
-
-        def fn(rec):
-            if rec is None:
-                if name == DEFAULT_BASIN:
-                    rec = {"created_ms": 0, "config": codec.default_basin_config()}
-                else:
-                    return "created", {"created_ms": now_ms(),
-                                       "config": codec.merge_basin_config(codec.default_basin_config(), patch)}
-            new = codec.merge_basin_config(rec["config"], patch)
-            if new == rec["config"]:
-                return "noop", None
-            return "updated", dict(rec, config=new)
-
-        result, rec = await self.catalog.change_basin(name, fn)
-        if rec is None:
-            rec = await self._basin(name)
-        responder.respond(201 if result == "created" else 200, [JSON, ("s2-provision-result", result)],
-                          codec.dumps(self._basin_info(name, rec)))
-
-    async def h_reconfigure_basin(self, req, responder, body):
-        name = req.segments[2]
-        await self._require_basin(name)
-        patch = codec.parse_json(body) or {}
-        check_cipher(codec.merge_basin_config({}, patch))
-
-        def fn(rec):
-            rec = rec or {"created_ms": 0, "config": codec.default_basin_config()}
-            return None, dict(rec, config=codec.merge_basin_config(rec["config"], patch))
-
-        _, rec = await self.catalog.change_basin(name, fn)
-        responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
-
-    async def h_delete_basin(self, req, responder, body):
-        name = req.segments[2]
-        await self._require_basin(name)
-        if name == DEFAULT_BASIN:
-            raise S2Error(403, "permission_denied", "the default basin cannot be deleted")
-        await self.catalog.delete_basin(name)
-        responder.respond(202, [JSON], b"{}")
 
     # -- streams --------------------------------------------------------------------------------
 
