@@ -558,11 +558,8 @@ class S2Api:
         start_after = req.query.get("start_after", "")
         start_after = auth.prefix + start_after if start_after else ""
         limit = limit_param(req.query)
-        found = []
-        for meta in self.store.log.streams():
-            b, n = self._name_of(meta)
-            if b == basin and n.startswith(prefix) and n > start_after and auth.sees("streams", n):
-                found.append((n, meta))
+        found = [(n, meta) for n, meta in await self.streams_named(basin, prefix)
+                 if n > start_after and auth.sees("streams", n)]
         found.sort(key=lambda x: x[0])
         out = {"streams": [self._stream_info(m, auth) for _, m in found[:limit]], "has_more": len(found) > limit}
         responder.respond(200, [JSON], codec.dumps(out))
@@ -586,9 +583,24 @@ class S2Api:
 
     async def h_delete_stream(self, req, responder, body):
         meta = await self._stream(req)
+        await self.delete_stream(meta)
+        responder.respond(202, [JSON], b"{}")
+
+    # Where stream names live: the store's stream attrs on one node (below); the etcd catalog in
+    # a cluster (protocols/s2/cluster.py overrides find_stream, _create, _reconfigure and these).
+
+    async def streams_named(self, basin, prefix):
+        """[(name, meta)] of the basin's streams whose name starts with ``prefix``."""
+        out = []
+        for meta in self.store.log.streams():
+            b, n = self._name_of(meta)
+            if b == basin and n.startswith(prefix):
+                out.append((n, meta))
+        return out
+
+    async def delete_stream(self, meta):
         await self.store.log.delete_stream(meta.stream_id)
         self._forget(meta)
-        responder.respond(202, [JSON], b"{}")
 
     # -----------------------------------------------------------------------------------------
     # Stream state: fencing token and last timestamp

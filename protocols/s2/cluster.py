@@ -24,7 +24,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from protocols.s2 import access, codec
-from protocols.s2.api import DEFAULT_BASIN, JSON, S2Api, limit_param
+from protocols.s2.api import DEFAULT_BASIN, S2Api
 from protocols.s2.codec import S2Error
 from protocols.s2.forward import FORWARDED, REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
 from protocols.s2.sessions import AppendSession
@@ -240,19 +240,8 @@ class ClusterS2Api(S2Api):
             self.creating.discard(key)
         return StreamView(self.store.log, basin, name, entry) if entry is not None else None
 
-    async def h_list_streams(self, req, responder, body):
-        basin = self._req_basin(req)
-        await self._require_basin(basin)
-        auth = req.auth
-        prefix = auth.prefix + req.query.get("prefix", "")
-        start_after = req.query.get("start_after", "")
-        start_after = auth.prefix + start_after if start_after else ""
-        limit = limit_param(req.query)
-        found = [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)
-                 if n > start_after and auth.sees("streams", n)]
-        found.sort(key=lambda x: x[0])
-        out = {"streams": [self._stream_info(m, auth) for _, m in found[:limit]], "has_more": len(found) > limit}
-        responder.respond(200, [JSON], codec.dumps(out))
+    async def streams_named(self, basin, prefix):
+        return [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)]
 
     def streams_of(self, basin):
         out = []
@@ -270,12 +259,10 @@ class ClusterS2Api(S2Api):
         entry = await self.catalog.set_config(basin, name, config, codec.retention_ms(config))
         return StreamView(self.store.log, basin, name, entry)
 
-    async def h_delete_stream(self, req, responder, body):
-        meta = await self._stream(req)
+    async def delete_stream(self, meta):
         basin, name = self._name_of(meta)
         await self.catalog.delete_stream(basin, name)
         self.states.pop(meta.stream_id, None)
-        responder.respond(202, [JSON], b"{}")
 
     # -- append: on the primary, through the replicator; forwarded elsewhere -----------------------
 
