@@ -212,13 +212,16 @@ class S2Catalog:
     # -- basins -----------------------------------------------------------------------------------
 
     @defer.inlineCallbacks
-    def basin(self, name):
-        rec = self.basins.get(name)
+    def basin(self, name, fresh=False):
+        """The basin's record, or None. From the watch cache, which trails other nodes' writes
+        by milliseconds; ``fresh`` (a control-plane GET) reads etcd, so a basin deleted through
+        another node a moment ago is not found here."""
+        rec = None if fresh else self.basins.get(name)
         if rec is None:
             kv = yield self.client.get(self._basin_key(name))
             if kv is not None:
                 self._put(kv)
-                rec = self.basins.get(name)
+                rec = json.loads(kv.value)
         return rec
 
     @defer.inlineCallbacks
@@ -248,13 +251,14 @@ class S2Catalog:
     # -- streams ----------------------------------------------------------------------------------
 
     @defer.inlineCallbacks
-    def stream(self, basin, name):
-        rec = self.streams.get((basin, name))
+    def stream(self, basin, name, fresh=False):
+        """The stream's record, or None (``fresh``: as for ``basin``)."""
+        rec = None if fresh else self.streams.get((basin, name))
         if rec is None:
             kv = yield self.client.get(self._stream_key(basin, name))
             if kv is not None:
                 self._put(kv)
-                rec = self.streams.get((basin, name))
+                rec = json.loads(kv.value)
         return rec
 
     def name_of(self, sid):
@@ -392,11 +396,12 @@ class S2Catalog:
         return rec
 
     @defer.inlineCallbacks
-    def append_target(self, sid, avoid=None):
+    def append_target(self, sid, avoid=None, wait_s=FAILOVER_WAIT_S):
         """Where appends to ``sid`` go: None (this node is the open range's primary; its local
         stream exists) or the primary's HTTP ``host:port``. A primary that is not live, or is
-        ``avoid`` (it refused a connection), is waited out (failover) for FAILOVER_WAIT_S."""
-        deadline = time.monotonic() + FAILOVER_WAIT_S
+        ``avoid`` (it refused a connection or failed while serving), is waited out (failover)
+        for ``wait_s``; then NoPrimary."""
+        deadline = time.monotonic() + wait_s
         while True:
             rec = yield self._record(sid)
             rng = placement.open_range(rec)
@@ -424,6 +429,15 @@ class S2Catalog:
         if not self._local(sid):
             yield self.pd.ensure_local(rec)
         return True
+
+    def open_range(self, sid):
+        """(epoch, start seq_num) of the stream's open range as this node knows it, or None. A
+        failover seals the old range at the largest end its survivors hold and opens the next
+        one there (CONTRACT §9 Failover): a forwarding node compares that start with the end of
+        the acknowledgements it relayed to learn whether a broken append was kept."""
+        rec = self.pd.streams.get(sid)
+        rng = placement.open_range(rec) if rec else None
+        return (rec.get("epoch", 0), rng["start"]) if rng else None
 
     def is_primary(self, sid):
         rec = self.pd.streams.get(sid)

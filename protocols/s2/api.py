@@ -22,6 +22,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from protocols.s2 import codec, crypto
+from protocols.s2.basins import BASINS_TABLE, LocalBasins
 from protocols.s2.codec import S2Error
 from protocols.s2.metrics import MetricsApi, S2Counters
 from protocols.s2.sessions import READ_CHUNK_BYTES, AppendSession, ReadSession, now_ms
@@ -29,7 +30,6 @@ from protocols.s2.tokens import AccessTokens
 from storage import errors, record_batch
 
 DEFAULT_BASIN = "sbpnode-default"
-BASINS_TABLE = "s2_basins"
 PROTO_TYPES = ("application/protobuf", "application/x-protobuf", "application/proto")
 JSON = ("content-type", "application/json")
 PROTO = ("content-type", "application/protobuf")
@@ -75,6 +75,7 @@ class S2Api:
         self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
         self.statuses = node.metrics.setdefault("s2_responses", {})  # "route status" -> responses
         self.tokens = AccessTokens(self.store, self.token)
+        self.basins = LocalBasins(self.store, self._delete_streams_of)  # protocols/s2/basins.py
         self.counters = S2Counters(self.metrics)
         self.metrics_api = MetricsApi(self, self.counters)
         self.node_pages = getattr(node, "http_pages", None)  # /metrics and the status page, outside the S2 routes
@@ -282,14 +283,16 @@ class S2Api:
     # -----------------------------------------------------------------------------------------
     # Basins
 
-    async def _basin(self, name):
-        rec = self.store.meta.read(lambda txn: txn.get(BASINS_TABLE, name.encode()))
+    async def _basin(self, name, fresh=False):
+        rec = await self.basins.get(name, fresh)
         if rec is None and name == DEFAULT_BASIN:
             rec = {"created_ms": 0, "config": codec.default_basin_config()}
         return rec
 
-    async def _require_basin(self, name):
-        rec = await self._basin(name)
+    async def _require_basin(self, name, fresh=False):
+        """``fresh``: a read that must see every write acknowledged before it, on any node (a
+        cluster's control-plane GETs); the data path may use a cache that trails by milliseconds."""
+        rec = await self._basin(name, fresh)
         if rec is None:
             raise S2Error(404, "basin_not_found", "basin %s not found" % name)
         return rec
@@ -305,8 +308,7 @@ class S2Api:
         prefix = req.query.get("prefix", "")
         start_after = req.query.get("start_after", "")
         limit = limit_param(req.query)
-        rows = self.store.meta.read(lambda txn: list(txn.scan(BASINS_TABLE, prefix=prefix.encode() or None)))
-        names = {k.decode(): v for k, v in rows}
+        names = dict(await self.basins.list(prefix))
         if DEFAULT_BASIN not in names and DEFAULT_BASIN.startswith(prefix):
             names[DEFAULT_BASIN] = await self._basin(DEFAULT_BASIN)
         ordered = [n for n in sorted(names) if n > start_after and req.auth.sees("basins", n)]
@@ -324,15 +326,7 @@ class S2Api:
         config = codec.merge_basin_config(codec.default_basin_config(), obj.get("config"))
         check_cipher(config)
         rec = {"created_ms": now_ms(), "config": config}
-        key = name.encode()
-
-        def fn(txn):
-            if txn.get(BASINS_TABLE, key) is not None:
-                return False
-            txn.put(BASINS_TABLE, key, rec)
-            return True
-
-        if name == DEFAULT_BASIN or not await self.store.meta.transact(fn):
+        if name == DEFAULT_BASIN or not await self.basins.create(name, rec):
             raise S2Error(409, "resource_already_exists", "basin %s already exists" % name)
         responder.respond(201, [JSON], codec.dumps(self._basin_info(name, rec)))
 
@@ -344,29 +338,28 @@ class S2Api:
         patch = obj.get("config")
         check_location(obj.get("location"))
         check_cipher(codec.merge_basin_config({}, patch))
-        key = name.encode()
-        if await self._basin(name) is not None:
+        if await self.basins.get(name) is not None or name == DEFAULT_BASIN:
             req.auth.require("reconfigure-basin", basin=name)  # ensure of an existing basin
 
-        def fn(txn):
-            rec = txn.get(BASINS_TABLE, key)
+        def fn(rec):
             if rec is None:
-                rec = {"created_ms": now_ms(), "config": codec.merge_basin_config(codec.default_basin_config(), patch)}
-                txn.put(BASINS_TABLE, key, rec)
-                return "created", rec
+                if name != DEFAULT_BASIN:
+                    return "created", {"created_ms": now_ms(),
+                                       "config": codec.merge_basin_config(codec.default_basin_config(), patch)}
+                rec = {"created_ms": 0, "config": codec.default_basin_config()}  # implied (a cluster)
             new = codec.merge_basin_config(rec["config"], patch)
             if new == rec["config"]:
-                return "noop", rec
-            rec = dict(rec, config=new)
-            txn.put(BASINS_TABLE, key, rec)
-            return "updated", rec
+                return "noop", None
+            return "updated", dict(rec, config=new)
 
-        result, rec = await self.store.meta.transact(fn)
+        result, rec = await self.basins.change(name, fn)
+        if rec is None:
+            rec = await self._basin(name)
         responder.respond(201 if result == "created" else 200, [JSON, ("s2-provision-result", result)],
                           codec.dumps(self._basin_info(name, rec)))
 
     async def h_get_basin(self, req, responder, body):
-        rec = await self._require_basin(req.segments[2])
+        rec = await self._require_basin(req.segments[2], fresh=True)
         responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
 
     async def h_reconfigure_basin(self, req, responder, body):
@@ -374,15 +367,12 @@ class S2Api:
         await self._require_basin(name)
         patch = codec.parse_json(body) or {}
         check_cipher(codec.merge_basin_config({}, patch))
-        key = name.encode()
 
-        def fn(txn):
-            rec = txn.get(BASINS_TABLE, key) or {"created_ms": 0, "config": codec.default_basin_config()}
-            rec = dict(rec, config=codec.merge_basin_config(rec["config"], patch))
-            txn.put(BASINS_TABLE, key, rec)
-            return rec
+        def fn(rec):
+            rec = rec or {"created_ms": 0, "config": codec.default_basin_config()}
+            return None, dict(rec, config=codec.merge_basin_config(rec["config"], patch))
 
-        rec = await self.store.meta.transact(fn)
+        _, rec = await self.basins.change(name, fn)
         responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
 
     async def h_delete_basin(self, req, responder, body):
@@ -390,12 +380,14 @@ class S2Api:
         await self._require_basin(name)
         if name == DEFAULT_BASIN:
             raise S2Error(403, "permission_denied", "the default basin cannot be deleted")
+        await self.basins.delete(name)
+        responder.respond(202, [JSON], b"{}")
+
+    async def _delete_streams_of(self, basin):
         for meta in self.store.log.streams():
-            if self._name_of(meta)[0] == name and meta.origin is None:
+            if self._name_of(meta)[0] == basin and meta.origin is None:
                 await self.store.log.delete_stream(meta.stream_id)
                 self._forget(meta)
-        await self.store.meta.transact(lambda txn: txn.delete(BASINS_TABLE, name.encode()))
-        responder.respond(202, [JSON], b"{}")
 
     # -----------------------------------------------------------------------------------------
     # Streams: names and configuration
@@ -444,8 +436,8 @@ class S2Api:
             return None
         return meta
 
-    async def find_stream(self, basin, name):
-        """The stream's meta (S2 attrs included), or None."""
+    async def find_stream(self, basin, name, fresh=False):
+        """The stream's meta (S2 attrs included), or None (``fresh``: see _require_basin)."""
         return self._find(basin, name)
 
     def _req_basin(self, req):
@@ -457,11 +449,11 @@ class S2Api:
         m = _BASIN_HOST.match(req.header("host", ""))
         return m.group(1) if m else DEFAULT_BASIN
 
-    async def _stream(self, req, auto_create=None):
+    async def _stream(self, req, auto_create=None, fresh=False):
         basin = self._req_basin(req)
-        rec = await self._require_basin(basin)
+        rec = await self._require_basin(basin, fresh)
         name = req.segments[2]
-        meta = await self.find_stream(basin, name)
+        meta = await self.find_stream(basin, name, fresh)
         if meta is None:
             if auto_create and rec["config"].get(auto_create):
                 config = self._initial_config(rec, req.header("s2-stream-config"))
@@ -566,17 +558,14 @@ class S2Api:
         start_after = req.query.get("start_after", "")
         start_after = auth.prefix + start_after if start_after else ""
         limit = limit_param(req.query)
-        found = []
-        for meta in self.store.log.streams():
-            b, n = self._name_of(meta)
-            if b == basin and n.startswith(prefix) and n > start_after and auth.sees("streams", n):
-                found.append((n, meta))
+        found = [(n, meta) for n, meta in await self.streams_named(basin, prefix)
+                 if n > start_after and auth.sees("streams", n)]
         found.sort(key=lambda x: x[0])
         out = {"streams": [self._stream_info(m, auth) for _, m in found[:limit]], "has_more": len(found) > limit}
         responder.respond(200, [JSON], codec.dumps(out))
 
     async def h_get_stream(self, req, responder, body):
-        meta = await self._stream(req)
+        meta = await self._stream(req, fresh=True)
         responder.respond(200, [JSON, ("sbp-stream-id", str(meta.stream_id))], codec.dumps(self._config_of(meta)))
 
     async def _reconfigure(self, meta, config):
@@ -594,9 +583,24 @@ class S2Api:
 
     async def h_delete_stream(self, req, responder, body):
         meta = await self._stream(req)
+        await self.delete_stream(meta)
+        responder.respond(202, [JSON], b"{}")
+
+    # Where stream names live: the store's stream attrs on one node (below); the etcd catalog in
+    # a cluster (protocols/s2/cluster.py overrides find_stream, _create, _reconfigure and these).
+
+    async def streams_named(self, basin, prefix):
+        """[(name, meta)] of the basin's streams whose name starts with ``prefix``."""
+        out = []
+        for meta in self.store.log.streams():
+            b, n = self._name_of(meta)
+            if b == basin and n.startswith(prefix):
+                out.append((n, meta))
+        return out
+
+    async def delete_stream(self, meta):
         await self.store.log.delete_stream(meta.stream_id)
         self._forget(meta)
-        responder.respond(202, [JSON], b"{}")
 
     # -----------------------------------------------------------------------------------------
     # Stream state: fencing token and last timestamp

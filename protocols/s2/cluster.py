@@ -24,10 +24,10 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from protocols.s2 import access, codec
-from protocols.s2.api import DEFAULT_BASIN, JSON, S2Api, check_cipher, check_location, limit_param
+from protocols.s2.api import DEFAULT_BASIN, S2Api
 from protocols.s2.codec import S2Error
 from protocols.s2.forward import FORWARDED, REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
-from protocols.s2.sessions import now_ms
+from protocols.s2.sessions import AppendSession
 from protocols.s2.tokens import AccessTokens
 from storage import errors
 
@@ -76,6 +76,28 @@ class StreamView:
         return m.trim_offset if m is not None else 0
 
 
+class CatalogBasins:
+    """The basin calls of protocols/s2/basins.py, served by the etcd catalog."""
+
+    def __init__(self, catalog):
+        self.catalog = catalog
+
+    def get(self, name, fresh=False):
+        return self.catalog.basin(name, fresh)
+
+    def list(self, prefix=""):
+        return self.catalog.list_basins(prefix)
+
+    def create(self, name, rec):
+        return self.catalog.create_basin(name, rec)
+
+    def change(self, name, fn):
+        return self.catalog.change_basin(name, fn)
+
+    def delete(self, name):
+        return self.catalog.delete_basin(name)  # its streams too
+
+
 class ClusterAccessTokens(AccessTokens):
     """Access tokens in etcd: issued on any node, valid on every node; every node's
     ``--http-token`` is a root token on all of them, and the API is open only while no node has one."""
@@ -117,6 +139,7 @@ class ClusterS2Api(S2Api):
         self.catalog = node.cluster.s2_catalog
         self.forwarder = Forwarder(self.reactor)
         self.tokens = ClusterAccessTokens(self.catalog, self.token)
+        self.basins = CatalogBasins(self.catalog)
         self.epochs = {}  # stream id -> the epoch its S2 state was loaded under (this node as primary)
 
     def shutdown(self):
@@ -169,87 +192,6 @@ class ClusterS2Api(S2Api):
     def ensure_default_basin(self):
         return defer.succeed(None)  # implied on every node (a catalog record once reconfigured)
 
-    async def _basin(self, name):
-        rec = await self.catalog.basin(name)
-        if rec is None and name == DEFAULT_BASIN:
-            rec = {"created_ms": 0, "config": codec.default_basin_config()}
-        return rec
-
-    async def h_list_basins(self, req, responder, body):
-        prefix = req.query.get("prefix", "")
-        start_after = req.query.get("start_after", "")
-        limit = limit_param(req.query)
-        names = dict(await self.catalog.list_basins(prefix))
-        if DEFAULT_BASIN not in names and DEFAULT_BASIN.startswith(prefix):
-            names[DEFAULT_BASIN] = await self._basin(DEFAULT_BASIN)
-        ordered = [n for n in sorted(names) if n > start_after and req.auth.sees("basins", n)]
-        out = {"basins": [self._basin_info(n, names[n]) for n in ordered[:limit]], "has_more": len(ordered) > limit}
-        responder.respond(200, [JSON], codec.dumps(out))
-
-    async def h_create_basin(self, req, responder, body):
-        obj = codec.parse_json(body)
-        if not isinstance(obj, dict):
-            raise codec.bad("bad_json", "expected {\"basin\": name}")
-        name = codec.validate_basin_name(obj.get("basin"))
-        req.auth.require("create-basin", basin=name)
-        check_location(obj.get("location"))
-        config = codec.merge_basin_config(codec.default_basin_config(), obj.get("config"))
-        check_cipher(config)
-        rec = {"created_ms": now_ms(), "config": config}
-        if name == DEFAULT_BASIN or not await self.catalog.create_basin(name, rec):
-            raise S2Error(409, "resource_already_exists", "basin %s already exists" % name)
-        responder.respond(201, [JSON], codec.dumps(self._basin_info(name, rec)))
-
-    async def h_ensure_basin(self, req, responder, body):
-        name = codec.validate_basin_name(req.segments[2])
-        obj = codec.parse_json(body) or {}
-        if not isinstance(obj, dict):
-            raise codec.bad("bad_json", "expected an object")
-        patch = obj.get("config")
-        check_location(obj.get("location"))
-        check_cipher(codec.merge_basin_config({}, patch))
-        if await self.catalog.basin(name) is not None or name == DEFAULT_BASIN:
-            req.auth.require("reconfigure-basin", basin=name)
-
-        def fn(rec):
-            if rec is None:
-                if name == DEFAULT_BASIN:
-                    rec = {"created_ms": 0, "config": codec.default_basin_config()}
-                else:
-                    return "created", {"created_ms": now_ms(),
-                                       "config": codec.merge_basin_config(codec.default_basin_config(), patch)}
-            new = codec.merge_basin_config(rec["config"], patch)
-            if new == rec["config"]:
-                return "noop", None
-            return "updated", dict(rec, config=new)
-
-        result, rec = await self.catalog.change_basin(name, fn)
-        if rec is None:
-            rec = await self._basin(name)
-        responder.respond(201 if result == "created" else 200, [JSON, ("s2-provision-result", result)],
-                          codec.dumps(self._basin_info(name, rec)))
-
-    async def h_reconfigure_basin(self, req, responder, body):
-        name = req.segments[2]
-        await self._require_basin(name)
-        patch = codec.parse_json(body) or {}
-        check_cipher(codec.merge_basin_config({}, patch))
-
-        def fn(rec):
-            rec = rec or {"created_ms": 0, "config": codec.default_basin_config()}
-            return None, dict(rec, config=codec.merge_basin_config(rec["config"], patch))
-
-        _, rec = await self.catalog.change_basin(name, fn)
-        responder.respond(200, [JSON], codec.dumps(codec.basin_config_json(rec["config"])))
-
-    async def h_delete_basin(self, req, responder, body):
-        name = req.segments[2]
-        await self._require_basin(name)
-        if name == DEFAULT_BASIN:
-            raise S2Error(403, "permission_denied", "the default basin cannot be deleted")
-        await self.catalog.delete_basin(name)
-        responder.respond(202, [JSON], b"{}")
-
     # -- streams --------------------------------------------------------------------------------
 
     def _name_of(self, meta):
@@ -274,8 +216,8 @@ class ClusterS2Api(S2Api):
             return StreamView(self.store.log, DEFAULT_BASIN, str(sid), {"stream_id": sid})
         return StreamView(self.store.log, key[0], key[1], entry)
 
-    async def find_stream(self, basin, name):
-        entry = await self.catalog.stream(basin, name)
+    async def find_stream(self, basin, name, fresh=False):
+        entry = await self.catalog.stream(basin, name, fresh)
         if entry is not None:
             return StreamView(self.store.log, basin, name, entry)
         if basin == DEFAULT_BASIN and name.isdigit() and name == str(int(name)):
@@ -298,19 +240,8 @@ class ClusterS2Api(S2Api):
             self.creating.discard(key)
         return StreamView(self.store.log, basin, name, entry) if entry is not None else None
 
-    async def h_list_streams(self, req, responder, body):
-        basin = self._req_basin(req)
-        await self._require_basin(basin)
-        auth = req.auth
-        prefix = auth.prefix + req.query.get("prefix", "")
-        start_after = req.query.get("start_after", "")
-        start_after = auth.prefix + start_after if start_after else ""
-        limit = limit_param(req.query)
-        found = [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)
-                 if n > start_after and auth.sees("streams", n)]
-        found.sort(key=lambda x: x[0])
-        out = {"streams": [self._stream_info(m, auth) for _, m in found[:limit]], "has_more": len(found) > limit}
-        responder.respond(200, [JSON], codec.dumps(out))
+    async def streams_named(self, basin, prefix):
+        return [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)]
 
     def streams_of(self, basin):
         out = []
@@ -328,12 +259,10 @@ class ClusterS2Api(S2Api):
         entry = await self.catalog.set_config(basin, name, config, codec.retention_ms(config))
         return StreamView(self.store.log, basin, name, entry)
 
-    async def h_delete_stream(self, req, responder, body):
-        meta = await self._stream(req)
+    async def delete_stream(self, meta):
         basin, name = self._name_of(meta)
         await self.catalog.delete_stream(basin, name)
         self.states.pop(meta.stream_id, None)
-        responder.respond(202, [JSON], b"{}")
 
     # -- append: on the primary, through the replicator; forwarded elsewhere -----------------------
 
@@ -376,17 +305,32 @@ class ClusterS2Api(S2Api):
         return req.header(FORWARDED) is not None
 
     async def _primary(self, req, sid):
-        """None: this node sequences ``sid``; else the primary's HTTP address."""
-        target = await self.catalog.append_target(sid)
+        """None: this node sequences ``sid``; else the primary's HTTP address. A forwarded
+        request is answered at once (503) when this node does not sequence the stream: the
+        forwarding node waits out a failover and retries, not this one."""
+        if self._forwarded(req):
+            try:
+                target = await self.catalog.append_target(sid, wait_s=0)
+            except Exception as e:
+                kind = self.catalog.classify(e)
+                if kind is None or kind[0] != "no_primary":
+                    raise
+                target = ""
+        else:
+            target = await self.catalog.append_target(sid)
         if target is not None and self._forwarded(req):
             raise S2Error(503, "unavailable", "the stream's primary moved; retry")
         return target
 
     async def _retarget(self, sid, avoid):
-        target = await self.catalog.append_target(sid, avoid=avoid)
-        if target is None:
-            raise S2Error(503, "unavailable", "this node became the stream's primary; retry")
-        return target
+        """Where appends to ``sid`` go now (None: here), waiting out a failover; 503 after it."""
+        try:
+            return await self.catalog.append_target(sid, avoid=avoid)
+        except Exception as e:
+            kind = self.catalog.classify(e)
+            if kind is not None and kind[0] == "no_primary":
+                raise S2Error(503, "unavailable", "the stream has no live primary yet (failover); retry")
+            raise
 
     async def _forward_unary(self, req, responder, sid, target, body=None):
         while True:
@@ -394,6 +338,8 @@ class ClusterS2Api(S2Api):
                 return await self.forwarder.unary(target, req, responder, body)
             except REFUSED:
                 target = await self._retarget(sid, target)  # nothing was sent: the next primary
+                if target is None:
+                    raise S2Error(503, "unavailable", "this node became the stream's primary; retry")
 
     async def h_append(self, req, responder, body):
         meta = await self._stream(req, auto_create="create_stream_on_append")
@@ -405,13 +351,37 @@ class ClusterS2Api(S2Api):
     async def open_append_session(self, req, responder):
         meta = await self._stream(req, auto_create="create_stream_on_append")
         sid = meta.stream_id
-        target = await self._primary(req, sid)
+        if self._forwarded(req):
+            await self._primary(req, sid)  # 503 unless this node sequences the stream
+            return await super().open_append_session(req, responder)
+        try:
+            target = await self.catalog.append_target(sid, wait_s=0)
+        except Exception as e:
+            kind = self.catalog.classify(e)
+            if kind is None or kind[0] != "no_primary":
+                raise
+            target = ""  # a failover is under way: the session waits for the new primary itself
         if target is None:
             return await super().open_append_session(req, responder)
-        session = ForwardedAppendSession(self.forwarder, responder, req, target,
-                                         lambda avoid: defer.ensureDeferred(self._retarget(sid, avoid)))
+        # The session starts at once whatever the failover does: the SDKs give up on a session
+        # whose response headers take longer than their request timeout (5 s by default), and
+        # do not retry that; its inputs wait for the new primary inside the session instead.
+        session = ForwardedAppendSession(
+            self.forwarder, responder, req, target or None,
+            lambda avoid: defer.ensureDeferred(self._retarget(sid, avoid)),
+            open_range=lambda: self.catalog.open_range(sid),
+            take_over=lambda payloads, ended: self._take_over(req, responder, sid, payloads, ended))
         responder.start(200, [("content-type", "s2s/proto")])
         responder.attach_sink(session)
+
+    def _take_over(self, req, responder, sid, payloads, ended):
+        """This node became the primary during a forwarded session: a local session goes on
+        with the client's stream (the forwarded one hands it every input it did not send)."""
+        session = AppendSession(self, responder, sid, req.auth, self.cipher_for(self._view(sid), req))
+        session.take(payloads)
+        if ended:
+            session.end()
+        return session
 
     # -- reads: a local replica, else the primary ---------------------------------------------------
 

@@ -205,10 +205,23 @@ class AppendSession:
         if self.failed:
             return
         try:
-            frames = self.reader.feed(data)
-            for terminal, payload in frames:
+            payloads = []
+            for terminal, payload in self.reader.feed(data):
                 if terminal:
                     raise codec.bad("bad_frame", "clients do not send terminal frames")
+                payloads.append(payload)
+        except S2Error as e:
+            self.fail(e)
+            return
+        self.take(payloads)
+
+    def take(self, payloads):
+        """AppendInput payloads, deframed (by ``data``, or by a forwarded session this node
+        takes over once it became the stream's primary: protocols/s2/forward.py)."""
+        if self.failed:
+            return
+        try:
+            for payload in payloads:
                 inp = codec.decode_append_input_proto(payload)
                 slot = [False, None, len(payload)]
                 self.inflight += len(payload)
