@@ -16,12 +16,9 @@ At the end the checker, through every node:
 Exit status 0 only if lost and diverged are 0 for every seed.
 """
 
-import argparse
 import os
 import random
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
@@ -30,8 +27,7 @@ sys.path.insert(0, REPO)
 
 from protocols.partition import codec  # noqa: E402
 from protocols.partition.client import BlockingKvClient, KvError  # noqa: E402
-from tests.etcdproc import EtcdCluster  # noqa: E402
-from tests.nodeproc import NodeProcess  # noqa: E402
+from bench import campaign  # noqa: E402
 
 WINDOW = 16
 KEYS_PER_WRITER = 400
@@ -106,32 +102,15 @@ def full_scan(node):
 
 
 def run_seed(seed, args):
-    rnd = random.Random(seed)
-    base = tempfile.mkdtemp(prefix="kv-campaign-%d-" % seed)
-    etcd = EtcdCluster(base, members=1).start()
-    nodes = [NodeProcess(base, name="n%d" % i, cluster=etcd.client_urls, fsync=args.fsync, node_id=i,
-                         replication_factor=3) for i in (1, 2, 3)]
-    counts = {"seed": seed, "kills": 0}
-    try:
-        for n in nodes:
-            n.start(timeout=60)
+    counts = {"seed": seed}
+    with campaign.three_nodes(seed, "kv-campaign", args, replication_factor=3) as (rnd, nodes):
         with BlockingKvClient("127.0.0.1", nodes[0].ports["kv"], timeout=60) as c:
             c.set(b"\x00campaign", b"1")  # places the partitions
         writers = [Writer(nodes, i, seed) for i in range(args.writers)]
         for w in writers:
             w.start()
-        t_end = time.monotonic() + args.duration
-        while time.monotonic() < t_end:
-            time.sleep(args.kill_every * rnd.uniform(0.5, 1.5))
-            victim = rnd.choice(nodes)
-            victim.kill9()
-            counts["kills"] += 1
-            time.sleep(rnd.uniform(0.2, 2.0))
-            victim.start(timeout=60)
-        settle = time.monotonic() + 30
-        marks = [w.ops for w in writers]
-        while time.monotonic() < settle and any(w.ops < m + 50 for w, m in zip(writers, marks)):
-            time.sleep(0.1)
+        counts["kills"] = campaign.kill_loop(rnd, nodes, args.duration, args.kill_every)
+        campaign.settle(lambda: [w.ops for w in writers], 50)
         for w in writers:
             w.stop.set()
         for w in writers:
@@ -152,34 +131,14 @@ def run_seed(seed, args):
         counts.update(acked=sum(w.ops for w in writers), errors=sum(w.errors for w in writers),
                       keys=len(scans[0]), lost=lost, diverged=diverged, mismatched=mismatched)
         return counts
-    finally:
-        for n in nodes:
-            n.kill9()
-        etcd.stop()
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="1,2")
-    ap.add_argument("--duration", type=float, default=30.0, help="seconds of faults per seed")
-    ap.add_argument("--writers", type=int, default=3)
-    ap.add_argument("--kill-every", type=float, default=3.0)
-    ap.add_argument("--fsync", default="never", help="the nodes' --fsync (a kill -9 keeps the page cache)")
-    ap.add_argument("--keep", action="store_true", help="keep the data dirs and logs")
-    args = ap.parse_args()
-    bad = False
-    print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
-    for seed in [int(s) for s in args.seeds.split(",") if s]:
-        t0 = time.monotonic()
-        c = run_seed(seed, args)
-        c["seconds"] = round(time.monotonic() - t0, 1)
-        print("seed %(seed)d: %(kills)d kills, %(acked)d acked writes, %(errors)d errors/retries, %(keys)d keys, "
-              "lost %(lost)d, diverged %(diverged)d, scan/get mismatches %(mismatched)d, %(seconds)ss" % c, flush=True)
-        bad |= bool(c["lost"] or c["diverged"] or c["mismatched"])
-    print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
-    sys.exit(1 if bad else 0)
+    campaign.main(__doc__, run_seed,
+                  "seed %(seed)d: %(kills)d kills, %(acked)d acked writes, %(errors)d errors/retries, %(keys)d keys, "
+                  "lost %(lost)d, diverged %(diverged)d, scan/get mismatches %(mismatched)d, %(seconds)ss",
+                  lambda c: c["lost"] or c["diverged"] or c["mismatched"],
+                  duration=30.0, kill_every=3.0)
 
 
 if __name__ == "__main__":

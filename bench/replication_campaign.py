@@ -18,12 +18,8 @@ stream from every replica of its open range and counts:
 Exit status 0 only if lost, duplicated, reordered and diverged are all 0 for every seed.
 """
 
-import argparse
 import os
-import random
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
@@ -33,8 +29,7 @@ sys.path.insert(0, REPO)
 from protocols.sbp import codec  # noqa: E402
 from protocols.sbp.client import BlockingSbpClient, SbpError  # noqa: E402
 from storage import record_batch  # noqa: E402
-from tests.etcdproc import EtcdCluster  # noqa: E402
-from tests.nodeproc import NodeProcess  # noqa: E402
+from bench import campaign  # noqa: E402
 
 
 def batch(n, tag):
@@ -121,32 +116,16 @@ def fetch_all(n, sid, upto):
 
 
 def run_seed(seed, args):
-    rnd = random.Random(seed)
-    base = tempfile.mkdtemp(prefix="sbp-campaign-%d-" % seed)
-    etcd = EtcdCluster(base, members=1).start()
-    nodes = [NodeProcess(base, name="n%d" % i, cluster=etcd.client_urls, fsync=args.fsync, node_id=i) for i in (1, 2, 3)]
-    counts = {"seed": seed, "kills": 0}
-    try:
-        for n in nodes:
-            n.start(timeout=60)
+    counts = {"seed": seed}
+    with campaign.three_nodes(seed, "sbp-campaign", args) as (rnd, nodes):
         with client(nodes[0]) as c:
             sids = [c.create_stream(replica_nums=3)["stream_id"] for _ in range(args.writers)]
         writers = [Writer(nodes, sid, i) for i, sid in enumerate(sids)]
         for w in writers:
             w.start()
-        t_end = time.monotonic() + args.duration
-        while time.monotonic() < t_end:
-            time.sleep(args.kill_every * rnd.uniform(0.5, 1.5))
-            victim = rnd.choice(nodes)
-            victim.kill9()
-            counts["kills"] += 1
-            time.sleep(rnd.uniform(0.2, 2.0))
-            victim.start(timeout=60)
+        counts["kills"] = campaign.kill_loop(rnd, nodes, args.duration, args.kill_every)
         # let the last failover finish and the writers make progress on every stream
-        settle = time.monotonic() + 30
-        marks = [len(w.acked) for w in writers]
-        while time.monotonic() < settle and any(len(w.acked) < m + 20 for w, m in zip(writers, marks)):
-            time.sleep(0.1)
+        campaign.settle(lambda: [len(w.acked) for w in writers], 20)
         for w in writers:
             w.stop.set()
         for w in writers:
@@ -185,33 +164,15 @@ def run_seed(seed, args):
         counts.update(acked=acked, lost=lost, duplicated=dup, reordered=reordered, diverged=diverged,
                       longest_stall_s=round(stall, 2), writer_errors=sum(w.errors for w in writers))
         return counts
-    finally:
-        for n in nodes:
-            n.kill9()
-        etcd.stop()
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="1,2")
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of faults per seed")
-    ap.add_argument("--writers", type=int, default=3)
-    ap.add_argument("--kill-every", type=float, default=2.0)
-    ap.add_argument("--fsync", default="never", help="the nodes' --fsync (a kill -9 keeps the page cache)")
-    ap.add_argument("--keep", action="store_true", help="keep the data dirs and logs")
-    args = ap.parse_args()
-    bad = False
-    for seed in [int(s) for s in args.seeds.split(",") if s]:
-        t0 = time.monotonic()
-        c = run_seed(seed, args)
-        c["seconds"] = round(time.monotonic() - t0, 1)
-        print("seed %(seed)d: %(kills)d kills, %(acked)d acked, lost %(lost)d, duplicated %(duplicated)d, "
-              "reordered %(reordered)d, diverged %(diverged)d, longest stall %(longest_stall_s)ss, "
-              "writer retries %(writer_errors)d, open-range replicas %(replicas)s, %(seconds)ss" % c, flush=True)
-        bad |= bool(c["lost"] or c["duplicated"] or c["reordered"] or c["diverged"])
-    sys.exit(1 if bad else 0)
+    campaign.main(__doc__, run_seed,
+                  "seed %(seed)d: %(kills)d kills, %(acked)d acked, lost %(lost)d, duplicated %(duplicated)d, "
+                  "reordered %(reordered)d, diverged %(diverged)d, longest stall %(longest_stall_s)ss, "
+                  "writer retries %(writer_errors)d, open-range replicas %(replicas)s, %(seconds)ss",
+                  lambda c: c["lost"] or c["duplicated"] or c["reordered"] or c["diverged"],
+                  duration=60.0, kill_every=2.0)
 
 
 if __name__ == "__main__":
