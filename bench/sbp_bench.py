@@ -806,10 +806,26 @@ def metrics_ab(base, runs, records, window):
               med["on"][1] / med["off"][1], wins, runs))
 
 
+def settle_writeback(limit_mb=64, timeout=15.0):
+    """Wait (at most ``timeout`` s) until the kernel's dirty and under-writeback pages are below
+    ``limit_mb``: the phase before (either side's appends, 1 GB under interval / everysec) leaves
+    its write-back running for seconds, and the next phase, whichever side it is, should not pay
+    for it. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        with open("/proc/meminfo") as f:
+            kb = sum(int(line.split()[1]) for line in f if line.startswith(("Dirty:", "Writeback:")))
+        if kb < limit_mb * 1024:
+            break
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
 def pipelined(base, args):
     """Issue 24's method: one node (``--fsync interval:1000``) and one Redis (``everysec``) side by
     side; ``--rounds`` rounds, each appending ``--records`` records to a fresh stream / key on each
-    side, then reading them back; the side that goes first alternates by round. Medians at the end."""
+    side, then reading them back; the side that goes first alternates by round, and every phase
+    starts once the kernel's write-back of the phase before is done. Medians at the end."""
     records = args.records // XRANGE_COUNT * XRANGE_COUNT
     batches = records // BATCH_RECORDS
     aw, rw = args.append_window, args.read_window
@@ -834,6 +850,7 @@ def pipelined(base, args):
             for what in ("append", "read"):
                 for side in order:
                     name = side + "_" + what
+                    settle_writeback()  # both sides start with the disk's deferred work done
                     load = os.getloadavg()[0]
                     prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
                     r = measured(*runs[name], profile=prof)
