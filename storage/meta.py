@@ -142,6 +142,13 @@ class Txn(_ReadTxn):
         key = bytes(key)
         self._raw.put(index.META, encode_key(pfx, key), encode_value(key, pfx, _pack(value)))
 
+    def put_new(self, table, key, value) -> bool:
+        """``put`` only if ``key`` is absent: True if stored, False if the key was taken."""
+        if self.get(table, key) is not None:
+            return False
+        self.put(table, key, value)
+        return True
+
     def delete(self, table, key):
         pfx = _prefix(table)
         self._raw.delete(index.META, encode_key(pfx, bytes(key)))

@@ -34,14 +34,7 @@ class LocalBasins:
 
     def create(self, name, rec):
         key = name.encode()
-
-        def fn(txn):
-            if txn.get(BASINS_TABLE, key) is not None:
-                return False
-            txn.put(BASINS_TABLE, key, rec)
-            return True
-
-        return self.store.meta.transact(fn)
+        return self.store.meta.transact(lambda txn: txn.put_new(BASINS_TABLE, key, rec))
 
     def change(self, name, fn):
         key = name.encode()

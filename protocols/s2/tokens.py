@@ -110,15 +110,8 @@ class AccessTokens:
     def _insert(self, token_id, rec):
         """Deferred[bool]: stored, or False if the id is taken."""
         key = token_id.encode()
-
-        def fn(txn):
-            if txn.get(TOKENS_TABLE, key) is not None:
-                return False
-            txn.put(TOKENS_TABLE, key, rec)
-            return True
-
         self._hashes()
-        d = self.store.meta.transact(fn)
+        d = self.store.meta.transact(lambda txn: txn.put_new(TOKENS_TABLE, key, rec))
 
         def stored(ok):
             if ok:
