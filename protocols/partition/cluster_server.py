@@ -21,7 +21,7 @@ from NextKey (or the cursor's position) and its NextKey is empty when the partit
 from collections import deque
 
 from twisted.internet import defer
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -31,7 +31,7 @@ from protocols.partition import client_framing, codec
 from protocols.partition.codec import (CREATE_CURSOR, DATA_NOT_FOUND, DELETE_CURSOR, E_CURSOR_NOT_FOUND,
                                        E_MSG_TOO_SHORT, E_PARTITION_DIED, E_UNKNOWN, GET,
                                        HEADER_LEN, INVALID_COMMAND, OK, REMOVE, SET)
-from protocols.partition.server import BEGIN, ERR_STATUS, MAX_CURSORS
+from protocols.partition.server import BEGIN, ERR_STATUS, MAX_CURSORS, KvServerFactory
 
 PARTITION_DIED_ERRORS = ("NotLeader", "Unavailable")  # the partition service's "no leader here/now"
 
@@ -385,7 +385,10 @@ class ClusterKvClientProtocol(ClusterKvProtocol):
         return client_framing.from_partition(data)
 
 
-class ClusterKvFactory(Factory):
+class ClusterKvFactory(KvServerFactory):
+    """The single-node factory's connection bookkeeping (``forget``, ``when_idle``) over the
+    cluster's partition service instead of one store."""
+
     protocol = ClusterKvProtocol
 
     def __init__(self, service, metrics=None):
@@ -398,12 +401,6 @@ class ClusterKvFactory(Factory):
         p.factory = self
         self.connections.add(p)
         return p
-
-    def forget(self, p):
-        self.connections.discard(p)
-
-    def when_idle(self):
-        return defer.DeferredList([p.whenIdle() for p in list(self.connections)])
 
 
 def build_factory(node, kind=ClusterKvProtocol):
