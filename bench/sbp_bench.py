@@ -318,7 +318,6 @@ def sbp_latency_load(port, sid, rate_bps, seconds, q):
     fb = codec.FrameBuffer()
     sent_at = {}
     lat = []
-    n = 0
     t0 = time.perf_counter()
     end = t0 + seconds
     next_send = t0
@@ -412,6 +411,19 @@ PIPE_APPEND_WINDOW = 16
 PIPE_READ_WINDOW = 4
 
 
+def _top_up(sock, request, sent, answered, total, window, sent_at, clock):
+    """Send requests ``sent``.. (``request(i)`` -> its bytes, pre-encoded) until ``window`` are
+    unanswered or all ``total`` are sent, stamping each one's send time in ``sent_at``; returns
+    the new ``sent``. The pipelined loads of both sides share it."""
+    if sent >= total or sent - answered >= window:
+        return sent
+    n = min(window - (sent - answered), total - sent)
+    data = b"".join(request(sent + j) for j in range(n))
+    sent_at[sent:sent + n] = [clock()] * n
+    sock.sendall(data)
+    return sent + n
+
+
 def _pipe_latencies(sent_at, done_at):
     return [done_at[i] - sent_at[i] for i in range(len(done_at))]
 
@@ -428,13 +440,7 @@ def sbp_pipe_append_load(port, sid, batches, window, q):
     t0 = clock()
     c0 = time.process_time()
     while acked < batches:
-        if sent < batches and sent - acked < window:
-            n = min(window - (sent - acked), batches - sent)
-            now = clock()
-            for j in range(n):
-                sent_at[sent + j] = now
-            s.sendall(b"".join(frames[(sent + j) % len(frames)] for j in range(n)))
-            sent += n
+        sent = _top_up(s, lambda i: frames[i % len(frames)], sent, acked, batches, window, sent_at, clock)
         fb.feed(s.recv(1 << 20))
         now = clock()
         while (f := fb.next()) is not None:
@@ -479,14 +485,7 @@ def redis_pipe_append_load(port, key, batches, window, q):
     c0 = time.process_time()
     while newlines < total:
         acked = newlines // need
-        if sent < batches and sent - acked < window:
-            n = min(window - (sent - acked), batches - sent)
-            data = b"".join(groups[sent:sent + n])
-            now = clock()
-            for j in range(n):
-                sent_at[sent + j] = now
-            s.sendall(data)
-            sent += n
+        sent = _top_up(s, groups.__getitem__, sent, acked, batches, window, sent_at, clock)
         data = s.recv(1 << 20)
         now = clock()
         if data.startswith(b"-") or b"\n-" in data:
@@ -547,13 +546,7 @@ def sbp_pipe_read_load(port, sid, total, window, q):
     t0 = clock()
     c0 = time.process_time()
     while done < nreq:
-        if sent < nreq and sent - done < window:
-            n = min(window - (sent - done), nreq - sent)
-            now = clock()
-            for j in range(n):
-                sent_at[sent + j] = now
-            s.sendall(b"".join(reqs[sent:sent + n]))
-            sent += n
+        sent = _top_up(s, reqs.__getitem__, sent, done, nreq, window, sent_at, clock)
         moved = inbox.start
         inbox.fill()
         if moved != inbox.start:  # the buffer was compacted: positions shift
@@ -635,13 +628,7 @@ def redis_pipe_read_load(port, key, total, window, q):
     t0 = clock()
     c0 = time.process_time()
     while done < nreq:
-        if sent < nreq and sent - done < window:
-            n = min(window - (sent - done), nreq - sent)
-            now = clock()
-            for j in range(n):
-                sent_at[sent + j] = now
-            s.sendall(b"".join(reqs[sent:sent + n]))
-            sent += n
+        sent = _top_up(s, reqs.__getitem__, sent, done, nreq, window, sent_at, clock)
         inbox.fill()
         now = clock()
         while done < nreq and inbox.n - inbox.start >= sizes[done]:
