@@ -55,6 +55,7 @@ RETRY_DELAY = 0.5  # after StreamState 4 / an expired offer
 PENDING_LIMIT = 64 * 1024 * 1024  # bytes of accepted-but-not-yet-durable items before reading pauses
 RECENT_LOG_HASHES = 8192
 RECV_BYTES = 1 << 20  # read deliveries in pieces this big (Twisted's default is 64 KiB)
+STOP_PERSIST_WAIT = 5.0  # seconds a clean stop waits for queued interval saves
 
 _BATCH_HEAD = struct.Struct(">qi")  # base_offset, record_count at bytes 1..13 of a record batch
 
@@ -693,7 +694,13 @@ class PeerSyncService(service.MultiService):
         self.stats["items"] += items
         self.stats["bytes"] += nbytes
 
-    def publish(self):
+    def startService(self):
+        # the snapshot file describes this run from its start: a previous run's (say "connected",
+        # with its item counts) must not be read as this one's
+        write_snapshot(self.node, force=True)
+        super().startService()
+
+    def publish(self, force=False):
         """Refresh node.metrics["peers"][address] (streams, lag, rates) and the snapshot file."""
         now = self.clock.seconds()
         t0, i0, b0 = self._rate_mark
@@ -709,13 +716,26 @@ class PeerSyncService(service.MultiService):
                 for s in conn.streams.values()
             }
         self.stats["lag"] = sum(v["lag"] for v in self.stats["streams"].values())
-        write_snapshot(self.node)
+        write_snapshot(self.node, force=force)
 
+    @defer.inlineCallbacks
     def stopService(self):
+        # CONTRACT §6: intervals whose items are durable are still recorded on a clean stop, so
+        # the restart resumes from them and refetches nothing. Their saves queue behind the
+        # items' commits and can trail the data by seconds on a busy machine; wait for the ones
+        # already queued (bounded: a stuck store must not hold the shutdown).
+        conn = self.conn
+        if conn is not None:
+            queued = defer.DeferredList([_chain(s.persist) for s in conn.streams.values()], consumeErrors=True)
+            queued.addTimeout(STOP_PERSIST_WAIT, self.clock)
+            try:
+                yield queued
+            except defer.TimeoutError:
+                self.log.warn("peer {peer}: synced intervals still being saved after {t}s; a restart may refetch", peer=self.address, t=STOP_PERSIST_WAIT)
         self.stopping = True
-        d = super().stopService()
+        yield super().stopService()
         self.stats["connected"] = False
-        return d
+        write_snapshot(self.node, force=True)
 
 
 class _RecordingEndpoint:
@@ -738,15 +758,16 @@ _LAST_SNAPSHOT = weakref.WeakKeyDictionary()
 SNAPSHOT_NAME = "swarm-peers.json"
 
 
-def write_snapshot(node):
-    """``<data dir>/swarm-peers.json``: node.metrics["peers"] for ``sbpctl peer`` (at most 1/s)."""
+def write_snapshot(node, force=False):
+    """``<data dir>/swarm-peers.json``: node.metrics["peers"] for ``sbpctl peer`` (at most 1/s,
+    unless ``force``: at start and stop)."""
     data_dir = getattr(node.config, "data_dir", None)
     if not data_dir:
         return
     clock = node.reactor
     now = clock.seconds()
     last = _LAST_SNAPSHOT.get(node)
-    if last is not None and now - last < 1.0:
+    if not force and last is not None and now - last < 1.0:
         return
     _LAST_SNAPSHOT[node] = now
     path = os.path.join(data_dir, SNAPSHOT_NAME)
