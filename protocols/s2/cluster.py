@@ -26,7 +26,7 @@ from twisted.logger import Logger
 from protocols.s2 import access, codec
 from protocols.s2.api import DEFAULT_BASIN, S2Api
 from protocols.s2.codec import S2Error
-from protocols.s2.forward import FORWARDED, REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
+from protocols.s2.forward import REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
 from protocols.s2.sessions import AppendSession
 from protocols.s2.tokens import AccessTokens
 from storage import errors
@@ -137,7 +137,7 @@ class ClusterS2Api(S2Api):
     def __init__(self, node):
         super().__init__(node)
         self.catalog = node.cluster.s2_catalog
-        self.forwarder = Forwarder(self.reactor)
+        self.forwarder = Forwarder(self.reactor, tls=self.catalog.forward_tls())
         self.tokens = ClusterAccessTokens(self.catalog, self.token)
         self.basins = CatalogBasins(self.catalog)
         self.epochs = {}  # stream id -> the epoch its S2 state was loaded under (this node as primary)
@@ -301,11 +301,12 @@ class ClusterS2Api(S2Api):
             self.epochs[sid] = epoch
         return await super().append(sid, inp, auth, cipher)
 
-    def _forwarded(self, req):
-        return req.header(FORWARDED) is not None
+    @staticmethod
+    def _forwarded(req):
+        return req.forwarded  # it came in on this node's S2 forwarding port
 
     async def _primary(self, req, sid):
-        """None: this node sequences ``sid``; else the primary's HTTP address. A forwarded
+        """None: this node sequences ``sid``; else the primary's forwarding port. A forwarded
         request is answered at once (503) when this node does not sequence the stream: the
         forwarding node waits out a failover and retries, not this one."""
         if self._forwarded(req):
