@@ -310,18 +310,21 @@ class ClusterS2Api(S2Api):
         request is answered at once (503) when this node does not sequence the stream: the
         forwarding node waits out a failover and retries, not this one."""
         if self._forwarded(req):
-            try:
-                target = await self.catalog.append_target(sid, wait_s=0)
-            except Exception as e:
-                kind = self.catalog.classify(e)
-                if kind is None or kind[0] != "no_primary":
-                    raise
-                target = ""
-        else:
-            target = await self.catalog.append_target(sid)
-        if target is not None and self._forwarded(req):
-            raise S2Error(503, "unavailable", "the stream's primary moved; retry")
-        return target
+            if await self._target_now(sid) is not None:
+                raise S2Error(503, "unavailable", "the stream's primary moved; retry")
+            return None
+        return await self.catalog.append_target(sid)
+
+    async def _target_now(self, sid):
+        """``append_target`` without waiting: None (here), the primary's forwarding port, or ""
+        (no live primary: a failover is under way)."""
+        try:
+            return await self.catalog.append_target(sid, wait_s=0)
+        except Exception as e:
+            kind = self.catalog.classify(e)
+            if kind is None or kind[0] != "no_primary":
+                raise
+            return ""
 
     async def _retarget(self, sid, avoid):
         """Where appends to ``sid`` go now (None: here), waiting out a failover; 503 after it."""
@@ -355,13 +358,7 @@ class ClusterS2Api(S2Api):
         if self._forwarded(req):
             await self._primary(req, sid)  # 503 unless this node sequences the stream
             return await super().open_append_session(req, responder)
-        try:
-            target = await self.catalog.append_target(sid, wait_s=0)
-        except Exception as e:
-            kind = self.catalog.classify(e)
-            if kind is None or kind[0] != "no_primary":
-                raise
-            target = ""  # a failover is under way: the session waits for the new primary itself
+        target = await self._target_now(sid)  # "": a failover is under way, the session waits for it
         if target is None:
             return await super().open_append_session(req, responder)
         # The session starts at once whatever the failover does: the SDKs give up on a session

@@ -223,12 +223,8 @@ class ForwardedAppendSession:
         if self.failed:
             return
         try:
-            payloads = []
-            for terminal, payload in self.reader.feed(data):
-                if terminal:
-                    raise codec.bad("bad_frame", "clients do not send terminal frames")
-                codec.decode_append_input_proto(payload)  # a bad input fails here, not on the primary
-                payloads.append(payload)
+            # a bad input fails here, not on the primary
+            payloads = self.reader.inputs(data, check=codec.decode_append_input_proto)
         except S2Error as e:
             self.fail(e)
             return
