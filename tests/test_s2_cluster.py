@@ -232,17 +232,27 @@ def test_tokens_issued_on_one_node_work_on_every_node(trio):
 
 
 def test_a_node_without_a_replica_forwards_reads_and_appends(trio):
-    # an SBP stream with 2 replicas appears in the default basin under its decimal id; the third
-    # node holds no replica, so it forwards appends, unary reads, the tail and read sessions
+    # an SBP stream with 2 replicas appears (and is listed) in the default basin under its decimal
+    # id; the third node holds no replica, so it forwards appends, unary reads, the tail and read sessions
     with sbp_client(trio[0]) as c:
         sid = c.create_stream(replica_nums=2)["stream_id"]
     ranges = sbp_client(trio[0]).list_ranges(sid)
     holders = {s["server_id"] for s in ranges[-1]["servers"]}
     (outsider,) = [n for n in trio if n.node_id not in holders]
 
+    basin = unique("named")
+
     async def main():
         async with s2(outsider) as client:
+            await client.create_basin(basin)
+            await client.basin(basin).create_stream("named")
             st = client.basin("sbpnode-default").stream(str(sid))
+            # listed in the default basin as on one node; a stream made through S2 is not
+            listed = [x.name for x in (await client.basin("sbpnode-default").list_streams(prefix=str(sid))).items]
+            assert str(sid) in listed
+            s2_sid = stream_id(trio[0], basin, "named")
+            listed = [x.name for x in (await client.basin("sbpnode-default").list_streams(prefix=str(s2_sid))).items]
+            assert str(s2_sid) not in listed
             ack = await st.append(AppendInput(records=[Record(body=b"a%d" % i) for i in range(5)]))
             assert (ack.start.seq_num, ack.end.seq_num) == (0, 5)
             batch = await st.read(start=SeqNum(0), limit=ReadLimit(count=100))

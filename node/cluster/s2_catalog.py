@@ -382,6 +382,24 @@ class S2Catalog:
                 return None
         return rec
 
+    @defer.inlineCallbacks
+    def sbp_streams(self, prefix=""):
+        """[(decimal id, placement-driver record)] of the streams made through SBP whose decimal
+        id starts with ``prefix`` (S2 lists them in the default basin, as on one node): every
+        stream of the placement driver that no S2 name claims, both read from etcd (the stream
+        records first: an S2 create makes the stream, then claims its name, so a stream is
+        listed here only until its name is claimed)."""
+        recs = yield self.pd.list_streams()
+        kvs, _ = yield self.client.get_prefix(self.base + "streams/")
+        named = set()
+        for kv in kvs:
+            try:
+                named.add(json.loads(kv.value)["stream_id"])
+            except (ValueError, KeyError, TypeError):
+                pass
+        return [(str(rec["stream_id"]), rec) for rec in recs
+                if rec["stream_id"] not in named and str(rec["stream_id"]).startswith(prefix)]
+
     def append(self, sid, batch, expect_offset=None):
         """An S2 append on this node as the primary: sequenced and replicated (Deferred[base])."""
         return self.cluster.replicator.append(sid, batch, expect_offset)

@@ -241,7 +241,13 @@ class ClusterS2Api(S2Api):
         return StreamView(self.store.log, basin, name, entry) if entry is not None else None
 
     async def streams_named(self, basin, prefix):
-        return [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)]
+        out = [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)]
+        if basin == DEFAULT_BASIN:
+            # the streams made through SBP, under their decimal id (as find_stream reaches them)
+            for name, rec in await self.catalog.sbp_streams(prefix):
+                entry = {"stream_id": rec["stream_id"], "created_ms": rec.get("created_ms", 0)}
+                out.append((name, StreamView(self.store.log, basin, name, entry)))
+        return out
 
     def streams_of(self, basin):
         out = []
