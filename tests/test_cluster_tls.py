@@ -216,8 +216,9 @@ def test_s2_forwarding_over_mutual_tls(pki, tmp_path):
         # a member's certificate gets through; anything else is refused in the handshake
         assert peer_request(port, ca.path, cert, key) == (200, b'{"status":"ok"}')
         stranger_cert, stranger_key = other.issue("intruder")
+        # the server's alerts: unknown ca, certificate required
         for refused in (peer_request(port, ca.path, stranger_cert, stranger_key), peer_request(port, ca.path)):
-            assert isinstance(refused, stdlib_ssl.SSLError) and "ALERT" in str(refused), refused  # unknown ca, certificate required
+            assert isinstance(refused, stdlib_ssl.SSLError) and "ALERT" in str(refused), refused
         refused = peer_request(port, ca.path, tls=False)
         assert isinstance(refused, (OSError, http.client.HTTPException)), refused
         for n in nodes:

@@ -454,9 +454,9 @@ class S2Catalog:
     @defer.inlineCallbacks
     def append_target(self, sid, avoid=None, wait_s=FAILOVER_WAIT_S):
         """Where appends to ``sid`` go: None (this node is the open range's primary; its local
-        stream exists) or the ``host:port`` of the primary's S2 forwarding port. A primary that is not live, or is
-        ``avoid`` (it refused a connection or failed while serving), is waited out (failover)
-        for ``wait_s``; then NoPrimary."""
+        stream exists) or the ``host:port`` of the primary's S2 forwarding port. A primary that
+        is not live, or is ``avoid`` (it refused a connection or failed while serving), is waited
+        out (failover) for ``wait_s``; then NoPrimary."""
         deadline = time.monotonic() + wait_s
         while True:
             rec = yield self._record(sid)

@@ -68,7 +68,7 @@ class ClusterNode:
         interface = getattr(sbp.getHost(), "host", "127.0.0.1") if sbp is not None else "127.0.0.1"
         port = self.replicator.listen(interface)
         advertised = node.config.advertise or (interface if interface not in ("", "0.0.0.0", "::") else "127.0.0.1")
-        at = ("%s:%d" if ":" not in advertised else "[%s]:%d")
+        at = "%s:%d" if ":" not in advertised else "[%s]:%d"
         addresses["replica"] = at % (advertised, port)
         # the kv peer port (node/cluster/kv_partitions.py): requests forwarded to a partition's leader
         kv = KvPartitions(node, self)

@@ -8,11 +8,11 @@ on that port is a forwarded request, which the primary never forwards again. The
 authenticates it itself (tokens are cluster-wide). With the cluster TLS options the forwarder
 speaks HTTPS with the node's certificate and trusts only the cluster CA (``tls``: the node's
 ``host -> client TLS options``, node/cluster/tls.py); the port requires a CA-signed client
-certificate. Unary calls
-are relayed whole; read sessions are relayed as their bytes arrive; an S2S append session becomes
-a series of HTTP/1.1 ``s2s/proto`` POSTs to the primary, one at a time, each carrying every
-AppendInput that arrived while the previous one was out (``ForwardedAppendSession``), so the
-inputs reach the sequencer in the order the client sent them and the acks come back in that order.
+certificate. Unary calls are relayed whole; read sessions are relayed as their bytes arrive; an
+S2S append session becomes a series of HTTP/1.1 ``s2s/proto`` POSTs to the primary, one at a
+time, each carrying every AppendInput that arrived while the previous one was out
+(``ForwardedAppendSession``), so the inputs reach the sequencer in the order the client sent them
+and the acks come back in that order.
 """
 
 import time
