@@ -267,6 +267,15 @@ def test_a_node_without_a_replica_forwards_reads_and_appends(trio):
             assert [x.start.seq_num for x in acks] == [5, 6, 7]
 
     run(main())
+    # being forwarded is a property of the forwarding port, not of a header: a client's request
+    # to --http that claims it (the header older nodes marked forwarded requests with) is
+    # forwarded to the primary as any other, not answered 503 by a node that does not sequence it
+    req = urllib.request.Request(url(outsider) + "/v1/streams/%d/records" % sid, method="POST",
+                                 data=json.dumps({"records": [{"body": "h"}]}).encode(),
+                                 headers={"authorization": "Bearer " + ROOT, "content-type": "application/json",
+                                          "sbp-forwarded": "1"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["start"]["seq_num"] == 8
     # SSE (HTTP/1.1) through the node without a replica: relayed as the primary sends it
     req = urllib.request.Request(url(outsider) + "/v1/streams/%d/records?seq_num=0&count=5" % sid,
                                  headers={"authorization": "Bearer " + ROOT, "accept": "text/event-stream"})
