@@ -24,7 +24,7 @@ from tests.etcdproc import EtcdCluster, etcd_available
 from storage import record_batch
 from tests.nodeproc import NodeProcess
 from tests.test_cluster import start_nodes, wait_for
-from tests.test_s2_cluster import ROOT, roles, s2, stream_id, unique
+from tests.test_s2_cluster import ROOT, new_basin_with_stream, roles, s2, stream_id
 from tests.tlscerts import CA
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
@@ -182,14 +182,7 @@ def test_s2_forwarding_over_mutual_tls(pki, tmp_path):
         nodes = start_nodes(tmp_path, etcd.client_urls, [1, 2, 3], cluster_tls_cert=cert, cluster_tls_key=key,
                             cluster_tls_ca=ca.path, http_token=ROOT)
 
-        async def create():
-            async with s2(nodes[0]) as on_a:
-                basin = unique("tls-basin")
-                await on_a.create_basin(basin)
-                await on_a.basin(basin).create_stream("log")
-                return basin
-
-        basin = asyncio.run(asyncio.wait_for(create(), 60))
+        basin = new_basin_with_stream(nodes[0], "tls-basin", "log")
         sid = stream_id(nodes[0], basin, "log")
         primary, (via, reader) = roles(nodes, sid)
 

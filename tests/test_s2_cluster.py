@@ -85,6 +85,18 @@ def stream_id(node, basin, name):
         return int(resp.headers["sbp-stream-id"])
 
 
+def new_basin_with_stream(node, prefix, stream):
+    """A new basin named ``prefix-<random>`` holding ``stream``, made through ``node``; its name."""
+    async def create():
+        async with s2(node) as root:
+            basin = unique(prefix)
+            await root.create_basin(basin)
+            await root.basin(basin).create_stream(stream)
+            return basin
+
+    return run(create(), timeout=60)
+
+
 def roles(nodes, sid):
     """(primary node, [the others]) of the stream's open range, as the placement driver says."""
     ranges = sbp_client(nodes[0]).list_ranges(sid)
@@ -296,14 +308,7 @@ def test_kill9_of_the_primary_during_an_append_session(trio):
     nodes = trio
     total = 400
 
-    async def setup():
-        async with s2(nodes[0]) as root:
-            basin = unique("failover")
-            await root.create_basin(basin)
-            await root.basin(basin).create_stream("log")
-            return basin
-
-    basin = run(setup())
+    basin = new_basin_with_stream(nodes[0], "failover", "log")
     sid = stream_id(nodes[0], basin, "log")
     primary, (via, reader) = roles(nodes, sid)
 
