@@ -85,6 +85,18 @@ def stream_id(node, basin, name):
         return int(resp.headers["sbp-stream-id"])
 
 
+def new_basin_with_stream(node, prefix, stream):
+    """A new basin named ``prefix-<random>`` holding ``stream``, made through ``node``; its name."""
+    async def create():
+        async with s2(node) as root:
+            basin = unique(prefix)
+            await root.create_basin(basin)
+            await root.basin(basin).create_stream(stream)
+            return basin
+
+    return run(create(), timeout=60)
+
+
 def roles(nodes, sid):
     """(primary node, [the others]) of the stream's open range, as the placement driver says."""
     ranges = sbp_client(nodes[0]).list_ranges(sid)
@@ -232,17 +244,27 @@ def test_tokens_issued_on_one_node_work_on_every_node(trio):
 
 
 def test_a_node_without_a_replica_forwards_reads_and_appends(trio):
-    # an SBP stream with 2 replicas appears in the default basin under its decimal id; the third
-    # node holds no replica, so it forwards appends, unary reads, the tail and read sessions
+    # an SBP stream with 2 replicas appears (and is listed) in the default basin under its decimal
+    # id; the third node holds no replica, so it forwards appends, unary reads, the tail and read sessions
     with sbp_client(trio[0]) as c:
         sid = c.create_stream(replica_nums=2)["stream_id"]
     ranges = sbp_client(trio[0]).list_ranges(sid)
     holders = {s["server_id"] for s in ranges[-1]["servers"]}
     (outsider,) = [n for n in trio if n.node_id not in holders]
 
+    basin = unique("named")
+
     async def main():
         async with s2(outsider) as client:
+            await client.create_basin(basin)
+            await client.basin(basin).create_stream("named")
             st = client.basin("sbpnode-default").stream(str(sid))
+            # listed in the default basin as on one node; a stream made through S2 is not
+            listed = [x.name for x in (await client.basin("sbpnode-default").list_streams(prefix=str(sid))).items]
+            assert str(sid) in listed
+            s2_sid = stream_id(trio[0], basin, "named")
+            listed = [x.name for x in (await client.basin("sbpnode-default").list_streams(prefix=str(s2_sid))).items]
+            assert str(s2_sid) not in listed
             ack = await st.append(AppendInput(records=[Record(body=b"a%d" % i) for i in range(5)]))
             assert (ack.start.seq_num, ack.end.seq_num) == (0, 5)
             batch = await st.read(start=SeqNum(0), limit=ReadLimit(count=100))
@@ -257,6 +279,15 @@ def test_a_node_without_a_replica_forwards_reads_and_appends(trio):
             assert [x.start.seq_num for x in acks] == [5, 6, 7]
 
     run(main())
+    # being forwarded is a property of the forwarding port, not of a header: a client's request
+    # to --http that claims it (the header older nodes marked forwarded requests with) is
+    # forwarded to the primary as any other, not answered 503 by a node that does not sequence it
+    req = urllib.request.Request(url(outsider) + "/v1/streams/%d/records" % sid, method="POST",
+                                 data=json.dumps({"records": [{"body": "h"}]}).encode(),
+                                 headers={"authorization": "Bearer " + ROOT, "content-type": "application/json",
+                                          "sbp-forwarded": "1"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["start"]["seq_num"] == 8
     # SSE (HTTP/1.1) through the node without a replica: relayed as the primary sends it
     req = urllib.request.Request(url(outsider) + "/v1/streams/%d/records?seq_num=0&count=5" % sid,
                                  headers={"authorization": "Bearer " + ROOT, "accept": "text/event-stream"})
@@ -277,14 +308,7 @@ def test_kill9_of_the_primary_during_an_append_session(trio):
     nodes = trio
     total = 400
 
-    async def setup():
-        async with s2(nodes[0]) as root:
-            basin = unique("failover")
-            await root.create_basin(basin)
-            await root.basin(basin).create_stream("log")
-            return basin
-
-    basin = run(setup())
+    basin = new_basin_with_stream(nodes[0], "failover", "log")
     sid = stream_id(nodes[0], basin, "log")
     primary, (via, reader) = roles(nodes, sid)
 

@@ -208,13 +208,9 @@ class KvPartitions:
 
     def listen(self, interface, factory):
         """Open the kv peer port beside the SBP listener (TLS with the cluster's options)."""
-        tls = self.cluster.tls
-        if tls:
-            from node.cluster.tls import server_options
+        from node.cluster.tls import listen
 
-            self.port = self.reactor.listenSSL(0, factory, server_options(*tls), interface=interface)
-        else:
-            self.port = self.reactor.listenTCP(0, factory, interface=interface)
+        self.port = listen(self.reactor, factory, interface, self.cluster.tls)
         return self.port.getHost().port
 
     @defer.inlineCallbacks

@@ -119,13 +119,9 @@ class Replicator:
     # -- the listener (replica side) -------------------------------------------------------------
 
     def listen(self, interface):
-        factory = ReplicaChannelFactory(_ReplicaSide(self))
-        if self.tls:
-            from node.cluster.tls import server_options
+        from node.cluster.tls import listen
 
-            self.port = self.reactor.listenSSL(0, factory, server_options(*self.tls), interface=interface)
-        else:
-            self.port = self.reactor.listenTCP(0, factory, interface=interface)
+        self.port = listen(self.reactor, ReplicaChannelFactory(_ReplicaSide(self)), interface, self.tls)
         return self.port.getHost().port
 
     def stop(self):

@@ -20,8 +20,13 @@ a few milliseconds behind a write on another node) reads etcd before saying "not
 The S2 protocol (protocols/s2/cluster.py) reaches all of this through this object only
 (``node.cluster.s2_catalog``); it knows nothing of etcd or of the placement driver's records.
 Where the data of a stream is served also comes from here: ``append_target`` (this node, or the
-HTTP address of the open range's primary) and ``read_here`` (whether this node holds a replica
-of the open range).
+address of the open range's primary's S2 forwarding port) and ``read_here`` (whether this node
+holds a replica of the open range).
+
+The S2 forwarding port (member record ``s2_peer``) is a node-to-node listener like the replica
+channel and the kv peer port (``tls.listen``): mutual TLS with the cluster CA when the node has
+the cluster TLS options, so only a peer presenting a CA-signed certificate gets a forwarded
+request served; the API's forwarder connects to it with ``forward_tls()``.
 """
 
 import json
@@ -57,6 +62,8 @@ class S2Catalog:
         self.token_hashes = {}  # SHA-256 -> (token id, record): what tokens.py authenticates with
         self.roots = {}  # node id -> SHA-256 of its --http-token
         self._watch = None
+        self.forwarded_site = None  # the S2 API's site for forwarded requests (serve_forwarded)
+        self.port = None  # its node-to-node listener
 
     @property
     def pd(self):
@@ -96,6 +103,37 @@ class S2Catalog:
     def stop(self):
         if self._watch is not None:
             self._watch.stop()
+        if self.port is not None:
+            port, self.port = self.port, None
+            return port.stopListening()
+        return None
+
+    # -- the S2 forwarding port (node to node) -----------------------------------------------------
+
+    def serve_forwarded(self, site):
+        """The S2 API (protocols/s2/server.py) hands over the site that serves the requests other
+        nodes forward to this one; the node opens its port in ``listen``."""
+        self.forwarded_site = site
+
+    def listen(self, interface):
+        """Open the S2 forwarding port beside the SBP listener (mutual TLS with the cluster's
+        options); its port number, or None when this node serves no S2 API."""
+        if self.forwarded_site is None:
+            return None
+        from node.cluster.tls import listen
+
+        self.port = listen(self.cluster.node.reactor, self.forwarded_site, interface, self.cluster.tls)
+        return self.port.getHost().port
+
+    def forward_tls(self):
+        """None (plain HTTP between nodes, no cluster TLS options), or ``host -> `` the Twisted
+        client TLS options the forwarder connects to that host with: this node's certificate, the
+        cluster CA as the only trust root, the host checked against the peer's certificate."""
+        if not self.cluster.tls:
+            return None
+        from node.cluster.tls import client_options_for
+
+        return client_options_for(*self.cluster.tls)
 
     @defer.inlineCallbacks
     def _load(self):
@@ -344,6 +382,24 @@ class S2Catalog:
                 return None
         return rec
 
+    @defer.inlineCallbacks
+    def sbp_streams(self, prefix=""):
+        """[(decimal id, placement-driver record)] of the streams made through SBP whose decimal
+        id starts with ``prefix`` (S2 lists them in the default basin, as on one node): every
+        stream of the placement driver that no S2 name claims, both read from etcd (the stream
+        records first: an S2 create makes the stream, then claims its name, so a stream is
+        listed here only until its name is claimed)."""
+        recs = yield self.pd.list_streams()
+        kvs, _ = yield self.client.get_prefix(self.base + "streams/")
+        named = set()
+        for kv in kvs:
+            try:
+                named.add(json.loads(kv.value)["stream_id"])
+            except (ValueError, KeyError, TypeError):
+                pass
+        return [(str(rec["stream_id"]), rec) for rec in recs
+                if rec["stream_id"] not in named and str(rec["stream_id"]).startswith(prefix)]
+
     def append(self, sid, batch, expect_offset=None):
         """An S2 append on this node as the primary: sequenced and replicated (Deferred[base])."""
         return self.cluster.replicator.append(sid, batch, expect_offset)
@@ -384,9 +440,9 @@ class S2Catalog:
 
     # -- where a stream's data is served -----------------------------------------------------------
 
-    def _http_of(self, node_id):
+    def _forwarding_port_of(self, node_id):
         rec = self.membership.members.get(node_id)
-        return rec.get("http") if rec else None
+        return rec.get("s2_peer") if rec else None
 
     @defer.inlineCallbacks
     def _record(self, sid):
@@ -398,9 +454,9 @@ class S2Catalog:
     @defer.inlineCallbacks
     def append_target(self, sid, avoid=None, wait_s=FAILOVER_WAIT_S):
         """Where appends to ``sid`` go: None (this node is the open range's primary; its local
-        stream exists) or the primary's HTTP ``host:port``. A primary that is not live, or is
-        ``avoid`` (it refused a connection or failed while serving), is waited out (failover)
-        for ``wait_s``; then NoPrimary."""
+        stream exists) or the ``host:port`` of the primary's S2 forwarding port. A primary that
+        is not live, or is ``avoid`` (it refused a connection or failed while serving), is waited
+        out (failover) for ``wait_s``; then NoPrimary."""
         deadline = time.monotonic() + wait_s
         while True:
             rec = yield self._record(sid)
@@ -411,7 +467,7 @@ class S2Catalog:
                     if not self._local(sid):
                         yield self.pd.ensure_local(rec)
                     return None
-                address = self._http_of(primary["id"])
+                address = self._forwarding_port_of(primary["id"])
                 if address is not None and address != avoid:
                     return address
             if time.monotonic() > deadline:

@@ -68,13 +68,18 @@ class ClusterNode:
         interface = getattr(sbp.getHost(), "host", "127.0.0.1") if sbp is not None else "127.0.0.1"
         port = self.replicator.listen(interface)
         advertised = node.config.advertise or (interface if interface not in ("", "0.0.0.0", "::") else "127.0.0.1")
-        addresses["replica"] = ("%s:%d" if ":" not in advertised else "[%s]:%d") % (advertised, port)
+        at = "%s:%d" if ":" not in advertised else "[%s]:%d"
+        addresses["replica"] = at % (advertised, port)
         # the kv peer port (node/cluster/kv_partitions.py): requests forwarded to a partition's leader
         kv = KvPartitions(node, self)
         peer_factory = cluster_server.ClusterKvFactory(lambda: self.kv, node.metrics.setdefault("kv_peer", {}))
         peer_factory.protocol = cluster_server.ClusterKvPeerProtocol
         port = kv.listen(interface, peer_factory)
-        addresses["kv_peer"] = ("%s:%d" if ":" not in advertised else "[%s]:%d") % (advertised, port)
+        addresses["kv_peer"] = at % (advertised, port)
+        # the S2 forwarding port (node/cluster/s2_catalog.py): S2 requests forwarded to a stream's primary
+        port = self.s2_catalog.listen(interface)
+        if port is not None:
+            addresses["s2_peer"] = at % (advertised, port)
         incarnation = load_or_create_incarnation(node.config.data_dir)
         self.membership = Membership(self.client, self.prefix, node.node_id, incarnation, addresses, reactor=node.reactor)
         try:
@@ -117,7 +122,7 @@ class ClusterNode:
             self.toasty.stop()
         if self.failover is not None:
             self.failover.stop()
-        self.s2_catalog.stop()
+        yield self.s2_catalog.stop()
         if self.kv is not None:
             yield self.kv.stop()
         yield self.replicator.stop()

@@ -4,8 +4,10 @@ The cluster CA is the only trust root: a node presents its certificate (signed b
 accepts peers only with one. ``check_node_certificate`` runs at option parsing, so a node whose
 certificate the CA did not sign refuses to start (one line, non-zero exit) rather than join and
 be refused by every peer. ``server_options`` / ``client_options`` are the Twisted TLS options for
-node-to-node listeners and connections (the replication channel of issue 17 uses them); the etcd
-client builds its own from the same files (node/cluster/etcd.py).
+node-to-node listeners and connections; ``listen`` opens a node-to-node listener with them (the
+replica channel, the kv peer port and the S2 forwarding port all do), and ``client_options_for``
+hands out one client's options per host (the S2 forwarder's HTTPS client). The etcd client builds
+its own from the same files (node/cluster/etcd.py).
 """
 
 from cryptography import x509
@@ -67,3 +69,24 @@ def client_options(hostname, cert_path, key_path, ca_path):
 
     mine, ca = _twisted_pems(cert_path, key_path, ca_path)
     return ssl.optionsForClientTLS(hostname, trustRoot=ca, clientCertificate=mine)
+
+
+def client_options_for(cert_path, key_path, ca_path):
+    """``host -> client_options(host, ...)``, made once per host (the files are read once, not
+    on the reactor at every connection)."""
+    made = {}
+
+    def options(host):
+        if host not in made:
+            made[host] = client_options(host, cert_path, key_path, ca_path)
+        return made[host]
+
+    return options
+
+
+def listen(reactor, factory, interface, tls):
+    """A node-to-node listener on a free port of ``interface``: mutual TLS with the cluster's
+    options when ``tls`` is (cert, key, ca), plain TCP when it is None (loopback tests)."""
+    if tls:
+        return reactor.listenSSL(0, factory, server_options(*tls), interface=interface)
+    return reactor.listenTCP(0, factory, interface=interface)

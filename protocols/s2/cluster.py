@@ -26,7 +26,7 @@ from twisted.logger import Logger
 from protocols.s2 import access, codec
 from protocols.s2.api import DEFAULT_BASIN, S2Api
 from protocols.s2.codec import S2Error
-from protocols.s2.forward import FORWARDED, REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
+from protocols.s2.forward import REFUSED, ForwardedAppendSession, Forwarder, unknown_outcome
 from protocols.s2.sessions import AppendSession
 from protocols.s2.tokens import AccessTokens
 from storage import errors
@@ -137,7 +137,7 @@ class ClusterS2Api(S2Api):
     def __init__(self, node):
         super().__init__(node)
         self.catalog = node.cluster.s2_catalog
-        self.forwarder = Forwarder(self.reactor)
+        self.forwarder = Forwarder(self.reactor, tls=self.catalog.forward_tls())
         self.tokens = ClusterAccessTokens(self.catalog, self.token)
         self.basins = CatalogBasins(self.catalog)
         self.epochs = {}  # stream id -> the epoch its S2 state was loaded under (this node as primary)
@@ -241,7 +241,13 @@ class ClusterS2Api(S2Api):
         return StreamView(self.store.log, basin, name, entry) if entry is not None else None
 
     async def streams_named(self, basin, prefix):
-        return [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)]
+        out = [(n, StreamView(self.store.log, basin, n, e)) for n, e in await self.catalog.list_streams(basin, prefix)]
+        if basin == DEFAULT_BASIN:
+            # the streams made through SBP, under their decimal id (as find_stream reaches them)
+            for name, rec in await self.catalog.sbp_streams(prefix):
+                entry = {"stream_id": rec["stream_id"], "created_ms": rec.get("created_ms", 0)}
+                out.append((name, StreamView(self.store.log, basin, name, entry)))
+        return out
 
     def streams_of(self, basin):
         out = []
@@ -301,26 +307,30 @@ class ClusterS2Api(S2Api):
             self.epochs[sid] = epoch
         return await super().append(sid, inp, auth, cipher)
 
-    def _forwarded(self, req):
-        return req.header(FORWARDED) is not None
+    @staticmethod
+    def _forwarded(req):
+        return req.forwarded  # it came in on this node's S2 forwarding port
 
     async def _primary(self, req, sid):
-        """None: this node sequences ``sid``; else the primary's HTTP address. A forwarded
+        """None: this node sequences ``sid``; else the primary's forwarding port. A forwarded
         request is answered at once (503) when this node does not sequence the stream: the
         forwarding node waits out a failover and retries, not this one."""
         if self._forwarded(req):
-            try:
-                target = await self.catalog.append_target(sid, wait_s=0)
-            except Exception as e:
-                kind = self.catalog.classify(e)
-                if kind is None or kind[0] != "no_primary":
-                    raise
-                target = ""
-        else:
-            target = await self.catalog.append_target(sid)
-        if target is not None and self._forwarded(req):
-            raise S2Error(503, "unavailable", "the stream's primary moved; retry")
-        return target
+            if await self._target_now(sid) is not None:
+                raise S2Error(503, "unavailable", "the stream's primary moved; retry")
+            return None
+        return await self.catalog.append_target(sid)
+
+    async def _target_now(self, sid):
+        """``append_target`` without waiting: None (here), the primary's forwarding port, or ""
+        (no live primary: a failover is under way)."""
+        try:
+            return await self.catalog.append_target(sid, wait_s=0)
+        except Exception as e:
+            kind = self.catalog.classify(e)
+            if kind is None or kind[0] != "no_primary":
+                raise
+            return ""
 
     async def _retarget(self, sid, avoid):
         """Where appends to ``sid`` go now (None: here), waiting out a failover; 503 after it."""
@@ -354,13 +364,7 @@ class ClusterS2Api(S2Api):
         if self._forwarded(req):
             await self._primary(req, sid)  # 503 unless this node sequences the stream
             return await super().open_append_session(req, responder)
-        try:
-            target = await self.catalog.append_target(sid, wait_s=0)
-        except Exception as e:
-            kind = self.catalog.classify(e)
-            if kind is None or kind[0] != "no_primary":
-                raise
-            target = ""  # a failover is under way: the session waits for the new primary itself
+        target = await self._target_now(sid)  # "": a failover is under way, the session waits for it
         if target is None:
             return await super().open_append_session(req, responder)
         # The session starts at once whatever the failover does: the SDKs give up on a session

@@ -469,6 +469,18 @@ class S2SReader:
             out.append((bool(flags & S2S_TERMINAL), _decompress((flags & S2S_COMPRESSION_MASK) >> S2S_COMPRESSION_SHIFT, payload)))
         return out
 
+    def inputs(self, data: bytes, check=None) -> List[bytes]:
+        """The AppendInput payloads of a client's S2S append session in ``data`` (clients send no
+        terminal frames: ``bad_frame``); ``check(payload)``, if given, runs on each in order."""
+        out = []
+        for terminal, payload in self.feed(data):
+            if terminal:
+                raise bad("bad_frame", "clients do not send terminal frames")
+            if check is not None:
+                check(payload)
+            out.append(payload)
+        return out
+
     @property
     def buffered(self) -> int:
         return self._frames.buffered()

@@ -1,14 +1,18 @@
 """Forwarding S2 requests to another node of the cluster (CONTRACT §9; docs/protocols/s2.md,
 "In a cluster").
 
-A node that is not a stream's primary sends the stream's appends to the primary's ``--http``
-listener as the client sent them (method, path, query, ``authorization``, ``s2-basin``,
-``s2-encryption-key``, ...), marked with the ``sbp-forwarded`` header so that the primary never
-forwards them again. The primary authenticates them itself (tokens are cluster-wide). Unary calls
-are relayed whole; read sessions are relayed as their bytes arrive; an S2S append session becomes
-a series of HTTP/1.1 ``s2s/proto`` POSTs to the primary, one at a time, each carrying every
-AppendInput that arrived while the previous one was out (``ForwardedAppendSession``), so the
-inputs reach the sequencer in the order the client sent them and the acks come back in that order.
+A node that is not a stream's primary sends the stream's appends to the primary's S2 forwarding
+port (a node-to-node listener of its own, the member record's ``s2_peer``) as the client sent them
+(method, path, query, ``authorization``, ``s2-basin``, ``s2-encryption-key``, ...); what arrives
+on that port is a forwarded request, which the primary never forwards again. The primary
+authenticates it itself (tokens are cluster-wide). With the cluster TLS options the forwarder
+speaks HTTPS with the node's certificate and trusts only the cluster CA (``tls``: the node's
+``host -> client TLS options``, node/cluster/tls.py); the port requires a CA-signed client
+certificate. Unary calls are relayed whole; read sessions are relayed as their bytes arrive; an
+S2S append session becomes a series of HTTP/1.1 ``s2s/proto`` POSTs to the primary, one at a
+time, each carrying every AppendInput that arrived while the previous one was out
+(``ForwardedAppendSession``), so the inputs reach the sequencer in the order the client sent them
+and the acks come back in that order.
 """
 
 import time
@@ -20,17 +24,16 @@ from twisted.logger import Logger
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IBodyProducer
+from twisted.web.iweb import IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
 from protocols.s2 import codec
 from protocols.s2.codec import S2Error
 
-FORWARDED = "sbp-forwarded"
 # hop-by-hop headers, and what the forwarded request recomputes (the body goes decompressed)
 _NOT_FORWARDED = frozenset(("host", "content-length", "connection", "transfer-encoding", "te", "upgrade",
                             "keep-alive", "proxy-connection", "http2-settings", "content-encoding",
-                            "accept-encoding", FORWARDED))
+                            "accept-encoding"))
 _RELAYED = ("content-type", "cache-control")
 CONNECT_TIMEOUT_S = 3
 # A forwarded session POST with inputs out and no acknowledgement for this long is given up: a
@@ -87,18 +90,32 @@ class _Body(Protocol):
             self.transport.stopProducing()
 
 
+@implementer(IPolicyForHTTPS)
+class _ClusterTls:
+    """The HTTPS policy of the forwarder: the cluster's client TLS options for each peer host."""
+
+    def __init__(self, options_for):
+        self.options_for = options_for
+
+    def creatorForNetloc(self, hostname, port):
+        return self.options_for(hostname.decode("ascii"))
+
+
 class Forwarder:
-    """The node's HTTP/1.1 client to the other nodes' ``--http`` listeners (persistent connections;
-    never retries a request by itself: a POST resent after a lost connection could append twice)."""
+    """The node's HTTP/1.1 client to the other nodes' S2 forwarding ports (persistent connections;
+    never retries a request by itself: a POST resent after a lost connection could append twice).
+    ``tls``: None (plain HTTP) or ``host -> `` client TLS options (HTTPS, mutual TLS)."""
 
     log = Logger()
 
-    def __init__(self, reactor):
+    def __init__(self, reactor, tls=None):
         self.reactor = reactor
         self.pool = HTTPConnectionPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = 32
         self.pool.retryAutomatically = False
-        self.agent = Agent(reactor, connectTimeout=CONNECT_TIMEOUT_S, pool=self.pool)
+        self.scheme = "https" if tls is not None else "http"
+        kw = {"contextFactory": _ClusterTls(tls)} if tls is not None else {}
+        self.agent = Agent(reactor, connectTimeout=CONNECT_TIMEOUT_S, pool=self.pool, **kw)
 
     def request(self, address, req, body=None, content_type=None):
         headers = Headers()
@@ -107,8 +124,7 @@ class Forwarder:
                 headers.setRawHeaders(k, [v])
         if content_type is not None:
             headers.setRawHeaders("content-type", [content_type])
-        headers.setRawHeaders(FORWARDED, ["1"])
-        url = ("http://%s%s" % (address, req.raw_path)).encode("utf-8")
+        url = ("%s://%s%s" % (self.scheme, address, req.raw_path)).encode("utf-8")
         return self.agent.request(req.method.encode("ascii"), url, headers,
                                   _Bytes(bytes(body)) if body is not None else None)
 
@@ -207,12 +223,8 @@ class ForwardedAppendSession:
         if self.failed:
             return
         try:
-            payloads = []
-            for terminal, payload in self.reader.feed(data):
-                if terminal:
-                    raise codec.bad("bad_frame", "clients do not send terminal frames")
-                codec.decode_append_input_proto(payload)  # a bad input fails here, not on the primary
-                payloads.append(payload)
+            # a bad input fails here, not on the primary
+            payloads = self.reader.inputs(data, check=codec.decode_append_input_proto)
         except S2Error as e:
             self.fail(e)
             return

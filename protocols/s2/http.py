@@ -15,7 +15,7 @@ DRAIN_LOW_WATER = 1024 * 1024
 
 class HttpRequest:
     __slots__ = ("method", "raw_path", "segments", "query", "headers", "peer", "http_version", "body", "max_body",
-                 "auth")
+                 "auth", "forwarded")
 
     def __init__(self, method, raw_path, headers, peer="", http_version="1.1", max_body=8 * 1024 * 1024):
         self.method = method.upper()
@@ -30,6 +30,9 @@ class HttpRequest:
         self.body = bytearray()
         self.max_body = max_body
         self.auth = None  # protocols.s2.tokens.Auth, set when the request is authenticated
+        # True: another node of the cluster forwarded it (it came in on the node-to-node S2 port,
+        # protocols/s2/server.py's forwarded site), so it is answered here, never forwarded again
+        self.forwarded = False
 
     def header(self, name, default=None):
         return self.headers.get(name, default)

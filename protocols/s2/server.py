@@ -104,10 +104,11 @@ class S2Request(server.Request):
 class S2Resource(resource.Resource):
     isLeaf = True
 
-    def __init__(self, api: S2Api, max_body: int):
+    def __init__(self, api: S2Api, max_body: int, forwarded=False):
         super().__init__()
         self.api = api
         self.max_body = max_body
+        self.forwarded = forwarded
 
     def render(self, web):
         headers = {}
@@ -121,6 +122,7 @@ class S2Resource(resource.Resource):
             web.setResponseCode(400)
             web.setHeader("content-type", "application/json")
             return b'{"code":"bad_path","message":"path is not UTF-8"}'
+        req.forwarded = self.forwarded
         responder = H1Responder(web, req)
         self.api.dispatch(responder)
         web.content.seek(0)
@@ -134,13 +136,35 @@ class S2Resource(resource.Resource):
 class S2Site(server.Site):
     requestFactory = S2Request
 
-    def __init__(self, api, max_body):
-        super().__init__(S2Resource(api, max_body))
+    def __init__(self, api, max_body, forwarded=False):
+        super().__init__(S2Resource(api, max_body, forwarded))
         self.max_body = max_body
         self.noisy = False
 
     def log(self, request):
         pass  # access logging off: one line per request would dominate the node log
+
+
+class ForwardedSite(S2Site):
+    """The node-to-node S2 port of a cluster node (docs/cluster.md, "S2 across the cluster"):
+    HTTP/1.1 only (the forwarder's client, protocols/s2/forward.py), every request marked
+    ``forwarded``, served by the same API object as the ``--http`` listener (one S2 state per
+    stream on its primary). The node listens with it on a port of its own, with the cluster's
+    mutual TLS when it has the TLS options (node/cluster/s2_catalog.py)."""
+
+    def __init__(self, api, max_body):
+        super().__init__(api, max_body, forwarded=True)
+
+    def buildProtocol(self, addr):
+        channel = super().buildProtocol(addr)
+        make_connection = channel.makeConnection
+
+        def no_delay_first(transport):
+            tcp_internals.set_no_delay(transport)  # acks leave at once, as on --http (SniffingProtocol)
+            make_connection(transport)
+
+        channel.makeConnection = no_delay_first
+        return channel
 
 
 class SniffingProtocol(Protocol):
@@ -231,6 +255,9 @@ def build_factory(node):
         api_class = ClusterS2Api
     factory = S2Factory(node, api_class=api_class)
     node.on_shutdown(factory.shutdown)
+    if api_class is not S2Api:
+        # the port other nodes forward to (opened by the node with the cluster's TLS options)
+        node.cluster.s2_catalog.serve_forwarded(ForwardedSite(factory.api, factory.max_body))
     cert = getattr(node.config, "http_tls_cert", None)
     if cert:
         return _tls_wrap(factory, cert, node.config.http_tls_key or cert)

@@ -205,11 +205,7 @@ class AppendSession:
         if self.failed:
             return
         try:
-            payloads = []
-            for terminal, payload in self.reader.feed(data):
-                if terminal:
-                    raise codec.bad("bad_frame", "clients do not send terminal frames")
-                payloads.append(payload)
+            payloads = self.reader.inputs(data)
         except S2Error as e:
             self.fail(e)
             return
