@@ -19,7 +19,8 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
 - ``flush`` freezes the active memtable and merges it into LMDB in the writer thread (off the
   reactor), sorted, as a sequence of LMDB transactions of at most ``MERGE_CHUNK_KEYS`` keys
   (``_Merge``); the last one moves the floor. It runs when the memtable passes ``FLUSH_BYTES``,
-  once no write has landed for ``FLUSH_IDLE_S``, and at the latest ``FLUSH_MAX_AGE_S`` after the
+  once no write has landed for a whole ``FLUSH_IDLE_S`` period (one timer, looked at once per
+  period: 1-2 periods after the last write), and at the latest ``FLUSH_MAX_AGE_S`` after the
   first write into an empty one: a write burst is merged in runs of ``FLUSH_BYTES``, not of
   whatever arrived in one second.
 - Reads merge, newest first: active memtable, the one being merged, LMDB. Scans merge the three
@@ -147,13 +148,14 @@ class _Memtable:
     next scan). Keys are never dropped from a memtable (a remove is a None), so that order only
     grows."""
 
-    __slots__ = ("entries", "nbytes", "sorted", "unsorted")
+    __slots__ = ("entries", "nbytes", "sorted", "unsorted", "plain")
 
     def __init__(self):
         self.entries = {}
         self.nbytes = 0  # bytes counted against FLUSH_BYTES / HARD_BYTES (an overwrite counts again)
         self.sorted = None  # SortedList of the keys, once a scan asked for it
         self.unsorted = []  # keys added since ``sorted`` was brought up to date
+        self.plain = True  # no remove and no key over KEY_KEEP bytes: the merge skips looking for them
 
     def sorted_keys(self):
         if self.sorted is None:
@@ -280,6 +282,7 @@ class KeyValue:
         log = logged.append
         nbytes = 0
         get = None
+        plain = True  # no remove, no key over KEY_KEEP (_Memtable.plain)
         try:
             for key, value in ops:
                 if key.__class__ is not bytes:
@@ -301,6 +304,7 @@ class KeyValue:
                         log((OP_DEL, KV_DB, encode_key(b"", key)))
                     run[key] = None
                     nbytes += klen + ENTRY_OVERHEAD
+                    plain = False
                     continue
                 if value.__class__ is not bytes:
                     value = bytes(value)
@@ -313,6 +317,7 @@ class KeyValue:
                 else:
                     stored = encode_value(key, b"", value)
                     log((OP_PUT, KV_DB, encode_key(b"", key), stored))
+                    plain = False
                 add_result(True)
                 run[key] = stored
                 nbytes += klen + vlen + ENTRY_OVERHEAD
@@ -328,10 +333,10 @@ class KeyValue:
             return results, logged
 
         d = self._core.submit(Direct(apply, nbytes, memtable=True))
-        d.addBoth(self._landed, run, nbytes)
+        d.addBoth(self._landed, run, nbytes, plain)
         return d
 
-    def _landed(self, result, run, nbytes):
+    def _landed(self, result, run, nbytes, plain=True):
         """Reactor thread, the run durable (or failed): into the active memtable, before the
         caller's callbacks run."""
         runs = self._runs
@@ -348,6 +353,8 @@ class KeyValue:
             active.unsorted.extend([k for k in run if k not in entries])
         entries.update(run)
         active.nbytes += nbytes
+        if not plain:
+            active.plain = False
         self._landed_runs += 1
         if active.nbytes >= FLUSH_BYTES:
             self.flush()
@@ -545,7 +552,8 @@ class _Merge:
         at = self.at
         chunk = keys[at : at + MERGE_CHUNK_KEYS]
         stored = list(map(self.frozen.entries.__getitem__, chunk))
-        if None in stored:
+        plain = self.frozen.plain
+        if not plain and None in stored:
             sizes = list(itertools.accumulate(len(v) if v is not None else 0 for v in stored))
         else:
             sizes = list(itertools.accumulate(map(len, stored)))
@@ -554,7 +562,7 @@ class _Merge:
             chunk = chunk[:cut]
             stored = stored[:cut]
         db = self.kv._db
-        if None in stored or max(map(len, chunk)) > KEY_KEEP:
+        if not plain and (None in stored or max(map(len, chunk)) > KEY_KEEP):
             puts = []
             for key, value in zip(chunk, stored):
                 if value is None:
