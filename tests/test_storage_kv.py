@@ -197,3 +197,81 @@ def test_a_merge_started_inside_a_group_delivery_keeps_the_floor_below_the_rest_
         assert reopened.kv.get_many([b"a", b"b"]) == [b"1" * 2000, b"2"]
     finally:
         close(reopened)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.integers(1, 70).flatmap(lambda n: st.sets(st.binary(min_size=n, max_size=n), max_size=60)),
+    st.sets(keys, max_size=40),
+))
+def test_sorted_keys_is_bytes_order(ks):
+    """The merge's numpy sort (keys of one length: unsigned integers or fixed-width strings, with
+    zero bytes anywhere) and its fallback (several lengths, or over 64 bytes) give sorted()."""
+    from storage.kv import sorted_keys
+
+    assert sorted_keys(ks) == sorted(ks)
+    assert sorted_keys(dict.fromkeys(ks)) == sorted(ks)
+
+
+@pytest.mark.parametrize("mixed", ["plain", "removes", "long keys"])
+def test_a_merge_with_and_without_removes_and_long_keys(tmp_path, mixed):
+    """A memtable of SETs of short keys only is merged without looking for removes or long keys
+    (``_Memtable.plain``); one run with a remove or a key over 440 bytes makes it look again."""
+    from twisted.internet import task
+
+    from tests.storage_helpers.inline import close, open_inline
+
+    store = open_inline(tmp_path / "store", task.Clock())
+    try:
+        model = {}
+        ops = [(bytes([i % 256, 0, i // 256, 0]), b"v%d" % i) for i in range(600)]
+        if mixed == "removes":
+            ops += [(bytes([i % 256, 0, i // 256, 0]), None) for i in range(0, 600, 7)]
+        elif mixed == "long keys":
+            ops += [(LONG + bytes([i]) * 9, b"long%d" % i) for i in range(20)]
+        store.kv.write_many(ops[:300])
+        assert store.kv._active.plain
+        store.kv.write_many(ops[300:])
+        assert store.kv._active.plain == (mixed == "plain")
+        for k, v in ops:
+            if v is None:
+                model.pop(k, None)
+            else:
+                model[k] = v
+        store.kv.flush()
+        assert store.kv.memtable_keys() == 0 and store.kv.flushes == 1
+        assert store.kv.scan_forward(None, 10_000) == sorted(model.items())
+        assert store.kv.get_many(list(model)) == list(model.values())
+    finally:
+        close(store)
+
+
+def test_the_merge_timer_waits_for_a_pause_in_writes(tmp_path, monkeypatch):
+    """A memtable under FLUSH_BYTES is merged once no write landed for a whole FLUSH_IDLE_S (1 to 2
+    of them after the last write: the timer is looked at once per period, not reset per write),
+    not FLUSH_IDLE_S after the first while writes go on; FLUSH_MAX_AGE_S after the first at the
+    latest."""
+    from twisted.internet import task
+
+    import storage.kv as kvmod
+    from tests.storage_helpers.inline import close, open_inline
+
+    monkeypatch.setattr(kvmod, "FLUSH_IDLE_S", 1.0)
+    monkeypatch.setattr(kvmod, "FLUSH_MAX_AGE_S", 5.0)
+    clock = task.Clock()
+    store = open_inline(tmp_path / "store", clock)
+    try:
+        for i in range(3):  # a write every 0.6 s: never a pause of 1 s
+            store.kv.write_many([(b"k%d" % i, b"v")])
+            clock.advance(0.6)
+        assert store.kv.flushes == 0
+        clock.advance(0.9)
+        assert store.kv.flushes == 0  # the timer of t=2.0 saw the write of t=1.2
+        clock.advance(1.1)  # the pause: the timer of t=3.0 sees none
+        assert store.kv.flushes == 1 and store.kv.memtable_keys() == 0
+        for i in range(20):  # writes every 0.5 s for 10 s: merged by age
+            store.kv.write_many([(b"a%d" % i, b"v")])
+            clock.advance(0.5)
+        assert store.kv.flushes in (2, 3)  # at 5 s after the first write (and again by then)
+    finally:
+        close(store)

@@ -44,6 +44,7 @@ def main(path, seed, out=None):
     # the kv memtable is merged into LMDB all the time (issue 19): kills land during merges
     storage.kv.FLUSH_BYTES = 2048
     storage.kv.FLUSH_IDLE_S = 0.002
+    storage.kv.FLUSH_MAX_AGE_S = 0.01
     seed = int(seed)
     out = out or sys.stdout
     store = Store.open(path, fsync="always", reactor=reactor, node_id=1, segment_bytes=256 << 10,

@@ -31,6 +31,7 @@ def main(path, seed, verify=False):
 
     kvmod.FLUSH_BYTES = 6000
     kvmod.FLUSH_IDLE_S = 0.002
+    kvmod.FLUSH_MAX_AGE_S = 0.01
     kvmod.MERGE_CHUNK_KEYS = 7
     seed = int(seed)
     rnd = random.Random(seed)
