@@ -21,6 +21,19 @@ sealed range it held, never an unsealed tail. The applied offset of each stream 
 ``kv_partitions.json`` in the data directory (written after the store has the writes; replaying
 from an older offset is harmless: the last write of each key wins either way).
 
+Trimming (issue 20): every node publishes, under ``P kv/applied/<node id>``, the applied offset of
+each stream as its state file last recorded it (the store had the writes, durable per its fsync
+policy, before). Every TRIM_S the leader of each partition trims its stream below the smallest
+offset that every replica of the open range published (``pd.trim_stream``; the replicas follow the
+record's trim point), so a stream keeps only what some replica has not applied yet. A replica whose
+applied offset is below its local copy's trim point (a new copy started at the trim point by
+re-replication or a rebalancing move, a node back after its copy was trimmed) first takes a
+*snapshot*: it clears the partition's key range, copies the partition's pages from a node that has
+applied at least that far (any node: the kv peer port's snapshot cursor, ``snapshot_page``), then
+applies the stream from its trim point (replaying over newer copied values is harmless: the last
+write of each key wins). Its applied offset (file and published) moves only once the copy is in its
+store, so a kill -9 during the copy starts it over.
+
 Leadership: a node that becomes the primary of a partition's open range (a new stream, or a
 failover) serves it only once it has applied everything its log holds (its assigned end, which
 covers every acknowledged write: the seal picked the replica with the largest end as primary).
@@ -36,6 +49,7 @@ and retries, for at most ROUTE_WAIT_S (covering a failover). Reads are served by
 
 import json
 import os
+import struct
 import time
 
 from twisted.internet import defer, protocol, task, threads
@@ -70,6 +84,12 @@ FORWARD_TIMEOUT_S = 10.0
 PEER_CURSOR = b"c"
 REBALANCE_S = 1.0  # at most one rebalancing move this often (the placement-driver leader's)
 REBALANCE_RETRY_S = 5.0  # a partition whose move did not take is left alone this long
+APPLIED_KEY = "kv/applied/"  # + node id: {"applied": {stream id: offset}}, the published applied offsets
+TRIM_S = 2.0  # each leader trims its partitions' streams this often (below what every replica applied)
+SNAPSHOT_CURSOR = b"\x00snap"  # + u8 partition + u64 offset: a snapshot cursor on the kv peer port
+_SNAP = struct.Struct(">BQ")
+SNAPSHOT_PAGE = 1024  # keys per snapshot page (and per local write while clearing the range)
+SNAPSHOT_RETRY_S = 0.5  # between two attempts when no node could serve a snapshot
 
 
 class NotLeader(Exception):
@@ -158,6 +178,9 @@ class Partition:
         self.ready_waiters = []
         self.overlay = {}  # key -> (value or None, end offset): sequenced here, not yet applied
         self.sequenced = {}  # base offset -> (end, ops) of records sequenced here, not yet applied
+        self.snapshotting = False  # the partition's key range is being cleared and copied here
+        self.snapshots = 0  # snapshots this node took of the partition since it started
+        self.trimming = False  # a trim of the stream (leader) is under way
 
     def when_applied(self, offset):
         if self.applied >= offset:
@@ -182,6 +205,8 @@ class KvPartitions:
         self._map_waiters = []  # ensure_map callers while the map is being read or made
         self._saved = {}  # sid -> applied offset (the state file, as loaded / last written)
         self._dirty = False
+        self._published = None  # the applied offsets last published to etcd
+        self._trim_loop = None
         self._loop = None
         self._watch = None
         self._persist_loop = None
@@ -238,13 +263,16 @@ class KvPartitions:
         self._persist_loop = task.LoopingCall(self._persist)
         self._persist_loop.clock = self.reactor
         self._persist_loop.start(PERSIST_S, now=False)
+        self._trim_loop = task.LoopingCall(self._trim)
+        self._trim_loop.clock = self.reactor
+        self._trim_loop.start(TRIM_S, now=False)
 
     @defer.inlineCallbacks
     def stop(self):
         self.stopped = True
         if self._watch is not None:
             self._watch.stop()
-        for lp in (self._loop, self._persist_loop):
+        for lp in (self._loop, self._persist_loop, self._trim_loop):
             if lp is not None and lp.running:
                 lp.stop()
         for peer in list(self.peers.values()):
@@ -537,18 +565,30 @@ class KvPartitions:
                         self._dirty = True
                         self._applied(part)
                         continue
+                trim = log.stream(part.sid).trim_offset
+                if part.applied < trim:
+                    if limit is not None:
+                        return  # a copy outside the open range, trimmed past it: never served
+                    # this copy starts past what the store has applied: the partition's state
+                    # comes from a snapshot first, then the stream from its trim point
+                    yield self._snapshot(part, trim)
+                    continue
                 try:
                     batches = yield log.read(part.sid, part.applied, APPLY_READ)
                 except store_errors.OffsetOutOfRange as e:
+                    if log.stream(part.sid).trim_offset > part.applied:
+                        continue  # trimmed meanwhile: a snapshot (above)
                     self.log.error("key-value partition {p}: cannot apply from {offset}: {e}", p=part.p,
                                    offset=part.applied, e=e)
                     return
                 ops, end = [], part.applied
                 for b in batches:
                     header, records = record_batch.decode(bytes(b))
-                    if header.base_offset != end or (limit is not None and header.next_offset > limit):
+                    if header.next_offset <= end:
+                        continue  # the batch holding a trim point starts below it
+                    if header.base_offset > end or (limit is not None and header.next_offset > limit):
                         break
-                    for r in records:
+                    for r in records[end - header.base_offset:]:
                         ops.extend(kv_log.decode_ops(r.body))
                     end = header.next_offset
                 if end == part.applied:
@@ -562,6 +602,90 @@ class KvPartitions:
                 self._applied(part)
         finally:
             part.applying = False
+
+    @defer.inlineCallbacks
+    def _snapshot(self, part, start):
+        """Make the local store hold partition ``part``'s state as of at least offset ``start``
+        (the local copy's trim point): clear its key range here, then copy its pages from a node
+        that has applied ``start`` (the leader first, then the other members; ``snapshot_page``
+        on their kv peer port). Pages are read while that node goes on applying, so the copy is no
+        single point in time; but every key written only below ``start`` has its final value in
+        every page, and the stream from ``start`` (applied next) rewrites every key written later.
+        ``part.applied`` becomes ``start`` only once the copy is in the store."""
+        part.snapshotting = True
+        p = part.p
+        lo, hi = bounds(p)
+        self.log.info("key-value partition {p}: applied {applied} is below the stream's trim point {start} here: "
+                      "taking a snapshot", p=p, applied=part.applied, start=start)
+        try:
+            position = lo
+            while not self.stopped:
+                keys = [k for k in self.kv.scan_keys(position, SNAPSHOT_PAGE) if k <= hi]
+                if not keys:
+                    break
+                yield self._write_retrying([(k, None) for k in keys])
+                position = keys[-1] + b"\x00"
+            name = SNAPSHOT_CURSOR + _SNAP.pack(p, start)
+            copied = None
+            while copied is None and not self.stopped:
+                for nid in self._snapshot_sources(p):
+                    try:
+                        copied = yield self._copy_from(nid, name, lo)
+                        break
+                    except Exception as e:  # that node cannot serve it (not applied that far, gone)
+                        self.log.info("key-value partition {p}: no snapshot from node {nid}: {e}", p=p, nid=nid, e=e)
+                        # pages already copied from it are rewritten by the next copy or the stream
+                if copied is None:
+                    yield deferLater(self.reactor, SNAPSHOT_RETRY_S, lambda: None)
+            if self.stopped:
+                return
+            part.applied = start
+            part.snapshots += 1
+            self._dirty = True
+            self._applied(part)
+            self.log.info("key-value partition {p}: snapshot of {n} keys from node {nid} in, applying the stream "
+                          "from {start}", p=p, n=copied[1], nid=copied[0], start=start)
+        finally:
+            part.snapshotting = False
+
+    def _snapshot_sources(self, p):
+        """Nodes to ask for a snapshot of ``p``: its leader first, then every other live member."""
+        leader = self._known_leader(p)
+        others = sorted(nid for nid in self.cluster.membership.members if nid not in (self.node_id, leader))
+        return ([leader] if leader is not None and leader != self.node_id else []) + others
+
+    @defer.inlineCallbacks
+    def _copy_from(self, nid, name, start):
+        peer = yield self._peer(nid)
+        yield peer.create_cursor(name)
+        n, position = 0, start
+        try:
+            while True:
+                page = yield peer.scan(codec.GET_FF, name, SNAPSHOT_PAGE, position)
+                if page.items:
+                    yield self._write_retrying(page.items)
+                    n += len(page.items)
+                if not page.next_key:
+                    return nid, n
+                position = page.next_key
+        finally:
+            if peer._lost is None:
+                peer.delete_cursor(name).addErrback(lambda f: None)
+
+    def snapshot_page(self, name, position, count):
+        """The kv peer port's side of a snapshot (``_snapshot``): one GET_FF page of the partition
+        the cursor ``name`` names, from ``position``, if this node has applied its stream at least
+        to the cursor's offset (and is not taking a snapshot of it itself); else NotLeader (ERR 1,
+        the taker asks another node)."""
+        p, start = _SNAP.unpack_from(name, len(SNAPSHOT_CURSOR))
+        part = self.parts.get(p) if p < PARTITIONS else None
+        if part is None or part.snapshotting or part.applied < start:
+            raise NotLeader("partition %d: not applied to %d here" % (p, start))
+        if position is BEGIN:
+            position = bounds(p)[0]
+        if position is END or codec.partition_of(position) != p:
+            return [], END
+        return self._scan_now(p, codec.GET_FF, position, count, b"")
 
     def _unpark(self, _, part):
         part.parked = False
@@ -610,22 +734,78 @@ class KvPartitions:
 
     @defer.inlineCallbacks
     def _persist(self):
-        if not self._dirty or self.map is None:
+        """Write the applied offsets to the state file (the store has those writes), then publish
+        them (``APPLIED_KEY``): a stream is trimmed only below what every replica published."""
+        if self.map is None:
             return
-        self._dirty = False
         state = {"applied": {str(part.sid): part.applied for part in self.parts.values()}}
-        path = self.path
+        if self._dirty:
+            self._dirty = False
+            path = self.path
 
-        def write():
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(state, f)
-            os.replace(tmp, path)
+            def write():
+                tmp = path + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(state, f)
+                os.replace(tmp, path)
 
+            try:
+                yield threads.deferToThread(write)
+            except OSError as e:
+                self.log.warn("cannot write {path}: {e}", path=path, e=e)
+                self._dirty = True
+                return
+        if state != self._published and not self.stopped:
+            try:
+                yield self.cluster.client.put(self.prefix + APPLIED_KEY + str(self.node_id), json.dumps(state))
+                self._published = state
+            except Exception as e:
+                self.log.warn("cannot publish the applied offsets of the key-value partitions: {e}", e=e)
+
+    @defer.inlineCallbacks
+    def _trim(self):
+        """Trim the streams of the partitions led here below what every replica of their open
+        range published as applied (and this node applied)."""
+        if self.map is None or self.stopped:
+            return
+        led = [part for part in self.parts.values() if part.ready and not part.trimming]
+        if not led:
+            return
         try:
-            yield threads.deferToThread(write)
-        except OSError as e:
-            self.log.warn("cannot write {path}: {e}", path=path, e=e)
+            kvs, _rev = yield self.cluster.client.get_prefix(self.prefix + APPLIED_KEY)
+        except Exception as e:
+            self.log.warn("cannot read the published applied offsets: {e}", e=e)
+            return
+        published = {}
+        for kv in kvs:
+            try:
+                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
+                published[nid] = {int(k): int(v) for k, v in json.loads(kv.value)["applied"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        for part in led:
+            rec = self.pd.streams.get(part.sid)
+            rng = placement.open_range(rec) if rec is not None else None
+            if rng is None or not part.ready:
+                continue
+            offsets = [published.get(s["id"], {}).get(part.sid) for s in rng["servers"]]
+            if any(o is None for o in offsets):
+                continue  # a replica that never applied this stream (a new copy): it needs the stream
+            point = min(offsets + [part.applied])
+            if point <= rec.get("trim_offset", 0):
+                continue
+            part.trimming = True
+            self.pd.trim_stream(part.sid, point).addCallbacks(
+                self._trimmed, self._trim_failed, callbackArgs=(part, point), errbackArgs=(part,))
+
+    def _trimmed(self, _, part, point):
+        part.trimming = False
+        self.log.debug("key-value partition {p}: stream {sid} trimmed below {point}", p=part.p, sid=part.sid,
+                       point=point)
+
+    def _trim_failed(self, f, part):
+        part.trimming = False
+        self.log.info("key-value partition {p}: stream {sid} not trimmed: {e}", p=part.p, sid=part.sid, e=f.value)
 
     # -- serving partitions led here ---------------------------------------------------------------
 
@@ -789,6 +969,12 @@ class KvPartitions:
         if isinstance(part, defer.Deferred):
             return part.addCallback(lambda _: self._scan_now(p, cmd, start, count, prefix))
         return defer.succeed(self._scan_now(p, cmd, start, count, prefix))
+
+    def scan_peer(self, cmd, name, position, count, prefix=b""):
+        """A scan on the kv peer port: a snapshot page for a snapshot cursor, else ``scan_local``."""
+        if cmd == codec.GET_FF and name.startswith(SNAPSHOT_CURSOR) and len(name) == len(SNAPSHOT_CURSOR) + _SNAP.size:
+            return defer.succeed(self.snapshot_page(name, position, count))
+        return self.scan_local(cmd, position, count, prefix)
 
     def _scan_now(self, p, cmd, start, count, prefix):
         lo, hi = bounds(p)
@@ -1075,5 +1261,8 @@ class KvPartitions:
             primary = placement.primary_of(rng) if rng else None
             out.append({"partition": p, "stream_id": part.sid, "leader": primary["id"] if primary else None,
                         "replicas": [s["id"] for s in rng["servers"]] if rng else [],
-                        "applied": part.applied, "serving_here": part.ready})
-        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves}
+                        "applied": part.applied, "serving_here": part.ready,
+                        "trim_offset": rec.get("trim_offset", 0) if rec else 0,
+                        "snapshotting": part.snapshotting, "snapshots": part.snapshots})
+        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves,
+                "peer_port": self.port.getHost().port if self.port is not None else None}

@@ -15,7 +15,9 @@ Cursors live here, on the client's node (CONTRACT §4: they belong to the connec
 
 ``ClusterKvPeerProtocol`` serves the kv peer port: the same framing for partitions this node
 leads only (ERR 1 PARTITION_DIED, nothing done, for the others); a scan there pages one partition
-from NextKey (or the cursor's position) and its NextKey is empty when the partition ran out.
+from NextKey (or the cursor's position) and its NextKey is empty when the partition ran out. A
+snapshot cursor (``kv_partitions.SNAPSHOT_CURSOR``) pages a partition held here, led or not, for a
+replica that takes a snapshot of it.
 """
 
 from collections import deque
@@ -353,7 +355,7 @@ class ClusterKvPeerProtocol(ClusterKvProtocol):
 
     @defer.inlineCallbacks
     def _scan(self, req, position):
-        items, new_position = yield self._svc().scan_local(req.cmd, position, req.count, req.prefix)
+        items, new_position = yield self._svc().scan_peer(req.cmd, req.name, position, req.count, req.prefix)
         return items, new_position, False
 
 
