@@ -73,6 +73,7 @@ RECORD_BYTES = 4 << 20  # a write run is split into records of about this size
 SETTLE_S = 5.0  # how long a leader whose appends failed waits to learn from the seal what became of them
 REPLICA_APPLY_DELAY_S = 0.02  # a replica's applier, woken by new data, first waits this long
 APPLY_READ = 4 << 20  # bytes read from the log at once by an applier
+RECEIVED_BYTES = 16 << 20  # most bytes of received batches a replica keeps per partition for its applier
 APPLY_WRITE = 8 << 20  # bytes of operations per write_many while applying
 PERSIST_S = 1.0  # applied offsets are written to STATE_FILE at most this often
 CHECK_S = 0.5  # leadership and appliers are re-checked this often (besides the record watch)
@@ -178,6 +179,11 @@ class Partition:
         self.ready_waiters = []
         self.overlay = {}  # key -> (value or None, end offset): sequenced here, not yet applied
         self.sequenced = {}  # base offset -> (end, ops) of records sequenced here, not yet applied
+        # a replica's copies of the batches it received (base offset -> (end, batch bytes)), in
+        # log order: its applier applies confirmed ones from here instead of reading the log back
+        self.received = {}
+        self.received_bytes = 0
+        self.seen_epoch = None  # the stream epoch ``received`` belongs to
         self.snapshotting = False  # the partition's key range is being cleared and copied here
         self.snapshots = 0  # snapshots this node took of the partition since it started
         self.trimming = False  # a trim of the stream (leader) is under way
@@ -199,6 +205,7 @@ class KvPartitions:
         self.prefix = cluster.prefix
         self.map = None  # [stream id] by partition, once known
         self.parts = {}  # p -> Partition
+        self._by_sid = {}  # stream id -> Partition
         self.peers = {}  # node id -> Deferred of a connected KvClientProtocol
         self.port = None
         self.stopped = False
@@ -257,6 +264,7 @@ class KvPartitions:
         if self.map is None:  # made later by whichever node serves a key first
             self._watch = self.cluster.client.watch_prefix(self.prefix + MAP_KEY, revision + 1, self._map_events)
         self.pd.listeners.append(self._record_changed)
+        self.cluster.replicator.batch_listeners.append(self._replica_batch)
         self._loop = task.LoopingCall(self.check)
         self._loop.clock = self.reactor
         self._loop.start(CHECK_S, now=True)
@@ -305,6 +313,7 @@ class KvPartitions:
         for p, sid in enumerate(streams):
             if p not in self.parts:
                 self.parts[p] = Partition(p, sid, self._saved.get(sid, 0))
+                self._by_sid[sid] = self.parts[p]
 
     def ensure_map(self):
         """Fires once the partition map is known (made here if no node made it yet)."""
@@ -468,9 +477,27 @@ class KvPartitions:
                 raise placement.Conflict("node %d has not caught up with partition %d yet" % (target, p))
         self.moves += 1
 
+    def _replica_batch(self, sid, base, batch):
+        """The replicator stored (queued) ``batch`` at ``base`` in this node's copy of ``sid``."""
+        part = self._by_sid.get(sid)
+        if part is None or part.lead_epoch is not None or part.received_bytes >= RECEIVED_BYTES:
+            return  # (too far behind: the applier reads the log back, as after a restart)
+        if batch.__class__ is not bytes:
+            batch = bytes(batch)
+        old = part.received.get(base)
+        if old is not None:
+            part.received_bytes -= len(old[1])
+        part.received[base] = (base + int.from_bytes(batch[9:13], "big", signed=True), batch)
+        part.received_bytes += len(batch)
+
     def _check(self, part, rec):
         if self.stopped:
             return
+        if part.seen_epoch != rec.get("epoch", 0):
+            # a seal may have cut batches received in the old epoch: read the log from here on
+            part.seen_epoch = rec.get("epoch", 0)
+            part.received.clear()
+            part.received_bytes = 0
         rng = placement.open_range(rec)
         primary = placement.primary_of(rng) if rng else None
         if primary is not None and primary["id"] == self.node_id:
@@ -559,6 +586,26 @@ class KvPartitions:
                         nxt, chunk = part.sequenced.pop(end)
                         ops.extend(chunk)
                         end = nxt
+                    if end > part.applied:
+                        yield self._write_local(ops)
+                        part.applied = end
+                        self._dirty = True
+                        self._applied(part)
+                        continue
+                if part.received:
+                    # a replica's received batches that are confirmed: applied from memory
+                    visible = log.stream(part.sid).next_offset
+                    if limit is not None:
+                        visible = min(visible, limit)
+                    received, ops, end = part.received, [], part.applied
+                    entry = received.get(end)
+                    while entry is not None and entry[0] <= visible:
+                        del received[end]
+                        part.received_bytes -= len(entry[1])
+                        for r in record_batch.decode(entry[1])[1]:
+                            ops.extend(kv_log.decode_ops(r.body))
+                        end = entry[0]
+                        entry = received.get(end)
                     if end > part.applied:
                         yield self._write_local(ops)
                         part.applied = end
@@ -727,6 +774,12 @@ class KvPartitions:
         if part.sequenced and min(part.sequenced) < part.applied:  # applied from the log instead
             for base in [b for b in part.sequenced if b < part.applied]:
                 del part.sequenced[base]
+        received = part.received
+        while received:
+            base = next(iter(received))
+            if base >= part.applied:
+                break
+            part.received_bytes -= len(received.pop(base)[1])
         if part.overlay:
             applied = part.applied
             for key in [k for k, (_v, end) in part.overlay.items() if end <= applied]:
