@@ -87,6 +87,10 @@ REBALANCE_S = 1.0  # at most one rebalancing move this often (the placement-driv
 REBALANCE_RETRY_S = 5.0  # a partition whose move did not take is left alone this long
 APPLIED_KEY = "kv/applied/"  # + node id: {"applied": {stream id: offset}}, the published applied offsets
 TRIM_S = 2.0  # each leader trims its partitions' streams this often (below what every replica applied)
+# a trim (an etcd compare-and-swap, then a store transaction on every replica) only once this many
+# records can go, or the whole stream can (every replica applied all of it)
+TRIM_MIN_RECORDS = 512
+PUBLISH_S = 2.0  # applied offsets are published at most this often
 SNAPSHOT_CURSOR = b"\x00snap"  # + u8 partition + u64 offset: a snapshot cursor on the kv peer port
 _SNAP = struct.Struct(">BQ")
 SNAPSHOT_PAGE = 1024  # keys per snapshot page (and per local write while clearing the range)
@@ -213,6 +217,7 @@ class KvPartitions:
         self._saved = {}  # sid -> applied offset (the state file, as loaded / last written)
         self._dirty = False
         self._published = None  # the applied offsets last published to etcd
+        self._next_publish = 0.0
         self._trim_loop = None
         self._loop = None
         self._watch = None
@@ -808,7 +813,9 @@ class KvPartitions:
                 self.log.warn("cannot write {path}: {e}", path=path, e=e)
                 self._dirty = True
                 return
-        if state != self._published and not self.stopped:
+        now = self.reactor.seconds()
+        if state != self._published and not self.stopped and now >= self._next_publish:
+            self._next_publish = now + PUBLISH_S
             try:
                 yield self.cluster.client.put(self.prefix + APPLIED_KEY + str(self.node_id), json.dumps(state))
                 self._published = state
@@ -845,7 +852,8 @@ class KvPartitions:
             if any(o is None for o in offsets):
                 continue  # a replica that never applied this stream (a new copy): it needs the stream
             point = min(offsets + [part.applied])
-            if point <= rec.get("trim_offset", 0):
+            trim = rec.get("trim_offset", 0)
+            if point <= trim or (point - trim < TRIM_MIN_RECORDS and point < self.node.store.log.assigned_end(part.sid)):
                 continue
             part.trimming = True
             self.pd.trim_stream(part.sid, point).addCallbacks(
