@@ -241,6 +241,11 @@ class KvPartitions:
     def kv(self):
         return self.node.store.kv
 
+    @property
+    def core(self):
+        """The store's commit core (the kv listeners hold its writer wake-ups over a read)."""
+        return getattr(self.node.store, "core", None)
+
     # -- start / stop -----------------------------------------------------------------------------
 
     def listen(self, interface, factory):

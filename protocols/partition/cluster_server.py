@@ -89,17 +89,26 @@ class ClusterKvProtocol(Protocol):
             return
         self.metrics["bytes_in"] = self.metrics.get("bytes_in", 0) + len(data)
         self._frames.feed(data)
-        self._busy = True
+        # the appends of one read (one record per partition led here) go to the store's writer
+        # together: one wake-up, one group commit, not one per partition
+        core = getattr(self.service(), "core", None)
+        if core is not None:
+            core.hold_wakeups()
         try:
-            self._process()
-        except Exception:
-            self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
-            self._closing = True
-            self.transport.abortConnection()
-            return
+            self._busy = True
+            try:
+                self._process()
+            except Exception:
+                self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
+                self._closing = True
+                self.transport.abortConnection()
+                return
+            finally:
+                self._busy = False
+            self._issue_writes()
         finally:
-            self._busy = False
-        self._issue_writes()
+            if core is not None:
+                core.release_wakeups()
         self._drain()
 
     def _process(self):
