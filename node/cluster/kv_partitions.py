@@ -21,6 +21,19 @@ sealed range it held, never an unsealed tail. The applied offset of each stream 
 ``kv_partitions.json`` in the data directory (written after the store has the writes; replaying
 from an older offset is harmless: the last write of each key wins either way).
 
+Trimming (issue 20): every node publishes, under ``P kv/applied/<node id>``, the applied offset of
+each stream as its state file last recorded it (the store had the writes, durable per its fsync
+policy, before). Every TRIM_S the leader of each partition trims its stream below the smallest
+offset that every replica of the open range published (``pd.trim_stream``; the replicas follow the
+record's trim point), so a stream keeps only what some replica has not applied yet. A replica whose
+applied offset is below its local copy's trim point (a new copy started at the trim point by
+re-replication or a rebalancing move, a node back after its copy was trimmed) first takes a
+*snapshot*: it clears the partition's key range, copies the partition's pages from a node that has
+applied at least that far (any node: the kv peer port's snapshot cursor, ``snapshot_page``), then
+applies the stream from its trim point (replaying over newer copied values is harmless: the last
+write of each key wins). Its applied offset (file and published) moves only once the copy is in its
+store, so a kill -9 during the copy starts it over.
+
 Leadership: a node that becomes the primary of a partition's open range (a new stream, or a
 failover) serves it only once it has applied everything its log holds (its assigned end, which
 covers every acknowledged write: the seal picked the replica with the largest end as primary).
@@ -36,6 +49,7 @@ and retries, for at most ROUTE_WAIT_S (covering a failover). Reads are served by
 
 import json
 import os
+import struct
 import time
 
 from twisted.internet import defer, protocol, task, threads
@@ -59,6 +73,7 @@ RECORD_BYTES = 4 << 20  # a write run is split into records of about this size
 SETTLE_S = 5.0  # how long a leader whose appends failed waits to learn from the seal what became of them
 REPLICA_APPLY_DELAY_S = 0.02  # a replica's applier, woken by new data, first waits this long
 APPLY_READ = 4 << 20  # bytes read from the log at once by an applier
+RECEIVED_BYTES = 16 << 20  # most bytes of received batches a replica keeps per partition for its applier
 APPLY_WRITE = 8 << 20  # bytes of operations per write_many while applying
 PERSIST_S = 1.0  # applied offsets are written to STATE_FILE at most this often
 CHECK_S = 0.5  # leadership and appliers are re-checked this often (besides the record watch)
@@ -70,6 +85,16 @@ FORWARD_TIMEOUT_S = 10.0
 PEER_CURSOR = b"c"
 REBALANCE_S = 1.0  # at most one rebalancing move this often (the placement-driver leader's)
 REBALANCE_RETRY_S = 5.0  # a partition whose move did not take is left alone this long
+APPLIED_KEY = "kv/applied/"  # + node id: {"applied": {stream id: offset}}, the published applied offsets
+TRIM_S = 2.0  # each leader trims its partitions' streams this often (below what every replica applied)
+# a trim (an etcd compare-and-swap, then a store transaction on every replica) only once this many
+# records can go, or the whole stream can (every replica applied all of it)
+TRIM_MIN_RECORDS = 512
+PUBLISH_S = 2.0  # applied offsets are published at most this often
+SNAPSHOT_CURSOR = b"\x00snap"  # + u8 partition + u64 offset: a snapshot cursor on the kv peer port
+_SNAP = struct.Struct(">BQ")
+SNAPSHOT_PAGE = 1024  # keys per snapshot page (and per local write while clearing the range)
+SNAPSHOT_RETRY_S = 0.5  # between two attempts when no node could serve a snapshot
 
 
 class NotLeader(Exception):
@@ -158,6 +183,14 @@ class Partition:
         self.ready_waiters = []
         self.overlay = {}  # key -> (value or None, end offset): sequenced here, not yet applied
         self.sequenced = {}  # base offset -> (end, ops) of records sequenced here, not yet applied
+        # a replica's copies of the batches it received (base offset -> (end, batch bytes)), in
+        # log order: its applier applies confirmed ones from here instead of reading the log back
+        self.received = {}
+        self.received_bytes = 0
+        self.seen_epoch = None  # the stream epoch ``received`` belongs to
+        self.snapshotting = False  # the partition's key range is being cleared and copied here
+        self.snapshots = 0  # snapshots this node took of the partition since it started
+        self.trimming = False  # a trim of the stream (leader) is under way
 
     def when_applied(self, offset):
         if self.applied >= offset:
@@ -176,12 +209,16 @@ class KvPartitions:
         self.prefix = cluster.prefix
         self.map = None  # [stream id] by partition, once known
         self.parts = {}  # p -> Partition
+        self._by_sid = {}  # stream id -> Partition
         self.peers = {}  # node id -> Deferred of a connected KvClientProtocol
         self.port = None
         self.stopped = False
         self._map_waiters = []  # ensure_map callers while the map is being read or made
         self._saved = {}  # sid -> applied offset (the state file, as loaded / last written)
         self._dirty = False
+        self._published = None  # the applied offsets last published to etcd
+        self._next_publish = 0.0
+        self._trim_loop = None
         self._loop = None
         self._watch = None
         self._persist_loop = None
@@ -203,6 +240,11 @@ class KvPartitions:
     @property
     def kv(self):
         return self.node.store.kv
+
+    @property
+    def core(self):
+        """The store's commit core (the kv listeners hold its writer wake-ups over a read)."""
+        return getattr(self.node.store, "core", None)
 
     # -- start / stop -----------------------------------------------------------------------------
 
@@ -228,19 +270,23 @@ class KvPartitions:
         if self.map is None:  # made later by whichever node serves a key first
             self._watch = self.cluster.client.watch_prefix(self.prefix + MAP_KEY, revision + 1, self._map_events)
         self.pd.listeners.append(self._record_changed)
+        self.cluster.replicator.batch_listeners.append(self._replica_batch)
         self._loop = task.LoopingCall(self.check)
         self._loop.clock = self.reactor
         self._loop.start(CHECK_S, now=True)
         self._persist_loop = task.LoopingCall(self._persist)
         self._persist_loop.clock = self.reactor
         self._persist_loop.start(PERSIST_S, now=False)
+        self._trim_loop = task.LoopingCall(self._trim)
+        self._trim_loop.clock = self.reactor
+        self._trim_loop.start(TRIM_S, now=False)
 
     @defer.inlineCallbacks
     def stop(self):
         self.stopped = True
         if self._watch is not None:
             self._watch.stop()
-        for lp in (self._loop, self._persist_loop):
+        for lp in (self._loop, self._persist_loop, self._trim_loop):
             if lp is not None and lp.running:
                 lp.stop()
         for peer in list(self.peers.values()):
@@ -273,6 +319,7 @@ class KvPartitions:
         for p, sid in enumerate(streams):
             if p not in self.parts:
                 self.parts[p] = Partition(p, sid, self._saved.get(sid, 0))
+                self._by_sid[sid] = self.parts[p]
 
     def ensure_map(self):
         """Fires once the partition map is known (made here if no node made it yet)."""
@@ -436,9 +483,27 @@ class KvPartitions:
                 raise placement.Conflict("node %d has not caught up with partition %d yet" % (target, p))
         self.moves += 1
 
+    def _replica_batch(self, sid, base, batch):
+        """The replicator stored (queued) ``batch`` at ``base`` in this node's copy of ``sid``."""
+        part = self._by_sid.get(sid)
+        if part is None or part.lead_epoch is not None or part.received_bytes >= RECEIVED_BYTES:
+            return  # (too far behind: the applier reads the log back, as after a restart)
+        if batch.__class__ is not bytes:
+            batch = bytes(batch)
+        old = part.received.get(base)
+        if old is not None:
+            part.received_bytes -= len(old[1])
+        part.received[base] = (base + int.from_bytes(batch[9:13], "big", signed=True), batch)
+        part.received_bytes += len(batch)
+
     def _check(self, part, rec):
         if self.stopped:
             return
+        if part.seen_epoch != rec.get("epoch", 0):
+            # a seal may have cut batches received in the old epoch: read the log from here on
+            part.seen_epoch = rec.get("epoch", 0)
+            part.received.clear()
+            part.received_bytes = 0
         rng = placement.open_range(rec)
         primary = placement.primary_of(rng) if rng else None
         if primary is not None and primary["id"] == self.node_id:
@@ -533,18 +598,50 @@ class KvPartitions:
                         self._dirty = True
                         self._applied(part)
                         continue
+                if part.received:
+                    # a replica's received batches that are confirmed: applied from memory
+                    visible = log.stream(part.sid).next_offset
+                    if limit is not None:
+                        visible = min(visible, limit)
+                    received, ops, end = part.received, [], part.applied
+                    entry = received.get(end)
+                    while entry is not None and entry[0] <= visible:
+                        del received[end]
+                        part.received_bytes -= len(entry[1])
+                        for r in record_batch.decode(entry[1])[1]:
+                            ops.extend(kv_log.decode_ops(r.body))
+                        end = entry[0]
+                        entry = received.get(end)
+                    if end > part.applied:
+                        yield self._write_local(ops)
+                        part.applied = end
+                        self._dirty = True
+                        self._applied(part)
+                        continue
+                trim = log.stream(part.sid).trim_offset
+                if part.applied < trim:
+                    if limit is not None:
+                        return  # a copy outside the open range, trimmed past it: never served
+                    # this copy starts past what the store has applied: the partition's state
+                    # comes from a snapshot first, then the stream from its trim point
+                    yield self._snapshot(part, trim)
+                    continue
                 try:
                     batches = yield log.read(part.sid, part.applied, APPLY_READ)
                 except store_errors.OffsetOutOfRange as e:
+                    if log.stream(part.sid).trim_offset > part.applied:
+                        continue  # trimmed meanwhile: a snapshot (above)
                     self.log.error("key-value partition {p}: cannot apply from {offset}: {e}", p=part.p,
                                    offset=part.applied, e=e)
                     return
                 ops, end = [], part.applied
                 for b in batches:
                     header, records = record_batch.decode(bytes(b))
-                    if header.base_offset != end or (limit is not None and header.next_offset > limit):
+                    if header.next_offset <= end:
+                        continue  # the batch holding a trim point starts below it
+                    if header.base_offset > end or (limit is not None and header.next_offset > limit):
                         break
-                    for r in records:
+                    for r in records[end - header.base_offset:]:
                         ops.extend(kv_log.decode_ops(r.body))
                     end = header.next_offset
                 if end == part.applied:
@@ -558,6 +655,90 @@ class KvPartitions:
                 self._applied(part)
         finally:
             part.applying = False
+
+    @defer.inlineCallbacks
+    def _snapshot(self, part, start):
+        """Make the local store hold partition ``part``'s state as of at least offset ``start``
+        (the local copy's trim point): clear its key range here, then copy its pages from a node
+        that has applied ``start`` (the leader first, then the other members; ``snapshot_page``
+        on their kv peer port). Pages are read while that node goes on applying, so the copy is no
+        single point in time; but every key written only below ``start`` has its final value in
+        every page, and the stream from ``start`` (applied next) rewrites every key written later.
+        ``part.applied`` becomes ``start`` only once the copy is in the store."""
+        part.snapshotting = True
+        p = part.p
+        lo, hi = bounds(p)
+        self.log.info("key-value partition {p}: applied {applied} is below the stream's trim point {start} here: "
+                      "taking a snapshot", p=p, applied=part.applied, start=start)
+        try:
+            position = lo
+            while not self.stopped:
+                keys = [k for k in self.kv.scan_keys(position, SNAPSHOT_PAGE) if k <= hi]
+                if not keys:
+                    break
+                yield self._write_retrying([(k, None) for k in keys])
+                position = keys[-1] + b"\x00"
+            name = SNAPSHOT_CURSOR + _SNAP.pack(p, start)
+            copied = None
+            while copied is None and not self.stopped:
+                for nid in self._snapshot_sources(p):
+                    try:
+                        copied = yield self._copy_from(nid, name, lo)
+                        break
+                    except Exception as e:  # that node cannot serve it (not applied that far, gone)
+                        self.log.info("key-value partition {p}: no snapshot from node {nid}: {e}", p=p, nid=nid, e=e)
+                        # pages already copied from it are rewritten by the next copy or the stream
+                if copied is None:
+                    yield deferLater(self.reactor, SNAPSHOT_RETRY_S, lambda: None)
+            if self.stopped:
+                return
+            part.applied = start
+            part.snapshots += 1
+            self._dirty = True
+            self._applied(part)
+            self.log.info("key-value partition {p}: snapshot of {n} keys from node {nid} in, applying the stream "
+                          "from {start}", p=p, n=copied[1], nid=copied[0], start=start)
+        finally:
+            part.snapshotting = False
+
+    def _snapshot_sources(self, p):
+        """Nodes to ask for a snapshot of ``p``: its leader first, then every other live member."""
+        leader = self._known_leader(p)
+        others = sorted(nid for nid in self.cluster.membership.members if nid not in (self.node_id, leader))
+        return ([leader] if leader is not None and leader != self.node_id else []) + others
+
+    @defer.inlineCallbacks
+    def _copy_from(self, nid, name, start):
+        peer = yield self._peer(nid)
+        yield peer.create_cursor(name)
+        n, position = 0, start
+        try:
+            while True:
+                page = yield peer.scan(codec.GET_FF, name, SNAPSHOT_PAGE, position)
+                if page.items:
+                    yield self._write_retrying(page.items)
+                    n += len(page.items)
+                if not page.next_key:
+                    return nid, n
+                position = page.next_key
+        finally:
+            if peer._lost is None:
+                peer.delete_cursor(name).addErrback(lambda f: None)
+
+    def snapshot_page(self, name, position, count):
+        """The kv peer port's side of a snapshot (``_snapshot``): one GET_FF page of the partition
+        the cursor ``name`` names, from ``position``, if this node has applied its stream at least
+        to the cursor's offset (and is not taking a snapshot of it itself); else NotLeader (ERR 1,
+        the taker asks another node)."""
+        p, start = _SNAP.unpack_from(name, len(SNAPSHOT_CURSOR))
+        part = self.parts.get(p) if p < PARTITIONS else None
+        if part is None or part.snapshotting or part.applied < start:
+            raise NotLeader("partition %d: not applied to %d here" % (p, start))
+        if position is BEGIN:
+            position = bounds(p)[0]
+        if position is END or codec.partition_of(position) != p:
+            return [], END
+        return self._scan_now(p, codec.GET_FF, position, count, b"")
 
     def _unpark(self, _, part):
         part.parked = False
@@ -599,6 +780,12 @@ class KvPartitions:
         if part.sequenced and min(part.sequenced) < part.applied:  # applied from the log instead
             for base in [b for b in part.sequenced if b < part.applied]:
                 del part.sequenced[base]
+        received = part.received
+        while received:
+            base = next(iter(received))
+            if base >= part.applied:
+                break
+            part.received_bytes -= len(received.pop(base)[1])
         if part.overlay:
             applied = part.applied
             for key in [k for k, (_v, end) in part.overlay.items() if end <= applied]:
@@ -606,22 +793,81 @@ class KvPartitions:
 
     @defer.inlineCallbacks
     def _persist(self):
-        if not self._dirty or self.map is None:
+        """Write the applied offsets to the state file (the store has those writes), then publish
+        them (``APPLIED_KEY``): a stream is trimmed only below what every replica published."""
+        if self.map is None:
             return
-        self._dirty = False
         state = {"applied": {str(part.sid): part.applied for part in self.parts.values()}}
-        path = self.path
+        if self._dirty:
+            self._dirty = False
+            path = self.path
 
-        def write():
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(state, f)
-            os.replace(tmp, path)
+            def write():
+                tmp = path + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(state, f)
+                os.replace(tmp, path)
 
+            try:
+                yield threads.deferToThread(write)
+            except OSError as e:
+                self.log.warn("cannot write {path}: {e}", path=path, e=e)
+                self._dirty = True
+                return
+        now = self.reactor.seconds()
+        if state != self._published and not self.stopped and now >= self._next_publish:
+            self._next_publish = now + PUBLISH_S
+            try:
+                yield self.cluster.client.put(self.prefix + APPLIED_KEY + str(self.node_id), json.dumps(state))
+                self._published = state
+            except Exception as e:
+                self.log.warn("cannot publish the applied offsets of the key-value partitions: {e}", e=e)
+
+    @defer.inlineCallbacks
+    def _trim(self):
+        """Trim the streams of the partitions led here below what every replica of their open
+        range published as applied (and this node applied)."""
+        if self.map is None or self.stopped:
+            return
+        led = [part for part in self.parts.values() if part.ready and not part.trimming]
+        if not led:
+            return
         try:
-            yield threads.deferToThread(write)
-        except OSError as e:
-            self.log.warn("cannot write {path}: {e}", path=path, e=e)
+            kvs, _rev = yield self.cluster.client.get_prefix(self.prefix + APPLIED_KEY)
+        except Exception as e:
+            self.log.warn("cannot read the published applied offsets: {e}", e=e)
+            return
+        published = {}
+        for kv in kvs:
+            try:
+                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
+                published[nid] = {int(k): int(v) for k, v in json.loads(kv.value)["applied"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        for part in led:
+            rec = self.pd.streams.get(part.sid)
+            rng = placement.open_range(rec) if rec is not None else None
+            if rng is None or not part.ready:
+                continue
+            offsets = [published.get(s["id"], {}).get(part.sid) for s in rng["servers"]]
+            if any(o is None for o in offsets):
+                continue  # a replica that never applied this stream (a new copy): it needs the stream
+            point = min(offsets + [part.applied])
+            trim = rec.get("trim_offset", 0)
+            if point <= trim or (point - trim < TRIM_MIN_RECORDS and point < self.node.store.log.assigned_end(part.sid)):
+                continue
+            part.trimming = True
+            self.pd.trim_stream(part.sid, point).addCallbacks(
+                self._trimmed, self._trim_failed, callbackArgs=(part, point), errbackArgs=(part,))
+
+    def _trimmed(self, _, part, point):
+        part.trimming = False
+        self.log.debug("key-value partition {p}: stream {sid} trimmed below {point}", p=part.p, sid=part.sid,
+                       point=point)
+
+    def _trim_failed(self, f, part):
+        part.trimming = False
+        self.log.info("key-value partition {p}: stream {sid} not trimmed: {e}", p=part.p, sid=part.sid, e=f.value)
 
     # -- serving partitions led here ---------------------------------------------------------------
 
@@ -785,6 +1031,12 @@ class KvPartitions:
         if isinstance(part, defer.Deferred):
             return part.addCallback(lambda _: self._scan_now(p, cmd, start, count, prefix))
         return defer.succeed(self._scan_now(p, cmd, start, count, prefix))
+
+    def scan_peer(self, cmd, name, position, count, prefix=b""):
+        """A scan on the kv peer port: a snapshot page for a snapshot cursor, else ``scan_local``."""
+        if cmd == codec.GET_FF and name.startswith(SNAPSHOT_CURSOR) and len(name) == len(SNAPSHOT_CURSOR) + _SNAP.size:
+            return defer.succeed(self.snapshot_page(name, position, count))
+        return self.scan_local(cmd, position, count, prefix)
 
     def _scan_now(self, p, cmd, start, count, prefix):
         lo, hi = bounds(p)
@@ -1071,5 +1323,8 @@ class KvPartitions:
             primary = placement.primary_of(rng) if rng else None
             out.append({"partition": p, "stream_id": part.sid, "leader": primary["id"] if primary else None,
                         "replicas": [s["id"] for s in rng["servers"]] if rng else [],
-                        "applied": part.applied, "serving_here": part.ready})
-        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves}
+                        "applied": part.applied, "serving_here": part.ready,
+                        "trim_offset": rec.get("trim_offset", 0) if rec else 0,
+                        "snapshotting": part.snapshotting, "snapshots": part.snapshots})
+        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves,
+                "peer_port": self.port.getHost().port if self.port is not None else None}

@@ -107,6 +107,9 @@ class Replicator:
         self._inbound = {}  # stream id -> [messages waiting for the local replica to exist]
         self.refused_epochs = {}  # stream id -> epoch below which appends are refused (sealed here)
         self._seals = {}  # (node id, stream id, epoch) -> [Deferred of the replica's end]
+        # (stream id, base offset, batch) -> None, for each batch this replica stores (queued, in
+        # log order): the key-value partitions apply confirmed batches from these bytes
+        self.batch_listeners = []
 
     @property
     def node_id(self):
@@ -551,6 +554,8 @@ class Replicator:
                 d.addErrback(lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
                 break
             last = d
+            for listener in self.batch_listeners:
+                listener(sid, base, batch)
         if last is None:
             self._ack(channel, sid)
             return

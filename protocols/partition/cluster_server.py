@@ -15,7 +15,9 @@ Cursors live here, on the client's node (CONTRACT §4: they belong to the connec
 
 ``ClusterKvPeerProtocol`` serves the kv peer port: the same framing for partitions this node
 leads only (ERR 1 PARTITION_DIED, nothing done, for the others); a scan there pages one partition
-from NextKey (or the cursor's position) and its NextKey is empty when the partition ran out.
+from NextKey (or the cursor's position) and its NextKey is empty when the partition ran out. A
+snapshot cursor (``kv_partitions.SNAPSHOT_CURSOR``) pages a partition held here, led or not, for a
+replica that takes a snapshot of it.
 """
 
 from collections import deque
@@ -87,17 +89,26 @@ class ClusterKvProtocol(Protocol):
             return
         self.metrics["bytes_in"] = self.metrics.get("bytes_in", 0) + len(data)
         self._frames.feed(data)
-        self._busy = True
+        # the appends of one read (one record per partition led here) go to the store's writer
+        # together: one wake-up, one group commit, not one per partition
+        core = getattr(self.service(), "core", None)
+        if core is not None:
+            core.hold_wakeups()
         try:
-            self._process()
-        except Exception:
-            self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
-            self._closing = True
-            self.transport.abortConnection()
-            return
+            self._busy = True
+            try:
+                self._process()
+            except Exception:
+                self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
+                self._closing = True
+                self.transport.abortConnection()
+                return
+            finally:
+                self._busy = False
+            self._issue_writes()
         finally:
-            self._busy = False
-        self._issue_writes()
+            if core is not None:
+                core.release_wakeups()
         self._drain()
 
     def _process(self):
@@ -353,7 +364,7 @@ class ClusterKvPeerProtocol(ClusterKvProtocol):
 
     @defer.inlineCallbacks
     def _scan(self, req, position):
-        items, new_position = yield self._svc().scan_local(req.cmd, position, req.count, req.prefix)
+        items, new_position = yield self._svc().scan_peer(req.cmd, req.name, position, req.count, req.prefix)
         return items, new_position, False
 
 
