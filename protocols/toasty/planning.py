@@ -237,7 +237,7 @@ class HashBatcher:
     job and several helpers hash them side by side (on a CPU without SHA extensions SHA-256 is
     most of a transfer's work: one helper thread would cap it at one core's hashing rate)."""
 
-    def __init__(self, pool, per_job=8, job_bytes=256 * 1024):
+    def __init__(self, pool, per_job=8, job_bytes=512 * 1024):
         self.pool = pool
         self.per_job = per_job
         self.job_bytes = job_bytes
