@@ -39,6 +39,11 @@ from protocols.toasty.planning import (
 
 READ_SIZE = 1024 * 1024  # bytes asked of one recv: up to 16 pipelined 64 KiB chunk replies
 HASH_THREADS = 4  # at most this many helper threads hash chunks
+# A chunk goes to a read's sink in pieces of at most this much. A file sink then writes 512 KiB
+# at a time: on this project's machine (Linux 6.18, ext4) a buffered write of a whole aligned
+# 1 MiB costs 0.8-1.0 CPU-s per GB of fresh page cache, of 64-512 KiB pieces 0.27-0.43
+# (docs/benchmarks.md, issue 18).
+SINK_PIECE = 512 * 1024
 
 
 def hash_threads():
@@ -455,7 +460,13 @@ class BlockingToastyClient:
                         data = self._download_fallback(h, holders[1:], error)
                         out[n] = _span(data, lo, hi)
                     del checks[n]
-                sink(out[n])
+                data = out[n]
+                if len(data) > SINK_PIECE:
+                    view = memoryview(data)
+                    for k in range(0, len(view), SINK_PIECE):
+                        sink(view[k : k + SINK_PIECE])
+                else:
+                    sink(data)
                 out[n] = None
                 n += 1
             emitted[0] = n
