@@ -36,8 +36,7 @@ def register(sub):
     put = fs.add_parser("put", help="upload a local file (replaces the remote file's content)")
     put.add_argument("local", help="local file, or - for stdin")
     put.add_argument("path", help="remote path")
-    put.add_argument("--chunk-size", type=int, default=None,
-                     help="chunk size for a new file (default 65536, or 1048576 for a file of 64 MiB or more)")
+    put.add_argument("--chunk-size", type=int, default=64 * 1024, help="chunk size for a new file (default 65536)")
     put.add_argument("--no-progress", action="store_true")
     put.add_argument("--read-back", action="store_true", help="also read the whole file back and compare its SHA-256")
     put.set_defaults(func=run_put)
@@ -132,20 +131,10 @@ def run_mkdir(args):
     return 0
 
 
-BIG_FILE = 64 * 1024 * 1024
-
-
-def default_chunk_size(size):
-    """A new file's chunk size when --chunk-size is not given: 64 KiB, or 1 MiB for a file of
-    64 MiB or more (16x fewer chunks: less per-chunk work in the client and the node, while the
-    last chunk's zero padding stays under 2% of the file; docs/benchmarks.md, issue 18)."""
-    return 1024 * 1024 if size >= BIG_FILE else 64 * 1024
-
-
 def run_put(args):
     from protocols.toasty.client import DEFAULT_CHUNK_SIZE
 
-    if args.chunk_size is not None and args.chunk_size < 1:
+    if args.chunk_size < 1:
         raise CliError("--chunk-size must be positive")
     if args.local == "-":
         data = sys.stdin.buffer.read()
@@ -156,7 +145,6 @@ def run_put(args):
         except OSError as e:
             raise CliError("cannot read %s: %s" % (args.local, e.strerror))
         size, source = os.fstat(f.fileno()).st_size, _HashingReader(f)
-    chunk_size = args.chunk_size if args.chunk_size is not None else default_chunk_size(size)
     with _client(args) as c:
         bar = _progress(size, "put", args.no_progress)
         try:
@@ -168,7 +156,7 @@ def run_put(args):
                 0,
                 truncate=True,
                 create=True,
-                chunk_size=chunk_size if chunk_size != DEFAULT_CHUNK_SIZE else None,
+                chunk_size=args.chunk_size if args.chunk_size != DEFAULT_CHUNK_SIZE else None,
                 progress=bar.update,
             )
         finally:
