@@ -6,6 +6,7 @@ data is a view of it, not a copy); a reply cut by the end of a read is finished 
 ``recv(n, MSG_WAITALL)`` and joined, so no framer is needed and only cut replies are copied.
 """
 
+import os
 import socket
 import time
 from collections import deque
@@ -37,6 +38,16 @@ from protocols.toasty.planning import (
 )
 
 READ_SIZE = 1024 * 1024  # bytes asked of one recv: up to 16 pipelined 64 KiB chunk replies
+HASH_THREADS = 4  # at most this many helper threads hash chunks
+# A chunk goes to a read's sink in pieces of at most this much. A file sink then writes 512 KiB
+# at a time: on this project's machine (Linux 6.18, ext4) a buffered write of a whole aligned
+# 1 MiB costs 0.8-1.0 CPU-s per GB of fresh page cache, of 64-512 KiB pieces 0.27-0.43
+# (docs/benchmarks.md, issue 18).
+SINK_PIECE = 512 * 1024
+
+
+def hash_threads():
+    return max(1, min(HASH_THREADS, os.cpu_count() or 1))
 
 
 class BlockingConnection:
@@ -194,9 +205,10 @@ class BlockingToastyClient:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            # One helper: hashing runs beside this thread's sends and receives (a second one
-            # measured no faster on 2 cores and cost more CPU in thread switches).
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toasty-verify")
+            # Hashing runs beside this thread's sends and receives, on one helper per core (up
+            # to HASH_THREADS): SHA-256 releases the GIL, and without the CPU's SHA extensions
+            # it is most of a transfer's CPU, more than one core can hash at line rate.
+            self._pool = ThreadPoolExecutor(max_workers=hash_threads(), thread_name_prefix="toasty-verify")
         return HashBatcher(self._pool)
 
     def __enter__(self):
@@ -448,7 +460,13 @@ class BlockingToastyClient:
                         data = self._download_fallback(h, holders[1:], error)
                         out[n] = _span(data, lo, hi)
                     del checks[n]
-                sink(out[n])
+                data = out[n]
+                if len(data) > SINK_PIECE:
+                    view = memoryview(data)
+                    for k in range(0, len(view), SINK_PIECE):
+                        sink(view[k : k + SINK_PIECE])
+                else:
+                    sink(data)
                 out[n] = None
                 n += 1
             emitted[0] = n

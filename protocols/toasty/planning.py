@@ -232,23 +232,33 @@ class Digest:
 class HashBatcher:
     """``submit(fn, *args)`` like an executor's, but jobs go to the helper threads several at a
     time: one thread hop per batch, not per chunk (SHA-256 releases the GIL, so the helpers hash
-    while the caller keeps sending and receiving)."""
+    while the caller keeps sending and receiving). A batch goes when it holds ``per_job`` jobs or
+    ``job_bytes`` of data (the bytes-like arguments' lengths), so big chunks are hashed one per
+    job and several helpers hash them side by side (on a CPU without SHA extensions SHA-256 is
+    most of a transfer's work: one helper thread would cap it at one core's hashing rate)."""
 
-    def __init__(self, pool, per_job=8):
+    def __init__(self, pool, per_job=8, job_bytes=512 * 1024):
         self.pool = pool
         self.per_job = per_job
+        self.job_bytes = job_bytes
         self.open = []
+        self.open_bytes = 0
 
     def submit(self, fn, *args):
         digest = Digest(self)
         self.open.append((fn, args, digest))
-        if len(self.open) >= self.per_job:
+        n = self.open_bytes
+        for a in args:
+            if type(a) is not int:
+                n += len(a)
+        self.open_bytes = n
+        if n >= self.job_bytes or len(self.open) >= self.per_job:
             self.flush()
         return digest
 
     def flush(self):
         if self.open:
-            batch, self.open = self.open, []
+            batch, self.open, self.open_bytes = self.open, [], 0
             future = self.pool.submit(run_batch, [(fn, args) for fn, args, _ in batch])
             for i, (_, _, digest) in enumerate(batch):
                 digest.future, digest.index = future, i
