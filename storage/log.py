@@ -259,24 +259,29 @@ class RecordLog:
         s.assigned = base + count
         return core.submit(AppendBatch(sid, batch, base, count))
 
-    def append_replica(self, sid, batch):
-        """Swarm follower: store the batch as is; its base_offset must be the stream's next offset."""
+    def append_replica(self, sid, batch, base=None):
+        """Swarm follower, cluster replica: store the batch as is; its base_offset must be the
+        stream's next offset. With ``base`` (a cluster primary's sequenced batch): the batch is
+        stored at ``base``, written into its bytes 1..8 on the way to the WAL (the caller's bytes,
+        which must not change, are not copied)."""
         core = self._core
         try:
             s = self._get(sid)
             core.check_writable(len(batch))
             if len(batch) < 29:
                 raise errors.InvalidRequest("a record batch is at least 29 bytes")
-            base = int.from_bytes(batch[1:9], "big", signed=True)
+            at = int.from_bytes(batch[1:9], "big", signed=True) if base is None else base
             count = int.from_bytes(batch[9:13], "big", signed=True)
-            if base != s.assigned:
-                raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (base, s.assigned))
+            if at != s.assigned:
+                raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (at, s.assigned))
             if count < 1:
                 raise errors.InvalidRequest("record_count must be >= 1")
         except errors.StoreError:
             return defer.fail()
-        s.assigned = base + count
-        return core.submit(AppendBatch(sid, bytes(batch), None, count))
+        s.assigned = at + count
+        if base is None:
+            return core.submit(AppendBatch(sid, bytes(batch), None, count))
+        return core.submit(AppendBatch(sid, batch, base, count))
 
     def forget_unwritten(self):
         """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused

@@ -76,7 +76,7 @@ class PrimaryStream:
         self.local = durable  # this node's durable end
         self.confirm = durable
         self.pending = collections.OrderedDict()  # end -> (base, Deferred), in offset order
-        self.window = collections.OrderedDict()  # base -> (end, batch) of batches above the confirm offset
+        self.window = collections.OrderedDict()  # base -> (end, batch as the client sent it) of batches above the confirm offset
         self.confirm_queued = False
         self.sealed = False  # a replica refused this epoch's appends (1460): the range was sealed
 
@@ -164,24 +164,25 @@ class Replicator:
         except store_errors.StoreError:
             return defer.fail()
         base = st.assigned
-        # the batch with its base offset set, in one copy (the client's buffer may change once
-        # this returns; the store, the window and every replica message share this one)
-        stored = b"".join((batch[:1], base.to_bytes(8, "big", signed=True), memoryview(batch)[9:]))
-        d_local = log.append_replica(sid, stored)
+        if type(batch) is not bytes:
+            batch = bytes(batch)  # the caller's buffer may change once this returns
+        # the batch as the client sent it: the store writes ``base`` into its bytes 1..8 on the
+        # way to the WAL, the replica messages carry it beside the batch (no copy of the batch)
+        d_local = log.append_replica(sid, batch, base)
         if d_local.called and isinstance(d_local.result, Failure):
             return d_local  # refused by the store (busy, failed): nothing was assigned
         end = base + count
         st.assigned = end
         done = defer.Deferred()
         st.pending[end] = (base, done)
-        st.window[base] = (end, stored)
+        st.window[base] = (end, batch)
         d_local.addCallbacks(self._local_durable, self._local_failed, callbackArgs=(st,), errbackArgs=(st, end))
         for nid, ps in st.peers.items():
             if nid == self.node_id:
                 continue
             link = self._link(nid)
             if ps.sent == base and link.channel is not None:
-                link.channel.queue_batch(sid, st.epoch, stored)
+                link.channel.queue_batch(sid, st.epoch, batch, base)
                 ps.sent = end
         return done
 
@@ -427,7 +428,7 @@ class Replicator:
                     and self.primaries.get(st.sid) is st:
                 entry = st.window.get(ps.sent)
                 if entry is not None:
-                    link.channel.queue_batch(st.sid, st.epoch, entry[1])
+                    link.channel.queue_batch(st.sid, st.epoch, entry[1], ps.sent)
                     ps.sent = entry[0]
                     continue
                 start = ps.sent
@@ -644,6 +645,16 @@ class _ReplicaSide:
 
     def disconnected(self, channel):
         pass
+
+    def around_read(self, starting):
+        # the batches of one read go to the store's writer together (one group, one wake-up of
+        # the writer thread, not one per batch)
+        core = getattr(self.replicator.store, "core", None)
+        if core is not None:
+            if starting:
+                core.hold_wakeups()
+            else:
+                core.release_wakeups()
 
     def message(self, channel, msg):
         if msg[0] in (rcodec.SYNC, rcodec.BATCHES, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL, rcodec.START):

@@ -17,16 +17,19 @@ from twisted.internet import reactor as default_reactor
 from twisted.logger import Logger
 
 from protocols import tcp_internals
+from protocols.direct_send import send_now, send_parts_now
 from protocols.replica import codec
 
 _LEN = struct.Struct(">I")
 READ_SIZE = 1 << 20  # bytes read from the socket at once (Twisted's default is 64 KiB: one batch)
 MAX_QUEUED = 8 << 20  # a B message is sent once it holds this much (codec.MAX_MESSAGE is the hard limit)
+_MAX_PARTS = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 
 
 class ReplicaChannel(protocol.Protocol):
     """``handler.message(channel, msg)`` for every message; ``handler.connected(channel)`` /
-    ``handler.disconnected(channel)`` around the connection."""
+    ``handler.disconnected(channel)`` around the connection; ``handler.around_read(True)`` /
+    ``(False)`` (optional) around the messages of one read."""
 
     MAX_LENGTH = codec.MAX_MESSAGE
     log = Logger()
@@ -64,6 +67,9 @@ class ReplicaChannel(protocol.Protocol):
         buf = self._buf
         buf += data
         off, end = 0, len(buf)
+        around = getattr(self.handler, "around_read", None)
+        if around is not None:
+            around(True)
         try:
             while end - off >= 4 and not self.lost:
                 (length,) = _LEN.unpack_from(buf, off)
@@ -90,16 +96,20 @@ class ReplicaChannel(protocol.Protocol):
         finally:
             if off:
                 del buf[:off]
+            if around is not None:
+                around(False)
 
     def send(self, *fields):
         if not self.lost:
             self.flush()
             payload = codec.encode(*fields)
-            self.transport.write(_LEN.pack(len(payload)) + payload)
+            # (small: acks, confirms; straight to an idle socket, no reactor pass before it leaves)
+            send_now(self.transport, _LEN.pack(len(payload)) + payload)
 
-    def queue_batch(self, sid, epoch, batch):
+    def queue_batch(self, sid, epoch, batch, base=None):
         """Send ``batch`` (of stream ``sid``, epoch ``epoch``) at the end of this reactor turn,
-        with the stream's other batches of the turn, in one ``B`` message."""
+        with the stream's other batches of the turn, in one ``B`` message; with ``base``, as if
+        its base offset were ``base`` (``codec.batch_parts``: the batch is not copied)."""
         if self.lost:
             return
         q = self._queued
@@ -109,8 +119,10 @@ class ReplicaChannel(protocol.Protocol):
         if q is None:
             self._queued = q = (sid, epoch, [])
             self._queued_bytes = 0
-        q[2].append(batch)
-        self._queued_bytes += len(batch)
+        head, body = codec.batch_parts(batch, base)
+        q[2].append(head)
+        q[2].append(body)
+        self._queued_bytes += len(head) + len(body)
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 
@@ -119,14 +131,16 @@ class ReplicaChannel(protocol.Protocol):
         self.flush()
 
     def flush(self):
-        """Send the queued batches now."""
+        """Send the queued batches now: one ``sendmsg`` of the parts when the socket is idle (no
+        join into Twisted's buffer; protocols/direct_send.py), else through the transport."""
         q, self._queued = self._queued, None
         if q is None or self.lost:
             return
-        parts = codec.encode_batches(q[0], q[1], q[2])
-        size = sum(len(p) for p in parts)
-        parts[0] = _LEN.pack(size) + parts[0]
-        self.transport.writeSequence(parts)
+        sid, epoch, parts = q
+        head = codec.batches_prefix(sid, epoch) + codec.array_head(len(parts) // 2)
+        parts.insert(0, _LEN.pack(len(head) + self._queued_bytes) + head)
+        for i in range(0, len(parts), _MAX_PARTS):
+            send_parts_now(self.transport, parts[i:i + _MAX_PARTS])
 
 
 class ReplicaChannelFactory(protocol.Factory):

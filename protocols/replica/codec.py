@@ -27,6 +27,8 @@ Replica -> primary:
   epoch; 1404: no such stream here)
 """
 
+import functools
+
 import msgpack
 
 SYNC, APPEND, CONFIRM, ACK, GAP, ERROR = "S", "A", "C", "K", "G", "E"
@@ -55,7 +57,7 @@ def _bin_head(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
-def _array_head(n: int) -> bytes:
+def array_head(n: int) -> bytes:
     if n < 16:
         return bytes((0x90 | n,))
     if n < 0x10000:
@@ -63,13 +65,29 @@ def _array_head(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
+@functools.lru_cache(maxsize=4096)
+def batches_prefix(stream_id: int, epoch: int) -> bytes:
+    """``["B", stream_id, epoch, `` of a ``B`` message (its array of batches follows)."""
+    return b"\x94\xa1B" + msgpack.packb(stream_id) + msgpack.packb(epoch)
+
+
+def batch_parts(batch, base=None) -> tuple:
+    """One batch of a ``B`` message as (msgpack bin head, the batch's bytes), not copied; with
+    ``base``, the batch goes as if its base offset (bytes 1..8) were ``base``: the head carries
+    its first byte and ``base``, and the rest follows as a view (the primary's sequenced batch:
+    the client's bytes are not copied to write the offset in)."""
+    n = len(batch)
+    if base is None:
+        return _bin_head(n), batch
+    return _bin_head(n) + batch[:1] + base.to_bytes(8, "big", signed=True), memoryview(batch)[9:]
+
+
 def encode_batches(stream_id: int, epoch: int, batches) -> list:
     """``["B", stream_id, epoch, batches]`` as a list of byte strings whose concatenation is the
     message (the batches themselves are not copied: the channel writes the parts in sequence)."""
-    parts = [b"\x94\xa1B" + msgpack.packb(stream_id) + msgpack.packb(epoch) + _array_head(len(batches))]
+    parts = [batches_prefix(stream_id, epoch) + array_head(len(batches))]
     for b in batches:
-        parts.append(_bin_head(len(b)))
-        parts.append(b)
+        parts.extend(batch_parts(b))
     return parts
 
 

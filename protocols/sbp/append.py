@@ -37,7 +37,7 @@ class AppendHandler:
     def handle(self, frame):
         t0 = time.perf_counter()  # sbpnode_request_duration_seconds (node/metrics.py)
         conn = self.conn
-        req = codec.decode_table("AppendRequest", frame.header)
+        req = codec.request_of(frame, "AppendRequest")
         infos = req.append_requests
         batches = codec.split_payload(frame.payload, [i.batch_length for i in infos])
         if batches is None:

@@ -177,12 +177,13 @@ def batches_crc(buf, start, end, crc=0, verify=False):
 
 
 class Frame:
-    __slots__ = ("opcode", "flags", "stream_id", "header", "payload", "header_format", "crc")
+    __slots__ = ("opcode", "flags", "stream_id", "header", "payload", "header_format", "crc", "request")
 
     def __init__(self, opcode, flags=0, stream_id=0, header=b"", payload=b"", header_format=HEADER_FORMAT_FLATBUFFERS, crc=None):
         # crc: set only when the frame's payload CRC was NOT checked by the decoder (the receiver
         # promised to check it: FrameBuffer(defer_crc=...)); None once checked.
         self.crc = crc
+        self.request = None  # the decoded header, once ``request_of`` decoded it (not compared)
         self.opcode = opcode
         self.flags = flags
         self.stream_id = stream_id
@@ -191,7 +192,8 @@ class Frame:
         self.header_format = header_format
 
     def __eq__(self, other):
-        return isinstance(other, Frame) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__ if k != "crc")
+        return isinstance(other, Frame) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__
+                                                if k != "crc" and k != "request")
 
     def __repr__(self):
         return "Frame(opcode=0x%04x, flags=0x%02x, stream_id=%d, header=%d B, payload=%d B)" % (
@@ -634,6 +636,15 @@ def _read_table(buf, pos, size, name, budget):
         else:  # one table
             values.append(_read_table(buf, _uoffset_target(buf, p, size), size, arg, budget))
     return cls(*values)
+
+
+def request_of(frame, name: str):
+    """The frame's header decoded as a ``name`` table, decoded once: a cluster node's router and
+    then the handler both read an APPEND's or FETCH's header (protocols/sbp/cluster.py)."""
+    req = frame.request
+    if req is None:
+        req = frame.request = decode_table(name, frame.header)
+    return req
 
 
 def decode_table(name: str, buf):
