@@ -4,10 +4,11 @@ node) pair, opened by the primary; with the cluster TLS options both ends are mu
 
 A frame is a 4-byte big-endian length and the message. Record batches are most of the bytes, so
 they are not copied on the way: ``queue_batch`` collects the batches of one reactor turn per
-stream into one ``B`` message whose batches go to the transport as they are (no re-encoding), and
-the receiving side reads up to ``READ_SIZE`` bytes at a time into one buffer and decodes each
-message in place. Every other message first sends the queued batches, so the peer sees the
-messages in the order they were given.
+stream into one ``B`` message whose batches go to the socket as they are (no re-encoding, no
+join), and the receiving side reads up to ``READ_SIZE`` bytes at a time into one buffer and
+decodes each message in place. Everything a channel is given in one reactor turn (``B``
+messages, acks, confirms) leaves at the turn's end in the order given, with one ``sendmsg`` when
+the socket holds nothing unsent: one system call per peer per turn, not one per message.
 """
 
 import struct
@@ -17,7 +18,7 @@ from twisted.internet import reactor as default_reactor
 from twisted.logger import Logger
 
 from protocols import tcp_internals
-from protocols.direct_send import send_now, send_parts_now
+from protocols.direct_send import send_parts_now
 from protocols.replica import codec
 
 _LEN = struct.Struct(">I")
@@ -39,8 +40,8 @@ class ReplicaChannel(protocol.Protocol):
         self.reactor = reactor or default_reactor
         self.lost = False
         self._buf = bytearray()
-        self._queued = None  # (stream id, epoch, [batch, ...]) waiting for the end of the reactor turn
-        self._queued_bytes = 0
+        self._out = []  # the parts of this reactor turn's messages, in order (sent at its end)
+        self._batches = None  # the B message being filled (see queue_batch)
         self._flush_call = None
 
     def connectionMade(self):
@@ -57,7 +58,7 @@ class ReplicaChannel(protocol.Protocol):
 
     def connectionLost(self, reason=None):
         self.lost = True
-        self._queued = None
+        self._out, self._batches = [], None
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
@@ -100,11 +101,14 @@ class ReplicaChannel(protocol.Protocol):
                 around(False)
 
     def send(self, *fields):
-        if not self.lost:
-            self.flush()
-            payload = codec.encode(*fields)
-            # (small: acks, confirms; straight to an idle socket, no reactor pass before it leaves)
-            send_now(self.transport, _LEN.pack(len(payload)) + payload)
+        """Send a message at the end of this reactor turn, after everything given before it."""
+        if self.lost:
+            return
+        self._close_batches()
+        payload = codec.encode(*fields)
+        self._out.append(_LEN.pack(len(payload)) + payload)
+        if self._flush_call is None:
+            self._flush_call = self.reactor.callLater(0, self._flush_now)
 
     def queue_batch(self, sid, epoch, batch, base=None):
         """Send ``batch`` (of stream ``sid``, epoch ``epoch``) at the end of this reactor turn,
@@ -112,35 +116,49 @@ class ReplicaChannel(protocol.Protocol):
         its base offset were ``base`` (``codec.batch_parts``: the batch is not copied)."""
         if self.lost:
             return
-        q = self._queued
-        if q is not None and (q[0] != sid or q[1] != epoch or self._queued_bytes + len(batch) > MAX_QUEUED):
-            self.flush()
+        q = self._batches
+        if q is not None and (q[0] != sid or q[1] != epoch or q[4] + len(batch) > MAX_QUEUED):
+            full = q[4] + len(batch) > MAX_QUEUED
+            self._close_batches()
+            if full:
+                self.flush()
             q = None
         if q is None:
-            self._queued = q = (sid, epoch, [])
-            self._queued_bytes = 0
+            # [stream id, epoch, where its prefix goes in _out, batches, bytes of the batches' parts]
+            self._batches = q = [sid, epoch, len(self._out), 0, 0]
+            self._out.append(None)
         head, body = codec.batch_parts(batch, base)
-        q[2].append(head)
-        q[2].append(body)
-        self._queued_bytes += len(head) + len(body)
+        self._out.append(head)
+        self._out.append(body)
+        q[3] += 1
+        q[4] += len(head) + len(body)
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
+
+    def _close_batches(self):
+        q, self._batches = self._batches, None
+        if q is not None:
+            head = codec.batches_prefix(q[0], q[1]) + codec.array_head(q[3])
+            self._out[q[2]] = _LEN.pack(len(head) + q[4]) + head
 
     def _flush_now(self):
         self._flush_call = None
         self.flush()
 
     def flush(self):
-        """Send the queued batches now: one ``sendmsg`` of the parts when the socket is idle (no
-        join into Twisted's buffer; protocols/direct_send.py), else through the transport."""
-        q, self._queued = self._queued, None
-        if q is None or self.lost:
+        """Send what this turn gave now: the parts of its messages with one ``sendmsg`` when the
+        socket is idle (no join into Twisted's buffer, protocols/direct_send.py), else through
+        the transport."""
+        self._close_batches()
+        out = self._out
+        if not out or self.lost:
             return
-        sid, epoch, parts = q
-        head = codec.batches_prefix(sid, epoch) + codec.array_head(len(parts) // 2)
-        parts.insert(0, _LEN.pack(len(head) + self._queued_bytes) + head)
-        for i in range(0, len(parts), _MAX_PARTS):
-            send_parts_now(self.transport, parts[i:i + _MAX_PARTS])
+        self._out = []
+        if len(out) <= _MAX_PARTS:
+            send_parts_now(self.transport, out)
+            return
+        for i in range(0, len(out), _MAX_PARTS):
+            send_parts_now(self.transport, out[i:i + _MAX_PARTS])
 
 
 class ReplicaChannelFactory(protocol.Factory):
