@@ -262,8 +262,8 @@ class RecordLog:
     def append_replica(self, sid, batch, base=None):
         """Swarm follower, cluster replica: store the batch as is; its base_offset must be the
         stream's next offset. With ``base`` (a cluster primary's sequenced batch): the batch is
-        stored at ``base``, written into its bytes 1..8 on the way to the WAL (the caller's bytes,
-        which must not change, are not copied)."""
+        stored at ``base``, written into its bytes 1..8 on the way to the WAL. A batch that is bytes
+        or a view of bytes (immutable) is not copied."""
         core = self._core
         try:
             s = self._get(sid)
@@ -279,8 +279,8 @@ class RecordLog:
         except errors.StoreError:
             return defer.fail()
         s.assigned = at + count
-        if base is None:
-            return core.submit(AppendBatch(sid, bytes(batch), None, count))
+        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+            batch = bytes(batch)  # kept as it is only if it cannot change (bytes, or a view of bytes)
         return core.submit(AppendBatch(sid, batch, base, count))
 
     def forget_unwritten(self):

@@ -5,10 +5,12 @@ node) pair, opened by the primary; with the cluster TLS options both ends are mu
 A frame is a 4-byte big-endian length and the message. Record batches are most of the bytes, so
 they are not copied on the way: ``queue_batch`` collects the batches of one reactor turn per
 stream into one ``B`` message whose batches go to the socket as they are (no re-encoding, no
-join), and the receiving side reads up to ``READ_SIZE`` bytes at a time into one buffer and
-decodes each message in place. Everything a channel is given in one reactor turn (``B``
-messages, acks, confirms) leaves at the turn's end in the order given, with one ``sendmsg`` when
-the socket holds nothing unsent: one system call per peer per turn, not one per message.
+join), and the receiving side reads up to ``READ_SIZE`` bytes at a time and decodes each message
+where it lies (``framing.Framer``: a message cut by a read's end is joined once; a ``B``
+message's batches are views of the received bytes, stored without a copy). Everything a channel
+is given in one reactor turn (``B`` messages, acks, confirms) leaves at the turn's end in the
+order given, with one ``sendmsg`` when the socket holds nothing unsent: one system call per peer
+per turn, not one per message.
 """
 
 import struct
@@ -17,7 +19,7 @@ from twisted.internet import protocol
 from twisted.internet import reactor as default_reactor
 from twisted.logger import Logger
 
-from protocols import tcp_internals
+from protocols import framing, tcp_internals
 from protocols.direct_send import send_parts_now
 from protocols.replica import codec
 
@@ -39,7 +41,7 @@ class ReplicaChannel(protocol.Protocol):
         self.handler = handler
         self.reactor = reactor or default_reactor
         self.lost = False
-        self._buf = bytearray()
+        self._framer = framing.Framer(framing.Layout(_LEN, 0, 4, 0, self.MAX_LENGTH))  # the reads, kept as they came
         self._out = []  # the parts of this reactor turn's messages, in order (sent at its end)
         self._batches = None  # the B message being filled (see queue_batch)
         self._flush_call = None
@@ -65,40 +67,38 @@ class ReplicaChannel(protocol.Protocol):
         self.handler.disconnected(self)
 
     def dataReceived(self, data):
-        buf = self._buf
-        buf += data
-        off, end = 0, len(buf)
+        framer = self._framer
+        framer.feed(data)
         around = getattr(self.handler, "around_read", None)
         if around is not None:
             around(True)
         try:
-            while end - off >= 4 and not self.lost:
-                (length,) = _LEN.unpack_from(buf, off)
-                if length > self.MAX_LENGTH:
-                    self.log.warn("replica channel: message of {n} bytes; closing", n=length)
-                    self.transport.loseConnection()
-                    self.lost = True
+            while not self.lost:
+                try:
+                    span = framer.next()
+                except framing.FrameRefused as e:
+                    self.log.warn("replica channel: message of {n} bytes; closing", n=e.length)
+                    self._close()
                     return
-                if end - off - 4 < length:
-                    break
-                with memoryview(buf) as whole, whole[off + 4:off + 4 + length] as view:
-                    try:
-                        msg = codec.decode(view)
-                    except codec.BadMessage as e:
-                        msg = None
-                        error = e
-                off += 4 + length
-                if msg is None:
-                    self.log.warn("replica channel: {error}; closing", error=str(error))
-                    self.transport.loseConnection()
-                    self.lost = True
+                if span is None:
+                    return
+                buf, start, end = span
+                try:
+                    # (in place: a B message's batches are views of the read, which stays as it is)
+                    msg = codec.decode(memoryview(buf)[start + 4:end])
+                except codec.BadMessage as e:
+                    self.log.warn("replica channel: {error}; closing", error=str(e))
+                    self._close()
                     return
                 self.handler.message(self, msg)
         finally:
-            if off:
-                del buf[:off]
             if around is not None:
                 around(False)
+
+    def _close(self):
+        self.transport.loseConnection()
+        self.lost = True
+        self._framer.clear()
 
     def send(self, *fields):
         """Send a message at the end of this reactor turn, after everything given before it."""

@@ -91,7 +91,71 @@ def encode_batches(stream_id: int, epoch: int, batches) -> list:
     return parts
 
 
+_INTS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
+         0xd0: (1, True), 0xd1: (2, True), 0xd2: (4, True), 0xd3: (8, True)}
+_BINS = {0xc4: 1, 0xc5: 2, 0xc6: 4}
+
+
+class _NotPlain(Exception):
+    """A ``B`` message in a form ``_batches_in_place`` does not read (msgpack decides)."""
+
+
+def _int_at(view, pos):
+    t = view[pos]
+    if t < 0x80:
+        return t, pos + 1
+    if t >= 0xe0:
+        return t - 0x100, pos + 1
+    size = _INTS.get(t)
+    if size is None:
+        raise _NotPlain()
+    end = pos + 1 + size[0]
+    if end > len(view):
+        raise _NotPlain()
+    return int.from_bytes(view[pos + 1:end], "big", signed=size[1]), end
+
+
+def _batches_in_place(view) -> list:
+    """A ``B`` message as ``decode`` returns it, its batches views of ``view`` (not copied: a
+    replica stores them as they lie in the received bytes). Raises _NotPlain for anything but the
+    plain form ``encode_batches`` writes."""
+    sid, pos = _int_at(view, 3)
+    epoch, pos = _int_at(view, pos)
+    t = view[pos]
+    if 0x91 <= t <= 0x9f:
+        count, pos = t & 0x0f, pos + 1
+    elif t == 0xdc or t == 0xdd:
+        n = 2 if t == 0xdc else 4
+        count, pos = int.from_bytes(view[pos + 1:pos + 1 + n], "big"), pos + 1 + n
+    else:
+        raise _NotPlain()
+    size = len(view)
+    batches = []
+    for _ in range(count):
+        if pos >= size:
+            raise _NotPlain()
+        n = _BINS.get(view[pos])
+        if n is None:
+            raise _NotPlain()
+        start = pos + 1 + n
+        end = start + int.from_bytes(view[pos + 1:start], "big")
+        if end > size:
+            raise _NotPlain()
+        batches.append(view[start:end])
+        pos = end
+    if pos != size or not batches:
+        raise _NotPlain()
+    return [BATCHES, sid, epoch, batches]
+
+
 def decode(data) -> list:
+    """One message. A ``B`` message's batches are views of ``data`` (keep ``data`` unchanged
+    while they are used); every other field, and an ``A`` message's batch, is its own object."""
+    if data[:3] == b"\x94\xa1B":
+        try:
+            return _batches_in_place(memoryview(data))
+        except (_NotPlain, IndexError):
+            pass  # msgpack says what it is
     try:
         msg = msgpack.unpackb(data, raw=False, use_list=True)
     except Exception as e:
