@@ -239,8 +239,8 @@ class RecordLog:
     def append(self, sid, batch, expect_offset=None):
         """Assign the next offset now; fire with it once the batch is durable."""
         core = self._core
-        if type(batch) is not bytes:
-            batch = bytes(batch)  # the caller's buffer may change once we return
+        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+            batch = bytes(batch)  # the caller's buffer may change once we return (bytes cannot)
         try:
             s = self._get(sid)
             if s.origin is not None:

@@ -164,8 +164,8 @@ class Replicator:
         except store_errors.StoreError:
             return defer.fail()
         base = st.assigned
-        if type(batch) is not bytes:
-            batch = bytes(batch)  # the caller's buffer may change once this returns
+        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+            batch = bytes(batch)  # the caller's buffer may change once this returns (bytes cannot)
         # the batch as the client sent it: the store writes ``base`` into its bytes 1..8 on the
         # way to the WAL, the replica messages carry it beside the batch (no copy of the batch)
         d_local = log.append_replica(sid, batch, base)

@@ -300,12 +300,14 @@ def check_length(frame_length, opcode=0, stream_id=0):
         raise FrameLengthError("frame_length %d out of [16, 16 MiB]" % frame_length, opcode, stream_id)
 
 
-def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=()) -> Frame:
+def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=(), view_payload=()) -> Frame:
     """Decode the one complete frame at ``buf[pos:end]`` (``end`` = pos + 4 + frame_length).
 
     Raises FrameError subclasses in the contract's check order. For opcodes in ``defer_crc`` the
     payload CRC is not checked here: the frame carries it in ``frame.crc`` and the caller must
-    check it (before acting on the frame) and answer a mismatch as BadFrame.
+    check it (before acting on the frame) and answer a mismatch as BadFrame. For opcodes in
+    ``view_payload``, when ``buf`` is bytes (immutable), the payload is a view of it, not a copy
+    (an APPEND's batches go to the store, and to the replicas, as they were received).
     """
     length, magic, opcode, flags, stream_id, fmt_hlen = PREFIX.unpack_from(buf, pos)
     check_length(length)
@@ -325,8 +327,12 @@ def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=()) -> Fr
     pend = end - 4
     (crc,) = _CRC.unpack_from(buf, pend)
     view = memoryview(buf)
-    # one copy of the payload (a bytearray slice would copy twice)
-    payload = bytes(view[pstart:pend]) if pend > pstart else b""
+    if pend <= pstart:
+        payload = b""
+    elif opcode in view_payload and type(buf) is bytes:
+        payload = memoryview(buf)[pstart:pend]
+    else:
+        payload = bytes(view[pstart:pend])  # one copy (a bytearray slice would copy twice)
     deferred = opcode in defer_crc and payload
     if not deferred:
         expect = crc32(payload) if payload else 0
@@ -373,12 +379,13 @@ class FrameBuffer(framing.Framer):
     read is joined once, when all of it is in. A declared length is checked as soon as its 4 bytes
     are in, before its body is buffered."""
 
-    __slots__ = ("known_opcodes", "defer_crc")
+    __slots__ = ("known_opcodes", "defer_crc", "view_payload")
 
-    def __init__(self, known_opcodes=OPCODES, defer_crc=()):
+    def __init__(self, known_opcodes=OPCODES, defer_crc=(), view_payload=()):
         super().__init__(LAYOUT)
         self.known_opcodes = known_opcodes
         self.defer_crc = defer_crc
+        self.view_payload = view_payload  # opcodes whose payload is a view of the read (parse_frame)
 
     def next(self) -> Optional[Frame]:
         """The next whole frame, None if incomplete. A FrameError means the frame was consumed
@@ -386,7 +393,7 @@ class FrameBuffer(framing.Framer):
         span = _framer_next(self)
         if span is None:
             return None
-        return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc)
+        return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc, self.view_payload)
 
 
 # -- FlatBuffers headers ---------------------------------------------------------------------------
