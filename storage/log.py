@@ -236,8 +236,9 @@ class RecordLog:
 
     # -- appends --------------------------------------------------------------------------------
 
-    def append(self, sid, batch, expect_offset=None):
-        """Assign the next offset now; fire with it once the batch is durable."""
+    def append(self, sid, batch, expect_offset=None, block_crc=None):
+        """Assign the next offset now; fire with it once the batch is durable. ``block_crc``: the
+        CRC-32 of the batch's records block, if the caller checked it (the WAL reuses it)."""
         core = self._core
         if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
             batch = bytes(batch)  # the caller's buffer may change once we return (bytes cannot)
@@ -257,13 +258,13 @@ class RecordLog:
             return defer.fail()
         base = s.assigned
         s.assigned = base + count
-        return core.submit(AppendBatch(sid, batch, base, count))
+        return core.submit(AppendBatch(sid, batch, base, count, block_crc))
 
-    def append_replica(self, sid, batch, base=None):
+    def append_replica(self, sid, batch, base=None, block_crc=None):
         """Swarm follower, cluster replica: store the batch as is; its base_offset must be the
         stream's next offset. With ``base`` (a cluster primary's sequenced batch): the batch is
         stored at ``base``, written into its bytes 1..8 on the way to the WAL. A batch that is bytes
-        or a view of bytes (immutable) is not copied."""
+        or a view of bytes (immutable) is not copied. ``block_crc`` as for ``append``."""
         core = self._core
         try:
             s = self._get(sid)
@@ -281,7 +282,7 @@ class RecordLog:
         s.assigned = at + count
         if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
             batch = bytes(batch)  # kept as it is only if it cannot change (bytes, or a view of bytes)
-        return core.submit(AppendBatch(sid, batch, base, count))
+        return core.submit(AppendBatch(sid, batch, base, count, block_crc))
 
     def forget_unwritten(self):
         """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused

@@ -82,7 +82,7 @@ class AppendHandler:
                 pass  # answered by the general path below
             else:
                 try:
-                    d = log.append(info.stream_id, frame.payload)
+                    d = log.append(info.stream_id, frame.payload, block_crc=block_crcs[0])
                 except Exception as e:
                     d = defer.fail(e)
                 metrics["appends"] += 1
@@ -106,7 +106,7 @@ class AppendHandler:
                 results[k] = T.AppendResult(sid, info.request_index, 0, now_ms, codec.status(codec.CORRUPT_BATCH, str(e)))
                 continue
             try:
-                d = log.append(sid, batch)
+                d = log.append(sid, batch, block_crc=block_crcs[k])
             except Exception as e:
                 results[k] = T.AppendResult(sid, info.request_index, 0, now_ms, status_for_error(e))
                 continue
