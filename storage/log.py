@@ -49,7 +49,7 @@ class StreamState:
     """Reactor-thread state of one stream."""
 
     __slots__ = ("sid", "replica_nums", "retention_period_ms", "trim_offset", "ranges", "origin",
-                 "attrs", "created_ms", "next_offset", "assigned", "waiters", "durable", "cap")
+                 "attrs", "created_ms", "next_offset", "assigned", "waiters", "durable", "cap", "trim_to")
 
     def __init__(self, sid, replica_nums=1, retention_period_ms=0, origin=None, attrs=None, created_ms=0):
         self.sid = sid
@@ -65,6 +65,7 @@ class StreamState:
         self.waiters = []  # [(offset, Deferred)]
         self.durable = 0  # end of the durable batches (== next_offset unless capped)
         self.cap = None  # cluster replication: readers see no further than this (the confirm offset)
+        self.trim_to = 0  # cluster replica: the stream's trim point, reached as the copy grows to it
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -355,6 +356,8 @@ class RecordLog:
         visible = s.durable if s.cap is None else min(s.durable, s.cap)
         if visible > s.next_offset:
             s.next_offset = visible
+            if s.trim_to > s.trim_offset:
+                self._trim_to(s)
             if s.waiters:
                 self._fire(s)
 
@@ -600,13 +603,20 @@ class RecordLog:
 
     def trim_replica(self, sid, offset):
         """A cluster replica follows its stream's trim point (the record in etcd; the primary
-        trimmed with ``trim``)."""
+        trimmed with ``trim``). A copy that does not show ``offset`` yet (it lags the primary)
+        trims what it shows now and the rest as it gets there (``advance``), so every replica
+        ends at the primary's trim point, not at whatever it held when the record came."""
         try:
             self._core.check_writable()
             s = self._get(sid)
         except errors.StoreError:
             return defer.fail()
+        s.trim_to = max(s.trim_to, int(offset))
         return self._trim(s, offset)
+
+    def _trim_to(self, s):
+        self._trim(s, s.trim_to).addErrback(
+            lambda f: self.log.warn("stream {sid}: trim to {offset} failed: {e}", sid=s.sid, offset=s.trim_to, e=f.value))
 
     def _trim(self, s, offset):
         point = max(s.trim_offset, min(int(offset), s.next_offset))
