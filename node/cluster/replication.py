@@ -637,7 +637,7 @@ class Replicator:
     def _ack(self, channel, sid):
         try:
             log = self.store.log
-            channel.send(rcodec.ACK, sid, log.durable_end(sid), log.assigned_end(sid))
+            channel.send_latest(rcodec.ACK, sid, log.durable_end(sid), log.assigned_end(sid))
         except store_errors.StreamNotFound:
             pass
 

@@ -45,6 +45,7 @@ class ReplicaChannel(protocol.Protocol):
         self._out = []  # the parts of this reactor turn's messages, in order (sent at its end)
         self._batches = None  # the B message being filled (see queue_batch)
         self._flush_call = None
+        self._last = None  # ((kind, stream id), its index in _out) of the last send_latest message
 
     def connectionMade(self):
         # small acks and confirms must not wait for Nagle's algorithm (40 ms with delayed ACKs)
@@ -60,7 +61,7 @@ class ReplicaChannel(protocol.Protocol):
 
     def connectionLost(self, reason=None):
         self.lost = True
-        self._out, self._batches = [], None
+        self._out, self._batches, self._last = [], None, None
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
@@ -107,8 +108,24 @@ class ReplicaChannel(protocol.Protocol):
         self._close_batches()
         payload = codec.encode(*fields)
         self._out.append(_LEN.pack(len(payload)) + payload)
+        self._last = None
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
+
+    def send_latest(self, *fields):
+        """``send`` for a message that supersedes one of the same kind and stream given just
+        before it in this turn (nothing between them): that one is replaced, not followed (a
+        replica's acks, whose durable end only grows: one per stream per turn is enough)."""
+        if self.lost:
+            return
+        key = (fields[0], fields[1])
+        last = self._last
+        if last is not None and last[0] == key and last[1] == len(self._out) - 1 and self._batches is None:
+            payload = codec.encode(*fields)
+            self._out[-1] = _LEN.pack(len(payload)) + payload
+            return
+        self.send(*fields)
+        self._last = (key, len(self._out) - 1)
 
     def queue_batch(self, sid, epoch, batch, base=None):
         """Send ``batch`` (of stream ``sid``, epoch ``epoch``) at the end of this reactor turn,
@@ -124,6 +141,7 @@ class ReplicaChannel(protocol.Protocol):
                 self.flush()
             q = None
         if q is None:
+            self._last = None
             # [stream id, epoch, where its prefix goes in _out, batches, bytes of the batches' parts]
             self._batches = q = [sid, epoch, len(self._out), 0, 0]
             self._out.append(None)
@@ -154,6 +172,7 @@ class ReplicaChannel(protocol.Protocol):
         if not out or self.lost:
             return
         self._out = []
+        self._last = None
         if len(out) <= _MAX_PARTS:
             send_parts_now(self.transport, out)
             return
