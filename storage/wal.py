@@ -20,7 +20,7 @@ import struct
 import time
 
 from storage import fileops
-from storage.crc import crc32, crc32_combine, crc32_held
+from storage.crc import COMBINE_IS_NATIVE, crc32, crc32_combine, crc32_held
 from storage.errors import DataCorrupted, OffsetOutOfRange
 
 ENTRY = struct.Struct(">IIB")
@@ -48,7 +48,7 @@ def entry_crc(base: int, etype: int, parts, crc32=crc32, tail_crc=None) -> int:
     records-block CRC): combined in, not computed again."""
     length = sum(len(p) for p in parts)
     crc = crc32(_CRC_PREFIX.pack(base, length, etype))
-    if tail_crc is None:
+    if tail_crc is None or not COMBINE_IS_NATIVE:
         for p in parts:
             crc = crc32(p, crc)
         return crc
