@@ -76,10 +76,12 @@ from twisted.python.threadpool import ThreadPool
 from storage import errors, index
 from storage.index import INDEX_KEY, INDEX_VAL, U64, RawTxn, apply_ops
 from storage.presync import PreSync
+from storage.record_batch import HEADER_SIZE
 from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS
 
 BATCH_PREFIX = struct.Struct(">QQ")  # a T_BATCH entry's payload starts: stream_id, append_ms
 _BASE = struct.Struct(">q")
+_BLOCK = HEADER_SIZE  # a record batch's records block starts here
 
 MAX_GROUP_BYTES = 16 << 20
 QUEUE_HIGH = 64 << 20  # above this many queued bytes the store reports congestion
@@ -160,16 +162,19 @@ class Operation:
 
 class AppendBatch(Operation):
     """Store ``batch`` for ``stream_id`` at ``base_offset`` (written into the batch's bytes 1..8);
-    ``base_offset`` None: a replica batch kept exactly as it is. Fires with the base offset."""
+    ``base_offset`` None: a replica batch kept exactly as it is. ``block_crc``: the CRC-32 of its
+    records block (``batch[29:]``) if the caller checked it already: the WAL entry's CRC then
+    combines it instead of reading the block again. Fires with the base offset."""
 
-    __slots__ = ("stream_id", "batch", "base_offset", "record_count")
+    __slots__ = ("stream_id", "batch", "base_offset", "record_count", "block_crc")
 
-    def __init__(self, stream_id, batch, base_offset, record_count):
+    def __init__(self, stream_id, batch, base_offset, record_count, block_crc=None):
         super().__init__(len(batch) + 64)
         self.stream_id = stream_id
         self.batch = batch
         self.base_offset = base_offset
         self.record_count = record_count
+        self.block_crc = block_crc
 
 
 class Transact(Operation):
@@ -556,12 +561,20 @@ class CommitCore:
                 if kind is AppendBatch:
                     sid, batch, base = op.stream_id, op.batch, op.base_offset
                     append_ms = now_ms()
+                    block_crc = op.block_crc
                     if base is None:  # a replica batch keeps its base_offset
-                        parts = (BATCH_PREFIX.pack(sid, append_ms), batch)
                         base = _BASE.unpack_from(batch, 1)[0]
-                    else:
+                        if block_crc is None:
+                            parts = (BATCH_PREFIX.pack(sid, append_ms), batch)
+                        else:
+                            view = memoryview(batch)
+                            parts = (BATCH_PREFIX.pack(sid, append_ms), view[:_BLOCK], view[_BLOCK:])
+                    elif block_crc is None:
                         parts = (BATCH_PREFIX.pack(sid, append_ms), batch[:1], _BASE.pack(base), memoryview(batch)[9:])
-                    pos = wal.add(T_BATCH, parts)
+                    else:
+                        view = memoryview(batch)
+                        parts = (BATCH_PREFIX.pack(sid, append_ms), view[:1], _BASE.pack(base), view[9:_BLOCK], view[_BLOCK:])
+                    pos = wal.add(T_BATCH, parts, block_crc)
                     total = ENTRY_SIZE + 16 + len(batch)
                     index.put_batch_index(txn, dbs, INDEX_KEY.pack(sid, base),
                                           INDEX_VAL.pack(pos, total, op.record_count, append_ms), live, pos, total,

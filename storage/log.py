@@ -49,7 +49,7 @@ class StreamState:
     """Reactor-thread state of one stream."""
 
     __slots__ = ("sid", "replica_nums", "retention_period_ms", "trim_offset", "ranges", "origin",
-                 "attrs", "created_ms", "next_offset", "assigned", "waiters", "durable", "cap")
+                 "attrs", "created_ms", "next_offset", "assigned", "waiters", "durable", "cap", "trim_to")
 
     def __init__(self, sid, replica_nums=1, retention_period_ms=0, origin=None, attrs=None, created_ms=0):
         self.sid = sid
@@ -65,6 +65,7 @@ class StreamState:
         self.waiters = []  # [(offset, Deferred)]
         self.durable = 0  # end of the durable batches (== next_offset unless capped)
         self.cap = None  # cluster replication: readers see no further than this (the confirm offset)
+        self.trim_to = 0  # cluster replica: the stream's trim point, reached as the copy grows to it
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -236,11 +237,12 @@ class RecordLog:
 
     # -- appends --------------------------------------------------------------------------------
 
-    def append(self, sid, batch, expect_offset=None):
-        """Assign the next offset now; fire with it once the batch is durable."""
+    def append(self, sid, batch, expect_offset=None, block_crc=None):
+        """Assign the next offset now; fire with it once the batch is durable. ``block_crc``: the
+        CRC-32 of the batch's records block, if the caller checked it (the WAL reuses it)."""
         core = self._core
-        if type(batch) is not bytes:
-            batch = bytes(batch)  # the caller's buffer may change once we return
+        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+            batch = bytes(batch)  # the caller's buffer may change once we return (bytes cannot)
         try:
             s = self._get(sid)
             if s.origin is not None:
@@ -257,26 +259,31 @@ class RecordLog:
             return defer.fail()
         base = s.assigned
         s.assigned = base + count
-        return core.submit(AppendBatch(sid, batch, base, count))
+        return core.submit(AppendBatch(sid, batch, base, count, block_crc))
 
-    def append_replica(self, sid, batch):
-        """Swarm follower: store the batch as is; its base_offset must be the stream's next offset."""
+    def append_replica(self, sid, batch, base=None, block_crc=None):
+        """Swarm follower, cluster replica: store the batch as is; its base_offset must be the
+        stream's next offset. With ``base`` (a cluster primary's sequenced batch): the batch is
+        stored at ``base``, written into its bytes 1..8 on the way to the WAL. A batch that is bytes
+        or a view of bytes (immutable) is not copied. ``block_crc`` as for ``append``."""
         core = self._core
         try:
             s = self._get(sid)
             core.check_writable(len(batch))
             if len(batch) < 29:
                 raise errors.InvalidRequest("a record batch is at least 29 bytes")
-            base = int.from_bytes(batch[1:9], "big", signed=True)
+            at = int.from_bytes(batch[1:9], "big", signed=True) if base is None else base
             count = int.from_bytes(batch[9:13], "big", signed=True)
-            if base != s.assigned:
-                raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (base, s.assigned))
+            if at != s.assigned:
+                raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (at, s.assigned))
             if count < 1:
                 raise errors.InvalidRequest("record_count must be >= 1")
         except errors.StoreError:
             return defer.fail()
-        s.assigned = base + count
-        return core.submit(AppendBatch(sid, bytes(batch), None, count))
+        s.assigned = at + count
+        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+            batch = bytes(batch)  # kept as it is only if it cannot change (bytes, or a view of bytes)
+        return core.submit(AppendBatch(sid, batch, base, count, block_crc))
 
     def forget_unwritten(self):
         """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused
@@ -349,6 +356,8 @@ class RecordLog:
         visible = s.durable if s.cap is None else min(s.durable, s.cap)
         if visible > s.next_offset:
             s.next_offset = visible
+            if s.trim_to > s.trim_offset:
+                self._trim_to(s)
             if s.waiters:
                 self._fire(s)
 
@@ -594,13 +603,20 @@ class RecordLog:
 
     def trim_replica(self, sid, offset):
         """A cluster replica follows its stream's trim point (the record in etcd; the primary
-        trimmed with ``trim``)."""
+        trimmed with ``trim``). A copy that does not show ``offset`` yet (it lags the primary)
+        trims what it shows now and the rest as it gets there (``advance``), so every replica
+        ends at the primary's trim point, not at whatever it held when the record came."""
         try:
             self._core.check_writable()
             s = self._get(sid)
         except errors.StoreError:
             return defer.fail()
+        s.trim_to = max(s.trim_to, int(offset))
         return self._trim(s, offset)
+
+    def _trim_to(self, s):
+        self._trim(s, s.trim_to).addErrback(
+            lambda f: self.log.warn("stream {sid}: trim to {offset} failed: {e}", sid=s.sid, offset=s.trim_to, e=f.value))
 
     def _trim(self, s, offset):
         point = max(s.trim_offset, min(int(offset), s.next_offset))

@@ -20,7 +20,7 @@ import struct
 import time
 
 from storage import fileops
-from storage.crc import crc32, crc32_combine, crc32_held
+from storage.crc import COMBINE_IS_NATIVE, crc32, crc32_combine, crc32_held
 from storage.errors import DataCorrupted, OffsetOutOfRange
 
 ENTRY = struct.Struct(">IIB")
@@ -42,13 +42,19 @@ SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
 
 
-def entry_crc(base: int, etype: int, parts, crc32=crc32) -> int:
-    """The entry CRC. The writer thread passes ``crc32=crc32_held`` (storage/crc.py)."""
+def entry_crc(base: int, etype: int, parts, crc32=crc32, tail_crc=None) -> int:
+    """The entry CRC. The writer thread passes ``crc32=crc32_held`` (storage/crc.py).
+    ``tail_crc``: the CRC-32 of the last part, known already (a record batch's checked
+    records-block CRC): combined in, not computed again."""
     length = sum(len(p) for p in parts)
     crc = crc32(_CRC_PREFIX.pack(base, length, etype))
-    for p in parts:
+    if tail_crc is None or not COMBINE_IS_NATIVE:
+        for p in parts:
+            crc = crc32(p, crc)
+        return crc
+    for p in parts[:-1]:
         crc = crc32(p, crc)
-    return crc
+    return crc32_combine(crc, tail_crc, len(parts[-1]))
 
 
 def segment_name(base: int) -> str:
@@ -212,15 +218,16 @@ class Wal:
 
     # -- writing (writer thread) ----------------------------------------------------------------
 
-    def add(self, etype: int, parts) -> int:
-        """Frame one entry into the group buffer; return its global position."""
+    def add(self, etype: int, parts, tail_crc=None) -> int:
+        """Frame one entry into the group buffer; return its global position. ``tail_crc``: the
+        last part's CRC-32, if known (``entry_crc``)."""
         length = sum(len(p) for p in parts)
         total = ENTRY_SIZE + length
         if self.active is None or (self.end - self.active > 0 and self.end - self.active + total > self.segment_bytes):
             self.flush()
             self._new_segment(self.end)
         pos = self.end
-        self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts, crc32_held), etype)
+        self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts, crc32_held, tail_crc), etype)
         for p in parts:
             self._buf += p
         self.end += total

@@ -77,3 +77,17 @@ def test_a_bad_or_oversized_message_closes_the_connection():
     ch, tr, rec, _ = channel()
     ch.dataReceived(struct.pack(">I", codec.MAX_MESSAGE + 1))
     assert tr.disconnecting and rec.messages == []
+
+
+def test_an_ack_given_right_after_another_of_its_stream_replaces_it():
+    ch, tr, _, clock = channel()
+    ch.send_latest(codec.ACK, 5, 10, 12)
+    ch.send_latest(codec.ACK, 5, 12, 12)  # the durable end only grows: one ack per stream per turn
+    ch.send_latest(codec.ACK, 6, 3, 3)
+    ch.send(codec.CONFIRM, 6, 3)
+    ch.send_latest(codec.ACK, 6, 4, 4)  # a message between them: both go
+    ch.queue_batch(6, 1, b"\x00b")
+    ch.send_latest(codec.ACK, 6, 5, 5)
+    clock.advance(0)
+    assert frames(tr.value()) == [["K", 5, 12, 12], ["K", 6, 3, 3], ["C", 6, 3], ["K", 6, 4, 4],
+                                  ["B", 6, 1, [b"\x00b"]], ["K", 6, 5, 5]]

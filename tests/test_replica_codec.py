@@ -49,3 +49,21 @@ def test_batches_message_parts_join_to_the_msgpack_array(batches):
 def test_malformed_batches_messages_are_refused(raw):
     with pytest.raises(codec.BadMessage):
         codec.decode(raw)
+
+
+def test_a_replica_takes_a_batch_only_with_its_records_crc():
+    # node/cluster/replication.py: a received batch is stored only if its records block matches
+    # the CRC in its header (the store then reuses that CRC for the WAL entry)
+    import zlib
+
+    from node.cluster.replication import checked_records_crc
+    from storage import record_batch
+
+    batch = record_batch.encode([(1, [], b"x" * 1000), (2, [(b"k", b"v")], b"y")])
+    assert checked_records_crc(batch) == zlib.crc32(batch[record_batch.HEADER_SIZE:])
+    assert checked_records_crc(memoryview(batch)) == zlib.crc32(batch[record_batch.HEADER_SIZE:])
+    flipped = bytearray(batch)
+    flipped[-3] ^= 0x10
+    assert checked_records_crc(bytes(flipped)) is None
+    assert checked_records_crc(batch[:-1]) is None  # records_len no longer its length
+    assert checked_records_crc(batch[:20]) is None

@@ -28,3 +28,11 @@ def test_crc32_and_crc32_held_are_zlibs(size, start):
     for form in (data, bytearray(data), memoryview(b"xx" + data)[2:]):
         assert crc.crc32(form, start) == want
         assert crc.crc32_held(form, start) == want
+
+
+@pytest.mark.parametrize("parts", [(b"head", b"x" * 70000), (b"a", b"", b"bc", b"records" * 9), (b"", b"z")])
+def test_a_wal_entry_crc_with_its_last_parts_crc_given_is_the_same(parts):
+    # the store passes a record batch's checked records-block CRC instead of reading it again
+    from storage.wal import T_BATCH, entry_crc
+
+    assert entry_crc(4096, T_BATCH, parts, tail_crc=zlib.crc32(parts[-1])) == entry_crc(4096, T_BATCH, parts)

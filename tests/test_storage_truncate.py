@@ -51,3 +51,26 @@ async def test_a_new_copy_of_a_trimmed_stream_starts_where_the_primarys_copy_beg
     st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1)
     assert (st.log.stream(sid).trim_offset, st.log.stream(sid).next_offset) == (20, 22)
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_replica_told_a_trim_point_past_what_it_shows_reaches_it_as_its_copy_grows(tmp_path):
+    # issue 17: trim acts on every replica at the same offset. The record's trim point comes from
+    # the primary; a copy that lags (it shows less, held at the confirm offset it learned) trims
+    # what it shows, and the rest once the confirm offset reaches it, not only at the next record.
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1)
+    sid = (await st.log.create_stream()).stream_id
+    st.log.hold_at_confirm(sid)
+    for i in range(4):
+        await st.log.append_replica(sid, with_base(batch(2, 20, i), 2 * i))
+    st.log.confirm(sid, 2)
+    assert (await st.log.trim_replica(sid, 6)).trim_offset == 2  # it shows [0, 2) so far
+    st.log.confirm(sid, 8)
+    assert st.log.stream(sid).trim_offset == 6
+    with pytest.raises(errors.OffsetOutOfRange):
+        await st.log.read(sid, 4, 1 << 20)
+    assert [base_of(b) for b in await st.log.read(sid, 6, 1 << 20)] == [6]
+    await st.close()
+    st = Store.open(str(tmp_path), fsync="never", reactor=reactor, node_id=1)
+    assert st.log.stream(sid).trim_offset == 6
+    await st.close()

@@ -29,6 +29,7 @@ record's watch only.
 
 import collections
 import json
+import struct
 
 from twisted.internet import defer, protocol, reactor as default_reactor
 from twisted.internet.task import deferLater
@@ -40,6 +41,7 @@ from protocols.replica import codec as rcodec
 from protocols.replica.channel import ReplicaChannel, ReplicaChannelFactory
 from storage import errors as store_errors
 from storage import record_batch
+from storage.crc import crc32_held
 
 SEALED = 1460  # CONTRACT §3 status: the range is sealed, or the append comes from a stale epoch
 SEAL_TIMEOUT_S = 3.0  # a replica that does not answer a seal within this counts as not answering
@@ -50,6 +52,23 @@ RETRY_S = 0.5  # seconds between attempts to reach a replica
 
 
 _SEALED = object()  # _primary: this node sealed the stream's current epoch and awaits the next record
+
+
+def checked_records_crc(batch):
+    """A received batch's records-block CRC-32 if it is the one its header holds (and its
+    records_len its length), else None. The store reuses it for the WAL entry's CRC, so checking
+    costs a replica no extra pass over the bytes."""
+    n = len(batch)
+    if n < record_batch.HEADER_SIZE:
+        return None
+    crc, records_len = _CRC_LEN.unpack_from(batch, 21)
+    if records_len != n - record_batch.HEADER_SIZE:
+        return None
+    got = crc32_held(memoryview(batch)[record_batch.HEADER_SIZE:])
+    return got if got == crc else None
+
+
+_CRC_LEN = struct.Struct(">Ii")  # a record batch header's crc and records_len (bytes 21..28)
 
 
 class PeerStream:
@@ -76,7 +95,7 @@ class PrimaryStream:
         self.local = durable  # this node's durable end
         self.confirm = durable
         self.pending = collections.OrderedDict()  # end -> (base, Deferred), in offset order
-        self.window = collections.OrderedDict()  # base -> (end, batch) of batches above the confirm offset
+        self.window = collections.OrderedDict()  # base -> (end, batch as the client sent it) of batches above the confirm offset
         self.confirm_queued = False
         self.sealed = False  # a replica refused this epoch's appends (1460): the range was sealed
 
@@ -137,13 +156,13 @@ class Replicator:
 
     # -- the primary's append ---------------------------------------------------------------------
 
-    def append(self, sid, batch, expect_offset=None):
+    def append(self, sid, batch, expect_offset=None, block_crc=None):
         """SBP APPEND in cluster mode: sequenced and replicated for a replicated stream this node
-        leads; the local store's append for anything else."""
+        leads; the local store's append for anything else. ``block_crc``: as for ``log.append``."""
         log = self.store.log
         st = self._primary(sid)
         if st is None:
-            return log.append(sid, batch, expect_offset)
+            return log.append(sid, batch, expect_offset, block_crc)
         if st is _SEALED:
             return defer.fail(store_errors.RangeAlreadySealed("stream %d: its range is sealed; retry on the new range" % sid))
         try:
@@ -163,24 +182,25 @@ class Replicator:
         except store_errors.StoreError:
             return defer.fail()
         base = st.assigned
-        # the batch with its base offset set, in one copy (the client's buffer may change once
-        # this returns; the store, the window and every replica message share this one)
-        stored = b"".join((batch[:1], base.to_bytes(8, "big", signed=True), memoryview(batch)[9:]))
-        d_local = log.append_replica(sid, stored)
+        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+            batch = bytes(batch)  # the caller's buffer may change once this returns (bytes cannot)
+        # the batch as the client sent it: the store writes ``base`` into its bytes 1..8 on the
+        # way to the WAL, the replica messages carry it beside the batch (no copy of the batch)
+        d_local = log.append_replica(sid, batch, base, block_crc)
         if d_local.called and isinstance(d_local.result, Failure):
             return d_local  # refused by the store (busy, failed): nothing was assigned
         end = base + count
         st.assigned = end
         done = defer.Deferred()
         st.pending[end] = (base, done)
-        st.window[base] = (end, stored)
+        st.window[base] = (end, batch)
         d_local.addCallbacks(self._local_durable, self._local_failed, callbackArgs=(st,), errbackArgs=(st, end))
         for nid, ps in st.peers.items():
             if nid == self.node_id:
                 continue
             link = self._link(nid)
             if ps.sent == base and link.channel is not None:
-                link.channel.queue_batch(sid, st.epoch, stored)
+                link.channel.queue_batch(sid, st.epoch, batch, base)
                 ps.sent = end
         return done
 
@@ -426,7 +446,7 @@ class Replicator:
                     and self.primaries.get(st.sid) is st:
                 entry = st.window.get(ps.sent)
                 if entry is not None:
-                    link.channel.queue_batch(st.sid, st.epoch, entry[1])
+                    link.channel.queue_batch(st.sid, st.epoch, entry[1], ps.sent)
                     ps.sent = entry[0]
                     continue
                 start = ps.sent
@@ -549,7 +569,15 @@ class Replicator:
             fed = self.pd.fed_epochs
             if fed.get(sid, -1) < epoch:
                 fed[sid] = epoch
-            d = log.append_replica(sid, batch)
+            block_crc = checked_records_crc(batch)
+            if block_crc is None:
+                # corrupted on the way (or a primary's bug): nothing of it is stored; the primary
+                # reconnects, asks where this copy is and sends it again
+                self.log.warn("replica batch of stream {sid} at {base} fails its CRC; closing the channel",
+                              sid=sid, base=base)
+                channel.transport.loseConnection()
+                break
+            d = log.append_replica(sid, batch, None, block_crc)
             if d.called and isinstance(d.result, Failure):
                 d.addErrback(lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
                 break
@@ -610,7 +638,7 @@ class Replicator:
     def _ack(self, channel, sid):
         try:
             log = self.store.log
-            channel.send(rcodec.ACK, sid, log.durable_end(sid), log.assigned_end(sid))
+            channel.send_latest(rcodec.ACK, sid, log.durable_end(sid), log.assigned_end(sid))
         except store_errors.StreamNotFound:
             pass
 
@@ -645,6 +673,16 @@ class _ReplicaSide:
 
     def disconnected(self, channel):
         pass
+
+    def around_read(self, starting):
+        # the batches of one read go to the store's writer together (one group, one wake-up of
+        # the writer thread, not one per batch)
+        core = getattr(self.replicator.store, "core", None)
+        if core is not None:
+            if starting:
+                core.hold_wakeups()
+            else:
+                core.release_wakeups()
 
     def message(self, channel, msg):
         if msg[0] in (rcodec.SYNC, rcodec.BATCHES, rcodec.APPEND, rcodec.CONFIRM, rcodec.SEAL, rcodec.START):

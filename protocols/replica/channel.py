@@ -4,10 +4,13 @@ node) pair, opened by the primary; with the cluster TLS options both ends are mu
 
 A frame is a 4-byte big-endian length and the message. Record batches are most of the bytes, so
 they are not copied on the way: ``queue_batch`` collects the batches of one reactor turn per
-stream into one ``B`` message whose batches go to the transport as they are (no re-encoding), and
-the receiving side reads up to ``READ_SIZE`` bytes at a time into one buffer and decodes each
-message in place. Every other message first sends the queued batches, so the peer sees the
-messages in the order they were given.
+stream into one ``B`` message whose batches go to the socket as they are (no re-encoding, no
+join), and the receiving side reads up to ``READ_SIZE`` bytes at a time and decodes each message
+where it lies (``framing.Framer``: a message cut by a read's end is joined once; a ``B``
+message's batches are views of the received bytes, stored without a copy). Everything a channel
+is given in one reactor turn (``B`` messages, acks, confirms) leaves at the turn's end in the
+order given, with one ``sendmsg`` when the socket holds nothing unsent: one system call per peer
+per turn, not one per message.
 """
 
 import struct
@@ -16,17 +19,20 @@ from twisted.internet import protocol
 from twisted.internet import reactor as default_reactor
 from twisted.logger import Logger
 
-from protocols import tcp_internals
+from protocols import framing, tcp_internals
+from protocols.direct_send import send_parts_now
 from protocols.replica import codec
 
 _LEN = struct.Struct(">I")
 READ_SIZE = 1 << 20  # bytes read from the socket at once (Twisted's default is 64 KiB: one batch)
 MAX_QUEUED = 8 << 20  # a B message is sent once it holds this much (codec.MAX_MESSAGE is the hard limit)
+_MAX_PARTS = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 
 
 class ReplicaChannel(protocol.Protocol):
     """``handler.message(channel, msg)`` for every message; ``handler.connected(channel)`` /
-    ``handler.disconnected(channel)`` around the connection."""
+    ``handler.disconnected(channel)`` around the connection; ``handler.around_read(True)`` /
+    ``(False)`` (optional) around the messages of one read."""
 
     MAX_LENGTH = codec.MAX_MESSAGE
     log = Logger()
@@ -35,10 +41,11 @@ class ReplicaChannel(protocol.Protocol):
         self.handler = handler
         self.reactor = reactor or default_reactor
         self.lost = False
-        self._buf = bytearray()
-        self._queued = None  # (stream id, epoch, [batch, ...]) waiting for the end of the reactor turn
-        self._queued_bytes = 0
+        self._framer = framing.Framer(framing.Layout(_LEN, 0, 4, 0, self.MAX_LENGTH))  # the reads, kept as they came
+        self._out = []  # the parts of this reactor turn's messages, in order (sent at its end)
+        self._batches = None  # the B message being filled (see queue_batch)
         self._flush_call = None
+        self._last = None  # ((kind, stream id), its index in _out) of the last send_latest message
 
     def connectionMade(self):
         # small acks and confirms must not wait for Nagle's algorithm (40 ms with delayed ACKs)
@@ -54,79 +61,123 @@ class ReplicaChannel(protocol.Protocol):
 
     def connectionLost(self, reason=None):
         self.lost = True
-        self._queued = None
+        self._out, self._batches, self._last = [], None, None
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
         self.handler.disconnected(self)
 
     def dataReceived(self, data):
-        buf = self._buf
-        buf += data
-        off, end = 0, len(buf)
+        framer = self._framer
+        framer.feed(data)
+        around = getattr(self.handler, "around_read", None)
+        if around is not None:
+            around(True)
         try:
-            while end - off >= 4 and not self.lost:
-                (length,) = _LEN.unpack_from(buf, off)
-                if length > self.MAX_LENGTH:
-                    self.log.warn("replica channel: message of {n} bytes; closing", n=length)
-                    self.transport.loseConnection()
-                    self.lost = True
+            while not self.lost:
+                try:
+                    span = framer.next()
+                except framing.FrameRefused as e:
+                    self.log.warn("replica channel: message of {n} bytes; closing", n=e.length)
+                    self._close()
                     return
-                if end - off - 4 < length:
-                    break
-                with memoryview(buf) as whole, whole[off + 4:off + 4 + length] as view:
-                    try:
-                        msg = codec.decode(view)
-                    except codec.BadMessage as e:
-                        msg = None
-                        error = e
-                off += 4 + length
-                if msg is None:
-                    self.log.warn("replica channel: {error}; closing", error=str(error))
-                    self.transport.loseConnection()
-                    self.lost = True
+                if span is None:
+                    return
+                buf, start, end = span
+                try:
+                    # (in place: a B message's batches are views of the read, which stays as it is)
+                    msg = codec.decode(memoryview(buf)[start + 4:end])
+                except codec.BadMessage as e:
+                    self.log.warn("replica channel: {error}; closing", error=str(e))
+                    self._close()
                     return
                 self.handler.message(self, msg)
         finally:
-            if off:
-                del buf[:off]
+            if around is not None:
+                around(False)
+
+    def _close(self):
+        self.transport.loseConnection()
+        self.lost = True
+        self._framer.clear()
 
     def send(self, *fields):
-        if not self.lost:
-            self.flush()
-            payload = codec.encode(*fields)
-            self.transport.write(_LEN.pack(len(payload)) + payload)
-
-    def queue_batch(self, sid, epoch, batch):
-        """Send ``batch`` (of stream ``sid``, epoch ``epoch``) at the end of this reactor turn,
-        with the stream's other batches of the turn, in one ``B`` message."""
+        """Send a message at the end of this reactor turn, after everything given before it."""
         if self.lost:
             return
-        q = self._queued
-        if q is not None and (q[0] != sid or q[1] != epoch or self._queued_bytes + len(batch) > MAX_QUEUED):
-            self.flush()
-            q = None
-        if q is None:
-            self._queued = q = (sid, epoch, [])
-            self._queued_bytes = 0
-        q[2].append(batch)
-        self._queued_bytes += len(batch)
+        self._close_batches()
+        payload = codec.encode(*fields)
+        self._out.append(_LEN.pack(len(payload)) + payload)
+        self._last = None
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
+
+    def send_latest(self, *fields):
+        """``send`` for a message that supersedes one of the same kind and stream given just
+        before it in this turn (nothing between them): that one is replaced, not followed (a
+        replica's acks, whose durable end only grows: one per stream per turn is enough)."""
+        if self.lost:
+            return
+        key = (fields[0], fields[1])
+        last = self._last
+        if last is not None and last[0] == key and last[1] == len(self._out) - 1 and self._batches is None:
+            payload = codec.encode(*fields)
+            self._out[-1] = _LEN.pack(len(payload)) + payload
+            return
+        self.send(*fields)
+        self._last = (key, len(self._out) - 1)
+
+    def queue_batch(self, sid, epoch, batch, base=None):
+        """Send ``batch`` (of stream ``sid``, epoch ``epoch``) at the end of this reactor turn,
+        with the stream's other batches of the turn, in one ``B`` message; with ``base``, as if
+        its base offset were ``base`` (``codec.batch_parts``: the batch is not copied)."""
+        if self.lost:
+            return
+        q = self._batches
+        if q is not None and (q[0] != sid or q[1] != epoch or q[4] + len(batch) > MAX_QUEUED):
+            full = q[4] + len(batch) > MAX_QUEUED
+            self._close_batches()
+            if full:
+                self.flush()
+            q = None
+        if q is None:
+            self._last = None
+            # [stream id, epoch, where its prefix goes in _out, batches, bytes of the batches' parts]
+            self._batches = q = [sid, epoch, len(self._out), 0, 0]
+            self._out.append(None)
+        head, body = codec.batch_parts(batch, base)
+        self._out.append(head)
+        self._out.append(body)
+        q[3] += 1
+        q[4] += len(head) + len(body)
+        if self._flush_call is None:
+            self._flush_call = self.reactor.callLater(0, self._flush_now)
+
+    def _close_batches(self):
+        q, self._batches = self._batches, None
+        if q is not None:
+            head = codec.batches_prefix(q[0], q[1]) + codec.array_head(q[3])
+            self._out[q[2]] = _LEN.pack(len(head) + q[4]) + head
 
     def _flush_now(self):
         self._flush_call = None
         self.flush()
 
     def flush(self):
-        """Send the queued batches now."""
-        q, self._queued = self._queued, None
-        if q is None or self.lost:
+        """Send what this turn gave now: the parts of its messages with one ``sendmsg`` when the
+        socket is idle (no join into Twisted's buffer, protocols/direct_send.py), else through
+        the transport."""
+        self._close_batches()
+        out = self._out
+        if not out or self.lost:
             return
-        parts = codec.encode_batches(q[0], q[1], q[2])
-        size = sum(len(p) for p in parts)
-        parts[0] = _LEN.pack(size) + parts[0]
-        self.transport.writeSequence(parts)
+        self._out = []
+        self._last = None
+        if len(out) <= _MAX_PARTS:
+            send_parts_now(self.transport, out)
+            return
+        for i in range(0, len(out), _MAX_PARTS):
+            send_parts_now(self.transport, out[i:i + _MAX_PARTS])
 
 
 class ReplicaChannelFactory(protocol.Factory):

@@ -27,6 +27,8 @@ Replica -> primary:
   epoch; 1404: no such stream here)
 """
 
+import functools
+
 import msgpack
 
 SYNC, APPEND, CONFIRM, ACK, GAP, ERROR = "S", "A", "C", "K", "G", "E"
@@ -55,7 +57,7 @@ def _bin_head(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
-def _array_head(n: int) -> bytes:
+def array_head(n: int) -> bytes:
     if n < 16:
         return bytes((0x90 | n,))
     if n < 0x10000:
@@ -63,17 +65,97 @@ def _array_head(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
+@functools.lru_cache(maxsize=4096)
+def batches_prefix(stream_id: int, epoch: int) -> bytes:
+    """``["B", stream_id, epoch, `` of a ``B`` message (its array of batches follows)."""
+    return b"\x94\xa1B" + msgpack.packb(stream_id) + msgpack.packb(epoch)
+
+
+def batch_parts(batch, base=None) -> tuple:
+    """One batch of a ``B`` message as (msgpack bin head, the batch's bytes), not copied; with
+    ``base``, the batch goes as if its base offset (bytes 1..8) were ``base``: the head carries
+    its first byte and ``base``, and the rest follows as a view (the primary's sequenced batch:
+    the client's bytes are not copied to write the offset in)."""
+    n = len(batch)
+    if base is None:
+        return _bin_head(n), batch
+    return _bin_head(n) + batch[:1] + base.to_bytes(8, "big", signed=True), memoryview(batch)[9:]
+
+
 def encode_batches(stream_id: int, epoch: int, batches) -> list:
     """``["B", stream_id, epoch, batches]`` as a list of byte strings whose concatenation is the
     message (the batches themselves are not copied: the channel writes the parts in sequence)."""
-    parts = [b"\x94\xa1B" + msgpack.packb(stream_id) + msgpack.packb(epoch) + _array_head(len(batches))]
+    parts = [batches_prefix(stream_id, epoch) + array_head(len(batches))]
     for b in batches:
-        parts.append(_bin_head(len(b)))
-        parts.append(b)
+        parts.extend(batch_parts(b))
     return parts
 
 
+_INTS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
+         0xd0: (1, True), 0xd1: (2, True), 0xd2: (4, True), 0xd3: (8, True)}
+_BINS = {0xc4: 1, 0xc5: 2, 0xc6: 4}
+
+
+class _NotPlain(Exception):
+    """A ``B`` message in a form ``_batches_in_place`` does not read (msgpack decides)."""
+
+
+def _int_at(view, pos):
+    t = view[pos]
+    if t < 0x80:
+        return t, pos + 1
+    if t >= 0xe0:
+        return t - 0x100, pos + 1
+    size = _INTS.get(t)
+    if size is None:
+        raise _NotPlain()
+    end = pos + 1 + size[0]
+    if end > len(view):
+        raise _NotPlain()
+    return int.from_bytes(view[pos + 1:end], "big", signed=size[1]), end
+
+
+def _batches_in_place(view) -> list:
+    """A ``B`` message as ``decode`` returns it, its batches views of ``view`` (not copied: a
+    replica stores them as they lie in the received bytes). Raises _NotPlain for anything but the
+    plain form ``encode_batches`` writes."""
+    sid, pos = _int_at(view, 3)
+    epoch, pos = _int_at(view, pos)
+    t = view[pos]
+    if 0x91 <= t <= 0x9f:
+        count, pos = t & 0x0f, pos + 1
+    elif t == 0xdc or t == 0xdd:
+        n = 2 if t == 0xdc else 4
+        count, pos = int.from_bytes(view[pos + 1:pos + 1 + n], "big"), pos + 1 + n
+    else:
+        raise _NotPlain()
+    size = len(view)
+    batches = []
+    for _ in range(count):
+        if pos >= size:
+            raise _NotPlain()
+        n = _BINS.get(view[pos])
+        if n is None:
+            raise _NotPlain()
+        start = pos + 1 + n
+        end = start + int.from_bytes(view[pos + 1:start], "big")
+        if end > size:
+            raise _NotPlain()
+        batches.append(view[start:end])
+        pos = end
+    if pos != size or not batches:
+        raise _NotPlain()
+    return [BATCHES, sid, epoch, batches]
+
+
 def decode(data) -> list:
+    """One message. A ``B`` message's batches are views of ``data`` (keep ``data`` unchanged
+    while they are used); every other field, and an ``A`` message's batch, is its own object."""
+    if data[:3] == b"\x94\xa1B":
+        try:
+            return _batches_in_place(memoryview(data))
+        except (_NotPlain, IndexError):
+            pass  # msgpack says what it is
     try:
         msg = msgpack.unpackb(data, raw=False, use_list=True)
     except Exception as e:

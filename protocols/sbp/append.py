@@ -37,7 +37,7 @@ class AppendHandler:
     def handle(self, frame):
         t0 = time.perf_counter()  # sbpnode_request_duration_seconds (node/metrics.py)
         conn = self.conn
-        req = codec.decode_table("AppendRequest", frame.header)
+        req = codec.request_of(frame, "AppendRequest")
         infos = req.append_requests
         batches = codec.split_payload(frame.payload, [i.batch_length for i in infos])
         if batches is None:
@@ -82,7 +82,7 @@ class AppendHandler:
                 pass  # answered by the general path below
             else:
                 try:
-                    d = log.append(info.stream_id, frame.payload)
+                    d = log.append(info.stream_id, frame.payload, block_crc=block_crcs[0])
                 except Exception as e:
                     d = defer.fail(e)
                 metrics["appends"] += 1
@@ -106,7 +106,7 @@ class AppendHandler:
                 results[k] = T.AppendResult(sid, info.request_index, 0, now_ms, codec.status(codec.CORRUPT_BATCH, str(e)))
                 continue
             try:
-                d = log.append(sid, batch)
+                d = log.append(sid, batch, block_crc=block_crcs[k])
             except Exception as e:
                 results[k] = T.AppendResult(sid, info.request_index, 0, now_ms, status_for_error(e))
                 continue

@@ -74,10 +74,10 @@ class ClusterRouter:
         if proto.lost:
             return True
         if frame.opcode == codec.APPEND:
-            req = codec.decode_table("AppendRequest", frame.header)
+            req = codec.request_of(frame, "AppendRequest")
             sids = [i.stream_id for i in req.append_requests]
         else:
-            req = codec.decode_table("FetchRequest", frame.header)
+            req = codec.request_of(frame, "FetchRequest")
             sids = [i.stream_id for i in req.fetch_requests]
         where = {}
         waits = []

@@ -177,12 +177,13 @@ def batches_crc(buf, start, end, crc=0, verify=False):
 
 
 class Frame:
-    __slots__ = ("opcode", "flags", "stream_id", "header", "payload", "header_format", "crc")
+    __slots__ = ("opcode", "flags", "stream_id", "header", "payload", "header_format", "crc", "request")
 
     def __init__(self, opcode, flags=0, stream_id=0, header=b"", payload=b"", header_format=HEADER_FORMAT_FLATBUFFERS, crc=None):
         # crc: set only when the frame's payload CRC was NOT checked by the decoder (the receiver
         # promised to check it: FrameBuffer(defer_crc=...)); None once checked.
         self.crc = crc
+        self.request = None  # the decoded header, once ``request_of`` decoded it (not compared)
         self.opcode = opcode
         self.flags = flags
         self.stream_id = stream_id
@@ -191,7 +192,8 @@ class Frame:
         self.header_format = header_format
 
     def __eq__(self, other):
-        return isinstance(other, Frame) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__ if k != "crc")
+        return isinstance(other, Frame) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__
+                                                if k != "crc" and k != "request")
 
     def __repr__(self):
         return "Frame(opcode=0x%04x, flags=0x%02x, stream_id=%d, header=%d B, payload=%d B)" % (
@@ -298,12 +300,14 @@ def check_length(frame_length, opcode=0, stream_id=0):
         raise FrameLengthError("frame_length %d out of [16, 16 MiB]" % frame_length, opcode, stream_id)
 
 
-def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=()) -> Frame:
+def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=(), view_payload=()) -> Frame:
     """Decode the one complete frame at ``buf[pos:end]`` (``end`` = pos + 4 + frame_length).
 
     Raises FrameError subclasses in the contract's check order. For opcodes in ``defer_crc`` the
     payload CRC is not checked here: the frame carries it in ``frame.crc`` and the caller must
-    check it (before acting on the frame) and answer a mismatch as BadFrame.
+    check it (before acting on the frame) and answer a mismatch as BadFrame. For opcodes in
+    ``view_payload``, when ``buf`` is bytes (immutable), the payload is a view of it, not a copy
+    (an APPEND's batches go to the store, and to the replicas, as they were received).
     """
     length, magic, opcode, flags, stream_id, fmt_hlen = PREFIX.unpack_from(buf, pos)
     check_length(length)
@@ -323,8 +327,12 @@ def parse_frame(buf, pos=0, end=None, known_opcodes=OPCODES, defer_crc=()) -> Fr
     pend = end - 4
     (crc,) = _CRC.unpack_from(buf, pend)
     view = memoryview(buf)
-    # one copy of the payload (a bytearray slice would copy twice)
-    payload = bytes(view[pstart:pend]) if pend > pstart else b""
+    if pend <= pstart:
+        payload = b""
+    elif opcode in view_payload and type(buf) is bytes:
+        payload = memoryview(buf)[pstart:pend]
+    else:
+        payload = bytes(view[pstart:pend])  # one copy (a bytearray slice would copy twice)
     deferred = opcode in defer_crc and payload
     if not deferred:
         expect = crc32(payload) if payload else 0
@@ -371,12 +379,13 @@ class FrameBuffer(framing.Framer):
     read is joined once, when all of it is in. A declared length is checked as soon as its 4 bytes
     are in, before its body is buffered."""
 
-    __slots__ = ("known_opcodes", "defer_crc")
+    __slots__ = ("known_opcodes", "defer_crc", "view_payload")
 
-    def __init__(self, known_opcodes=OPCODES, defer_crc=()):
+    def __init__(self, known_opcodes=OPCODES, defer_crc=(), view_payload=()):
         super().__init__(LAYOUT)
         self.known_opcodes = known_opcodes
         self.defer_crc = defer_crc
+        self.view_payload = view_payload  # opcodes whose payload is a view of the read (parse_frame)
 
     def next(self) -> Optional[Frame]:
         """The next whole frame, None if incomplete. A FrameError means the frame was consumed
@@ -384,7 +393,7 @@ class FrameBuffer(framing.Framer):
         span = _framer_next(self)
         if span is None:
             return None
-        return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc)
+        return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc, self.view_payload)
 
 
 # -- FlatBuffers headers ---------------------------------------------------------------------------
@@ -636,6 +645,74 @@ def _read_table(buf, pos, size, name, budget):
     return cls(*values)
 
 
+_Q64 = struct.Struct("<q")
+
+
+def _vtable_offsets(buf, pos, size, fields):
+    """(the table's field offsets, padded with 0 as the generic decoder pads them, its object
+    length) for a table at ``pos`` whose vtable holds at most ``fields`` offsets; None if
+    anything is out of bounds or unusual."""
+    if pos + 4 > size:
+        return None
+    vt = pos - _I32.unpack_from(buf, pos)[0]
+    if vt < 0 or vt + 4 > size:
+        return None
+    vt_len, obj_len = _HH.unpack_from(buf, vt)
+    k = (vt_len - 4) >> 1
+    if vt_len < 4 or vt_len & 1 or k > fields or vt + vt_len > size or pos + obj_len > size:
+        return None
+    return struct.unpack_from(_OFFSETS[k], buf, vt + 4) + (0,) * (fields - k), obj_len
+
+
+_OFFSETS = ["<%dH" % k for k in range(4)]
+
+
+def _append_request_plain(buf, size):
+    """``decode_table("AppendRequest", buf)`` for the header every APPEND carries (at most 16
+    entries, every field inside its table), several times faster: no plan walked, no budget (16
+    entries cannot exhaust it). None for any other form: the generic decoder then decides, so
+    this never accepts what it would refuse, and gives the same values where it accepts."""
+    pos = _U32.unpack_from(buf, 0)[0]
+    got = _vtable_offsets(buf, pos, size, 2)
+    if got is None:
+        return None
+    (o_timeout, o_infos), obj_len = got
+    if not o_infos or o_infos + 4 > obj_len or o_timeout + 4 > obj_len:
+        return None
+    timeout = _I32.unpack_from(buf, pos + o_timeout)[0] if o_timeout else 0
+    at = pos + o_infos
+    start = at + _U32.unpack_from(buf, at)[0]
+    if start + 4 > size:
+        return None
+    n = _U32.unpack_from(buf, start)[0]
+    start += 4
+    if n > 16 or start + 4 * n > size:
+        return None
+    infos = []
+    for j in range(n):
+        at = start + 4 * j
+        tp = at + _U32.unpack_from(buf, at)[0]
+        got = _vtable_offsets(buf, tp, size, 3)
+        if got is None:
+            return None
+        (o_sid, o_idx, o_len), ol = got
+        if o_sid + 8 > ol or o_idx + 4 > ol or o_len + 4 > ol:
+            return None
+        infos.append(T.AppendInfo(_Q64.unpack_from(buf, tp + o_sid)[0] if o_sid else 0,
+                                  _I32.unpack_from(buf, tp + o_idx)[0] if o_idx else 0,
+                                  _I32.unpack_from(buf, tp + o_len)[0] if o_len else 0))
+    return T.AppendRequest(timeout, infos)
+
+
+def request_of(frame, name: str):
+    """The frame's header decoded as a ``name`` table, decoded once: a cluster node's router and
+    then the handler both read an APPEND's or FETCH's header (protocols/sbp/cluster.py)."""
+    req = frame.request
+    if req is None:
+        req = frame.request = decode_table(name, frame.header)
+    return req
+
+
 def decode_table(name: str, buf):
     """Decode a root table of type ``name`` (raises HeaderDecodeError on anything malformed)."""
     if name not in SCHEMA:
@@ -643,6 +720,13 @@ def decode_table(name: str, buf):
     size = len(buf)
     if size < 8:
         raise HeaderDecodeError("header shorter than a root table")
+    if name == "AppendRequest":
+        try:
+            req = _append_request_plain(buf, size)
+        except struct.error:
+            req = None
+        if req is not None:
+            return req
     try:
         return _read_table(buf, _U32.unpack_from(buf, 0)[0], size, name, _Budget(size))
     except struct.error as e:

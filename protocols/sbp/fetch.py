@@ -36,7 +36,7 @@ class FetchHandler:
 
     def handle(self, frame):
         conn = self.conn
-        req = codec.decode_table("FetchRequest", frame.header)
+        req = codec.request_of(frame, "FetchRequest")
         conn.factory.metrics["fetches"] += 1
         op = FetchOp(self, frame, req)
         if not req.fetch_requests:

@@ -131,8 +131,10 @@ class SbpServerProtocol(Protocol):
         self.factory = factory
         self.store = factory.store
         self.reactor = factory.reactor
-        # APPEND's payload CRC is checked by the AppendHandler from the batches' own CRCs (one pass)
-        self.frames = codec.FrameBuffer(defer_crc=_DEFER_CRC)
+        # APPEND's payload CRC is checked by the AppendHandler from the batches' own CRCs (one pass);
+        # its payload is a view of the received bytes: the store (and in a cluster the replicas)
+        # take the batches as they came, no copy on the way
+        self.frames = codec.FrameBuffer(defer_crc=_DEFER_CRC, view_payload=_DEFER_CRC)
         self.peer = "?"
         self._inflight_bytes = 0
         self._inflight_ops = 0
