@@ -840,7 +840,11 @@ def pipelined(base, args):
                     settle_writeback()  # both sides start with the disk's deferred work done
                     load = os.getloadavg()[0]
                     prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
+                    before = c.status()["metrics"].get("sbp", {}) if name == "sbp_read" else None
                     r = measured(*runs[name], profile=prof)
+                    if before is not None:  # reads the node could not answer from the page cache
+                        after = c.status()["metrics"].get("sbp", {})
+                        r["pool_reads"] = after.get("fetch_pool_reads", 0) - before.get("fetch_pool_reads", 0)
                     r["load"] = load
                     r["rate"] = r["records"] / r["seconds"]
                     rows[name].append(r)
@@ -851,7 +855,8 @@ def pipelined(base, args):
                               r["server_cpu"] / r["records"] * 1e6, r["server_cpu"] / r["requests"] * 1e6,
                               r["server_switches"] / r["requests"],
                               r["client_cpu"], r.get("errors", 0), load)
-                          + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else ""))
+                          + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else "")
+                          + ("  (%d reads from the read pool)" % r["pool_reads"] if "pool_reads" in r else ""))
             c.delete_stream(sid)
             with socket.create_connection(("127.0.0.1", redis.port)) as rs:
                 rs.sendall(redis_cmd(b"DEL", key))
