@@ -509,11 +509,13 @@ class Wal:
             return None
         return out
 
-    def uncached(self, pos: int, nbytes: int, piece: int = 4 << 20):
+    def uncached(self, pos: int, nbytes: int, piece: int = 4 << 20, check: int = 16 << 20):
         """The parts of the WAL's ``nbytes`` from position ``pos`` (up to what is written, across
         segments) that have pages missing from the page cache, as ``(pos, length)`` pieces of at
-        most ``piece`` bytes: a few cachestat calls, never waiting (the reactor thread). Without
-        cachestat(2) every piece is named."""
+        most ``piece`` bytes (``will_need`` reads at most the device's read-ahead size, 8 MiB
+        here, per call): one cachestat call per ``check`` bytes, never waiting (the reactor
+        thread); the pieces of a range with pages missing are all named. Without cachestat(2)
+        every piece is named."""
         out = []
         bases = self.bases
         i = bisect.bisect_right(bases, pos) - 1
@@ -531,10 +533,10 @@ class Wal:
                 size = self._sizes.get(base)
                 stop = min(end, base + (size if size is not None else self.segment_size(base)))
             while pos < stop:
-                n = min(piece, stop - pos)
+                n = min(check, stop - pos)
                 off = pos - base
                 if cachestat is None or cachestat(fd, off, n) < (off + n - 1) // _PAGE - off // _PAGE + 1:
-                    out.append((pos, n))
+                    out.extend((p, min(piece, pos + n - p)) for p in range(pos, pos + n, piece))
                 pos += n
             i += 1
             if i < len(bases):
