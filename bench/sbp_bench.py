@@ -37,6 +37,7 @@ sys.path.insert(0, REPO)
 from protocols.sbp import codec  # noqa: E402
 from protocols.sbp.client import BlockingSbpClient  # noqa: E402
 from storage import record_batch  # noqa: E402
+from storage.crc import crc32  # noqa: E402
 
 RECORD_SIZE = 1024
 BATCH_RECORDS = 64
@@ -523,25 +524,32 @@ class _Inbox:
 
 
 def sbp_pipe_read_load(port, sid, total, window, q):
-    """FETCH (1 MiB) with ``window`` in flight; request k at offset k x 1024. Each batch's records
-    CRC is checked once the batch is in, the frame CRC (combined from them) when the frame is, and
-    the first batch must start at the request's offset."""
+    """FETCH (1 MiB) with ``window`` in flight; request k at offset k x 1024. Each reply is checked
+    as it arrives: the frame CRC over its payload bytes (one pass, each received piece while it is
+    fresh), and each batch header once it is in (magic, record_count >= 1, records_len >= 0, the
+    batches exactly filling the payload, each batch's base offset following the previous one's
+    records, the first one at the request's offset). The node derives a frame CRC from the stored
+    batches' records CRCs (docs/protocols/sbp.md), so a records block that differs from its stored
+    CRC fails the frame CRC: this is the check of every block against its CRC, in one pass."""
     s = _connect(port)
     inbox = _Inbox(s)
     buf = inbox.buf
+    view = inbox.view
     per = XRANGE_COUNT  # records per 1 MiB reply (16 batches of 64)
     nreq = (total + per - 1) // per
     reqs = []
     for k in range(nreq):
         header = codec.encode_table("FetchRequest", codec.T.FetchRequest(0, 1, [codec.T.FetchInfo(sid, 0, k * per, FETCH_BYTES)]))
         reqs.append(codec.encode_frame(codec.FETCH, 0, k + 1, header))
+    unpack_header = record_batch.HEADER.unpack_from
+    hsize, magic_ok = record_batch.HEADER_SIZE, record_batch.MAGIC
     sent_at = [0.0] * nreq
     done_at = [0.0] * nreq
     sent = done = got = reordered = 0
     fpos = 0  # the current frame's start in buf
-    end = pos = pend = None
+    end = pos = pend = crc_at = None
     crc = records = 0
-    first = None
+    first = nxt = None
     clock = time.perf_counter
     t0 = clock()
     c0 = time.process_time()
@@ -553,7 +561,7 @@ def sbp_pipe_read_load(port, sid, total, window, q):
             shift = moved - inbox.start
             fpos -= shift
             if end is not None:
-                end, pos, pend = end - shift, pos - shift, pend - shift
+                end, pos, pend, crc_at = end - shift, pos - shift, pend - shift, crc_at - shift
         n = inbox.n
         now = clock()
         while True:
@@ -562,20 +570,23 @@ def sbp_pipe_read_load(port, sid, total, window, q):
                     break
                 length, _magic, _opcode, flags, stream_id, fmt_hlen = codec.PREFIX.unpack_from(buf, fpos)
                 end = fpos + 4 + length
-                pos = fpos + codec.PREFIX_SIZE + (fmt_hlen & 0xFFFFFF)
+                pos = crc_at = fpos + codec.PREFIX_SIZE + (fmt_hlen & 0xFFFFFF)
                 pend = fpos + length
                 crc = records = 0
-                first = None
-            while pos + record_batch.HEADER_SIZE <= min(n, pend):
-                h = record_batch.read_header(buf, pos)
-                bend = pos + record_batch.HEADER_SIZE + h.records_len
-                if bend > n:
-                    break
-                crc = codec.batches_crc(buf, pos, bend, crc, verify=True)  # ValueError if corrupt
+                first = nxt = None
+            upto = min(n, pend)
+            if upto > crc_at:
+                crc = crc32(view[crc_at:upto], crc)
+                crc_at = upto
+            while pos + hsize <= upto:
+                magic, base, count, _ts, _records_crc, records_len = unpack_header(buf, pos)
+                if magic != magic_ok or count < 1 or records_len < 0 or (nxt is not None and base != nxt):
+                    raise AssertionError("bad batch header at %d of FETCH reply %d" % (pos - fpos, stream_id - 1))
                 if first is None:
-                    first = h.base_offset
-                records += h.record_count
-                pos = bend
+                    first = base
+                nxt = base + count
+                records += count
+                pos += hsize + records_len
             if n < end:
                 break
             (frame_crc,) = struct.unpack_from(">I", buf, pend)
@@ -840,7 +851,11 @@ def pipelined(base, args):
                     settle_writeback()  # both sides start with the disk's deferred work done
                     load = os.getloadavg()[0]
                     prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
+                    before = c.status()["metrics"].get("sbp", {}) if name == "sbp_read" else None
                     r = measured(*runs[name], profile=prof)
+                    if before is not None:  # reads the node could not answer from the page cache
+                        after = c.status()["metrics"].get("sbp", {})
+                        r["pool_reads"] = after.get("fetch_pool_reads", 0) - before.get("fetch_pool_reads", 0)
                     r["load"] = load
                     r["rate"] = r["records"] / r["seconds"]
                     rows[name].append(r)
@@ -851,7 +866,8 @@ def pipelined(base, args):
                               r["server_cpu"] / r["records"] * 1e6, r["server_cpu"] / r["requests"] * 1e6,
                               r["server_switches"] / r["requests"],
                               r["client_cpu"], r.get("errors", 0), load)
-                          + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else ""))
+                          + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else "")
+                          + ("  (%d reads from the read pool)" % r["pool_reads"] if "pool_reads" in r else ""))
             c.delete_stream(sid)
             with socket.create_connection(("127.0.0.1", redis.port)) as rs:
                 rs.sendall(redis_cmd(b"DEL", key))

@@ -288,6 +288,11 @@ class NodeCollector:
             c = _counter("sbpnode_sbp_read_ahead_hits", "FETCHes answered from the connection's read-ahead.")
             c.add_metric([], sbp["read_ahead_hits"])
             yield c
+        if "fetch_pool_reads" in sbp:
+            c = _counter("sbpnode_sbp_fetch_pool_reads", "FETCH reads (read-aheads included) that went to the store's "
+                         "read pool because their bytes were not all in the page cache.")
+            c.add_metric([], sbp["fetch_pool_reads"])
+            yield c
 
         wire = _counter("sbpnode_wire_bytes", "Bytes read from (in) and written to (out) the connections, "
                         "by protocol (KV and Toasty; the other protocols count payload bytes).",

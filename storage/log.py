@@ -467,6 +467,25 @@ class RecordLog:
             return defer.succeed(spans)
         return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset, True)
 
+    def prefetch(self, sid, offset, nbytes):
+        """Ask the kernel for the ``nbytes`` of the WAL from where the batch holding ``offset``
+        lies (other streams' batches in between included), without waiting: the pieces with
+        pages missing from the page cache (``Wal.uncached``, a few cachestat calls) are read in by
+        the read pool (``Wal.will_need``). For a sequential reader, so its later ``read_spans``
+        find the bytes in memory (and stay on the reactor thread) even after memory reclaim
+        dropped them. Reactor thread: one index look-up; a no-op past the stream's visible end."""
+        s = self._streams.get(sid)
+        if s is None or not s.trim_offset <= offset < s.next_offset:
+            return
+        core = self._core
+        cur = self._locate(core.snapshot(), sid, offset)
+        if cur is None:
+            return
+        pieces = core.wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
+        if pieces:
+            core.in_pool(core.wal.will_need, pieces).addErrback(
+                lambda f: self.log.failure("WAL prefetch failed", f))
+
     def _cached_spans(self, sid, offset, max_bytes, limit):
         """Reactor thread, no waiting for the disk: the FileSpans of ``read_spans`` when every
         batch is big enough for one and its pages are in the page cache (``wal.cached_spans``), so
@@ -526,6 +545,10 @@ class RecordLog:
             entries = self._entries(txn, sid, offset, max_bytes, limit)
         if entries is None:
             raise errors.OffsetOutOfRange("offset %d of stream %d is not stored" % (offset, sid))
+        if spans:
+            # the whole range asked for at once: the head reads below then wait for the few
+            # large reads in flight, not for one disk round trip per batch
+            wal.will_need([(pos, length) for pos, length, _, _ in entries])
         out = []
         i = 0
         files = {}

@@ -6,6 +6,7 @@ for a reader that does not read, GOAWAY after queued replies, and corruption."""
 import glob
 import os
 import socket
+import threading
 
 import pytest
 import pytest_twisted
@@ -16,6 +17,8 @@ from protocols.sbp.client import BlockingSbpClient, SbpClient, SbpError
 from protocols.sbp.codec import T
 from protocols.sbp.sendfile import FileSender
 from storage import Store, record_batch
+from storage import wal as wal_module
+from tests.storage_helpers.util import entry_positions
 from tests.test_sbp_server import Node  # the NodeContext surface over a real store
 from tests.waiting import reactor_until
 
@@ -325,3 +328,55 @@ def test_file_sender_only_for_plain_sockets():
     from twisted.internet.testing import StringTransport
 
     assert FileSender.for_transport(StringTransport(), lambda full: None) is None
+
+
+@pytest.mark.skipif(wal_module.cachestat is None, reason="no cachestat(2) here (Linux < 6.5)")
+@pytest_twisted.ensureDeferred
+async def test_sequential_reader_prefetch_keeps_it_off_the_read_pool(store, srv):
+    """Data written a while ago may have left the page cache (memory reclaim): once a reader
+    reads sequentially, the server asks for the WAL ahead of it, and its later FETCHes are
+    answered from the page cache (no read-pool reads) instead of each waiting for the disk."""
+    sid = (await store.log.create_stream()).stream_id
+    for i in range(60):  # big batches only (a reply with a small batch is read by the pool anyway)
+        await store.log.append(sid, big(i))
+    end = store.log.stream(sid).next_offset
+    wal = store.wal
+    for fd in list(wal.fds.values()):
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if not wal.uncached(wal.bases[0], 4096):
+        pytest.skip("cannot evict pages here")
+    metrics = srv.factory.metrics
+    go_on = threading.Event()
+    s = socket.create_connection(srv.address)
+    offsets = [0]
+    pool_reads = []
+
+    def fetch_one(rid):
+        s.sendall(fetch_frame(rid, sid, offsets[-1], 128 << 10))
+        (f,) = read_frames(s, 1)
+        pos = 0
+        while pos < len(f.payload):
+            h = record_batch.read_header(f.payload, pos)
+            pos += record_batch.HEADER_SIZE + h.records_len
+        offsets.append(h.base_offset + h.record_count)
+
+    def reader():
+        fetch_one(1)
+        fetch_one(2)  # the second reply proves a sequential reader: the prefetch starts
+        go_on.wait(30)
+        pool_reads.append(metrics["fetch_pool_reads"])
+        rid = 2
+        while offsets[-1] < end:
+            rid += 1
+            fetch_one(rid)
+        s.close()
+
+    done = threads.deferToThread(reader)
+    await reactor_until(lambda: len(offsets) == 3, what="two replies")
+    third = entry_positions(store, sid)[offsets[-1] // BIG][0]  # where the third FETCH's batches lie
+    await reactor_until(lambda: not wal.uncached(third, 1 << 20), what="the prefetched pages")
+    go_on.set()
+    await done
+    assert offsets[-1] == end and len(offsets) > 10
+    assert metrics["fetch_pool_reads"] == pool_reads[0]  # every later FETCH from the page cache

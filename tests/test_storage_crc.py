@@ -1,4 +1,4 @@
-"""storage/crc: crc32 and crc32_held equal zlib.crc32; crc32_combine (libz and the pure-Python fallback) equals zlib.crc32 of A + B."""
+"""storage/crc: crc32 and crc32_held equal zlib.crc32; crc32_combine (zlib-ng's, libz's through ctypes and the pure-Python fallback) equals zlib.crc32 of A + B."""
 
 import zlib
 
@@ -15,6 +15,9 @@ def test_combine_equals_crc_of_the_concatenation(a, b):
     want = zlib.crc32(a + b)
     assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == want
     assert crc._crc32_combine_py(zlib.crc32(a), zlib.crc32(b), len(b)) == want
+    libz = crc._load_crc32_combine()
+    if libz is not None:
+        assert libz(zlib.crc32(a), zlib.crc32(b), len(b)) == want
 
 
 @pytest.mark.parametrize("size", [0, 1, 29, 4095, 4096, 4097, 8192, 65536 + 7, 1 << 20])

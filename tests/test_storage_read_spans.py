@@ -12,8 +12,10 @@ from twisted.internet import reactor
 
 from storage import Store, errors
 from storage import record_batch as rb
+from storage import wal as wal_module
 from storage.wal import FileSpan
 from tests.storage_helpers.util import batch, entry_positions
+from tests.waiting import reactor_until
 
 BIG = 40  # records of 1000 B: a ~41 KB batch, above the 16 KiB FileSpan threshold
 
@@ -223,4 +225,86 @@ async def test_spans_stop_at_the_visible_end(tmp_path):
     assert await st.log.read_spans(sid, 2 * BIG, 1 << 20) == []
     with pytest.raises(errors.OffsetOutOfRange):
         await st.log.read_spans(sid, 2 * BIG + 1, 1)
+    await st.close()
+
+
+def evict_range(path, pos, length):
+    """Drop ``length`` bytes at WAL position ``pos`` from the page cache (written back first)."""
+    for name in wal_files(path):
+        base = int(os.path.basename(name)[:-4])
+        if base <= pos < base + os.path.getsize(name):
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, pos - base, length, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            return
+    raise AssertionError("position %d not found" % pos)
+
+
+needs_cachestat = pytest.mark.skipif(wal_module.cachestat is None, reason="no cachestat(2) here (Linux < 6.5)")
+
+
+def punch_holes(path, st, sid, keep):
+    """Evict the WAL, then read back (readahead off) only the pages ``keep(pos, total)`` names
+    for each of ``sid``'s batch entries: what memory reclaim leaves behind."""
+    evict(path)
+    for pos, total in entry_positions(st, sid):
+        for name in wal_files(path):
+            base = int(os.path.basename(name)[:-4])
+            if base <= pos < base + os.path.getsize(name):
+                fd = os.open(name, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    for at in keep(pos - base, total):
+                        os.pread(fd, 1, at)
+                finally:
+                    os.close(fd)
+
+
+@needs_cachestat
+@pytest_twisted.ensureDeferred
+async def test_page_missing_inside_a_batch_goes_to_the_read_pool(tmp_path):
+    """Memory reclaim drops pages anywhere: with every batch's first and last pages cached but a
+    page in between not, the read goes to the pool instead of to a reactor sendfile that would
+    wait for the disk."""
+    st = open_store(tmp_path, segment_bytes=64 << 20)
+    sid = (await st.log.create_stream()).stream_id
+    for i in range(12):
+        await st.log.append(sid, batch(BIG, 1000, i))
+    want = as_bytes(await st.log.read(sid, 0, 1 << 20))
+    punch_holes(tmp_path, st, sid, lambda off, total: (off - 1, off, off + 64, off + total - 1))
+    fd = st.wal.fds[st.wal.bases[0]]
+    pos, total = entry_positions(st, sid)[5]
+    middle = (pos + total // 2) & ~4095
+    if wal_module.cachestat(fd, middle, 4096) or not wal_module.cachestat(fd, pos, 64):
+        pytest.skip("cannot evict single pages here")
+    d = st.log.read_spans(sid, 0, 1 << 20)
+    assert not d.called  # to the read pool
+    assert as_bytes(await d) == want
+    assert st.log.read_spans(sid, 0, 1 << 20).called  # the pool brought the pages back
+    await st.close()
+
+
+@needs_cachestat
+@pytest_twisted.ensureDeferred
+async def test_prefetch_brings_evicted_batches_back_into_the_page_cache(tmp_path):
+    st = open_store(tmp_path, segment_bytes=1 << 20)  # several segments
+    sid = (await st.log.create_stream()).stream_id
+    for i in range(80):
+        await st.log.append(sid, batch(BIG, 1000, i))
+    assert len(wal_files(tmp_path)) >= 3
+    evict(tmp_path)
+    positions = entry_positions(st, sid)
+    if not st.wal.uncached(positions[0][0], 4096):  # (cached() would read the page back in)
+        pytest.skip("cannot evict pages here")
+    start = BIG * 10  # batch 10
+    assert st.wal.uncached(positions[10][0], 2 << 20)
+    st.log.prefetch(sid, start, 2 << 20)  # 2 MiB of WAL from batch 10 on, across segments
+    await reactor_until(lambda: not st.wal.uncached(positions[10][0], 2 << 20), what="the prefetched pages")
+    assert st.log.read_spans(sid, start, 1 << 20).called  # from the page cache, on this thread
+    assert st.wal.uncached(positions[0][0], 4096)  # what lies before was not read
+    assert st.wal.uncached(positions[-1][0], 4096)  # nor what lies well after
+    st.log.prefetch(sid, st.log.stream(sid).next_offset, 1 << 20)  # at the end: nothing to do
     await st.close()

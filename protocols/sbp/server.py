@@ -31,7 +31,7 @@ from protocols.sbp import codec
 from protocols.sbp.admin import RangeAdmin
 from protocols.sbp.append import RESULTS_PER_FRAME, AppendHandler
 from protocols.sbp.codec import T
-from protocols.sbp.fetch import FRAME_PAYLOAD_CAP, READ_AHEAD_MAX, FetchHandler
+from protocols.sbp.fetch import FRAME_PAYLOAD_CAP, PREFETCH_STEPS, READ_AHEAD_MAX, FetchHandler
 from protocols.sbp.sendfile import FileSender
 from protocols.sbp.status import status_for_failure
 from storage import block_check, record_batch
@@ -56,6 +56,9 @@ class SbpServerFactory(Factory):
     # FETCH replies send big stored batches straight from the WAL files (os.sendfile) on plain
     # TCP/UNIX connections; False: every reply is bytes read by the store's read pool.
     zero_copy = True
+    # Steps of PREFETCH_STEP bytes a sequential FETCH reader's stream is kept asked into the page
+    # cache ahead of it (protocols/sbp/fetch.py; 0: none).
+    prefetch_steps = PREFETCH_STEPS
     # What answers the placement-driver and range-admin requests (protocols/sbp/admin.py).
     admin_class = RangeAdmin
 
@@ -67,7 +70,7 @@ class SbpServerFactory(Factory):
         self.connections = set()
         self.shutting_down = False
         metrics = node.metrics.setdefault("sbp", {})
-        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "errors"):
+        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "fetch_pool_reads", "errors"):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
