@@ -392,6 +392,23 @@ def local_partition(node, p):
             position = page.next_key
 
 
+def spread_over_four(node):
+    """The placement as ``node`` sees it once every partition has 3 replicas and each of nodes 1-4
+    holds 6 of the 24; else None."""
+    parts = placement_of(node)
+    if not parts or any(len(p["replicas"]) != 3 for p in parts):
+        return None
+    held = {n: sum(n in p["replicas"] for p in parts) for n in (1, 2, 3, 4)}
+    return parts if set(held.values()) == {6} else None
+
+
+def copies_applied(node, partitions):
+    """``node``'s partition status by partition once its copies of ``partitions`` have applied past
+    their trim points with no snapshot running; else False."""
+    st = {p["partition"]: p for p in kv_status(node)["partitions"]}
+    return all(st[q]["applied"] >= st[q]["trim_offset"] > 0 and not st[q]["snapshotting"] for q in partitions) and st
+
+
 def overwrite_load(node, keys, stop, acked, errors, value_size=16):
     """Pipelines of SETs over ``keys`` again and again (a bounded state, an unbounded stream)."""
     i = 0
@@ -440,19 +457,10 @@ def test_streams_are_trimmed_and_a_joining_node_takes_a_snapshot(tmp_path):
         fourth = start_nodes(tmp_path, etcd.client_urls, [4])[0]
         nodes.append(fourth)
 
-        def spread():
-            parts = placement_of(nodes[1])
-            if not parts or any(len(p["replicas"]) != 3 for p in parts):
-                return None
-            held = {n: sum(n in p["replicas"] for p in parts) for n in (1, 2, 3, 4)}
-            return parts if set(held.values()) == {6} else None
-        parts = wait_for(spread, timeout=120, what="partitions spread over 4 nodes")
+        parts = wait_for(lambda: spread_over_four(nodes[1]), timeout=120, what="partitions spread over 4 nodes")
         mine = [p["partition"] for p in parts if 4 in p["replicas"]]
 
-        def caught_up():
-            st = {p["partition"]: p for p in kv_status(fourth)["partitions"]}
-            return all(st[q]["applied"] >= st[q]["trim_offset"] > 0 and not st[q]["snapshotting"] for q in mine) and st
-        st = wait_for(caught_up, timeout=60, what="the 4th node's copies applied")
+        st = wait_for(lambda: copies_applied(fourth, mine), timeout=60, what="the 4th node's copies applied")
         assert sum(st[q]["snapshots"] for q in mine) >= 1
         for q in mine:
             want = sorted((k, v) for k, v in model.items() if k[0] >> 5 == q)
@@ -494,19 +502,10 @@ def test_kill9_during_a_snapshot_transfer(tmp_path):
         fourth.kill9()
         fourth.start(timeout=60)
 
-        def spread():
-            parts = placement_of(nodes[1])
-            if not parts or any(len(p["replicas"]) != 3 for p in parts):
-                return None
-            held = {n: sum(n in p["replicas"] for p in parts) for n in (1, 2, 3, 4)}
-            return parts if set(held.values()) == {6} else None
-        parts = wait_for(spread, timeout=180, what="partitions spread over 4 nodes")
+        parts = wait_for(lambda: spread_over_four(nodes[1]), timeout=180, what="partitions spread over 4 nodes")
         mine = [p["partition"] for p in parts if 4 in p["replicas"]]
 
-        def caught_up():
-            st = {p["partition"]: p for p in kv_status(fourth)["partitions"]}
-            return all(st[q]["applied"] >= st[q]["trim_offset"] > 0 and not st[q]["snapshotting"] for q in mine) and st
-        st = wait_for(caught_up, timeout=90, what="the 4th node's copies applied")
+        st = wait_for(lambda: copies_applied(fourth, mine), timeout=90, what="the 4th node's copies applied")
         # the copy cut by the kill was taken again from the start after the restart
         assert all(st[q]["snapshots"] >= 1 for q in busy if q in mine)
         for q in mine:
