@@ -23,6 +23,17 @@ def kv(node, timeout=30):
     return BlockingKvClient("127.0.0.1", node.ports["kv"], timeout=timeout)
 
 
+def set_pipelined(c, batch, acked, errors):
+    """SET every (key, value) of ``batch`` in one pipeline: the acknowledged ones into ``acked``,
+    the others' errors into ``errors``."""
+    results = c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v)) for k, v in batch])
+    for (k, v), r in zip(batch, results):
+        if r is None:
+            acked[k] = v
+        else:
+            errors.append(r)
+
+
 def spread_keys(n, tag=b""):
     """``n`` keys over all 8 partitions (first bytes 0..255)."""
     return [bytes([i % 256]) + tag + b"k%05d" % i for i in range(n)]
@@ -240,12 +251,7 @@ def test_kill9_of_a_partition_leader_loses_no_acknowledged_set(tmp_path):
             with kv(node, timeout=60) as c:
                 while not stop.is_set():
                     batch = [(bytes([(i * 37 + j * 11) % 256]) + b"w%d-%06d-%d" % (w, i, j), b"v%d" % i) for j in range(8)]
-                    results = c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v)) for k, v in batch])
-                    for (k, v), r in zip(batch, results):
-                        if r is None:
-                            acked[k] = v
-                        else:
-                            errors.append(r)
+                    set_pipelined(c, batch, acked, errors)
                     i += 1
 
         threads = [threading.Thread(target=load, args=(n, w)) for w, n in enumerate(writers)]
@@ -415,12 +421,7 @@ def overwrite_load(node, keys, stop, acked, errors, value_size=16):
     with kv(node, timeout=60) as c:
         while not stop.is_set():
             batch = [(keys[(i * 64 + j) % len(keys)], (b"%d-" % i).ljust(value_size, b"v")) for j in range(64)]
-            results = c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v)) for k, v in batch])
-            for (k, v), r in zip(batch, results):
-                if r is None:
-                    acked[k] = v
-                else:
-                    errors.append(r)
+            set_pipelined(c, batch, acked, errors)
             i += 1
 
 
