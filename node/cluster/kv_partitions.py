@@ -582,41 +582,13 @@ class KvPartitions:
                 limit = self._limit(part)
                 if limit is not None and part.applied >= limit:
                     return
-                if part.sequenced:
-                    # the leader's own records: their operations are still in memory (no read back)
+                if part.sequenced or part.received:
                     visible = log.stream(part.sid).next_offset
                     if limit is not None:
                         visible = min(visible, limit)
-                    ops, end = [], part.applied
-                    while end in part.sequenced and part.sequenced[end][0] <= visible:
-                        nxt, chunk = part.sequenced.pop(end)
-                        ops.extend(chunk)
-                        end = nxt
+                    ops, end = self._take_in_memory(part, visible)
                     if end > part.applied:
-                        yield self._write_local(ops)
-                        part.applied = end
-                        self._dirty = True
-                        self._applied(part)
-                        continue
-                if part.received:
-                    # a replica's received batches that are confirmed: applied from memory
-                    visible = log.stream(part.sid).next_offset
-                    if limit is not None:
-                        visible = min(visible, limit)
-                    received, ops, end = part.received, [], part.applied
-                    entry = received.get(end)
-                    while entry is not None and entry[0] <= visible:
-                        del received[end]
-                        part.received_bytes -= len(entry[1])
-                        for r in record_batch.decode(entry[1])[1]:
-                            ops.extend(kv_log.decode_ops(r.body))
-                        end = entry[0]
-                        entry = received.get(end)
-                    if end > part.applied:
-                        yield self._write_local(ops)
-                        part.applied = end
-                        self._dirty = True
-                        self._applied(part)
+                        yield self._land(part, ops, end)
                         continue
                 trim = log.stream(part.sid).trim_offset
                 if part.applied < trim:
@@ -649,12 +621,42 @@ class KvPartitions:
                         part.parked = True
                         log.wait_for_data(part.sid, part.applied).addBoth(self._unpark, part)
                     return
-                yield self._write_local(ops)
-                part.applied = end
-                self._dirty = True
-                self._applied(part)
+                yield self._land(part, ops, end)
         finally:
             part.applying = False
+
+    @staticmethod
+    def _take_in_memory(part, visible):
+        """``(ops, end)`` of the confirmed records from ``part.applied`` up to ``visible`` still in
+        memory, taken out of it: the leader's own records (``sequenced``: their operations as
+        sequenced), else a replica's batches as the replica channel handed them (``received``);
+        ``end == part.applied`` when neither continues there."""
+        ops, end = [], part.applied
+        sequenced = part.sequenced
+        while end in sequenced and sequenced[end][0] <= visible:
+            nxt, chunk = sequenced.pop(end)
+            ops.extend(chunk)
+            end = nxt
+        if end > part.applied:
+            return ops, end
+        received = part.received
+        entry = received.get(end)
+        while entry is not None and entry[0] <= visible:
+            del received[end]
+            part.received_bytes -= len(entry[1])
+            for r in record_batch.decode(entry[1])[1]:
+                ops.extend(kv_log.decode_ops(r.body))
+            end = entry[0]
+            entry = received.get(end)
+        return ops, end
+
+    @defer.inlineCallbacks
+    def _land(self, part, ops, end):
+        """Write ``ops`` into the local store, then count ``end`` as applied (and published)."""
+        yield self._write_local(ops)
+        part.applied = end
+        self._dirty = True
+        self._applied(part)
 
     @defer.inlineCallbacks
     def _snapshot(self, part, start):
