@@ -102,6 +102,12 @@ class RecordLog:
         self._streams = {}  # reactor thread: stream id -> StreamState
         self._counter = 0
         self._uncleanable = set()  # segments the cleaner could not empty (a hole after a power cut)
+        #: Set by whoever decides some streams' retention elsewhere (a cluster's placement driver):
+        #: called on the reactor with (stream id, point) for each stream whose batches up to
+        #: ``point`` outlived its retention period here; True means it takes that trim over (a
+        #: replicated stream's primary hands it on to every replica as a trim; a replica waits for
+        #: it), False that this store trims as usual.
+        self.retention_handler = None
 
     def load(self):
         """At open, after recovery: the streams' state from the index (blocking)."""
@@ -733,10 +739,14 @@ class RecordLog:
         d = core.in_pool(self._expired, aged, now_ms()) if aged else defer.succeed([])
 
         def trim_all(points):
+            handler = self.retention_handler
             for sid, point in points:
                 s = self._streams.get(sid)
-                if s is not None and point > s.trim_offset:
-                    self._trim(s, point)
+                if s is None or point <= s.trim_offset:
+                    continue
+                if handler is not None and handler(sid, point):
+                    continue
+                self._trim(s, point)
             return core.transact(self._gc_segments)
 
         return d.addCallback(trim_all)
