@@ -98,6 +98,11 @@ class PrimaryStream:
         self.window = collections.OrderedDict()  # base -> (end, batch as the client sent it) of batches above the confirm offset
         self.confirm_queued = False
         self.sealed = False  # a replica refused this epoch's appends (1460): the range was sealed
+        # the placement driver's record this state was last checked against, and its number of
+        # ranges then (a record changed in place grows it): the same record needs no new check
+        self.rec = None
+        self.nranges = 0
+        self.live_of = None  # (the membership's member map, live replicas in it): see Replicator._live
 
 
 class Link:
@@ -204,12 +209,15 @@ class Replicator:
         if self._hooked_core is not core:  # (the node's store, once)
             self._hooked_core = core
             core.after_deliver.append(self._delivered)
+        parts = None
         for nid, ps in st.peers.items():
             if nid == self.node_id:
                 continue
             link = self._link(nid)
             if ps.sent == base and link.channel is not None:
-                link.channel.queue_batch(sid, st.epoch, batch, base)
+                if parts is None:
+                    parts = rcodec.batch_parts(batch, base)
+                link.channel.queue_parts(sid, st.epoch, parts)
                 ps.sent = end
         return done
 
@@ -218,11 +226,14 @@ class Replicator:
         rec = self.pd.streams.get(sid)
         if rec is None:
             return st
+        if st is not None and st.rec is rec and st.nranges == len(rec["ranges"]):
+            return st  # (per APPEND: checked already against this very record)
         rng = placement.open_range(rec)
         primary = placement.primary_of(rng) if rng else None
         if primary is None or primary["id"] != self.node_id:
             return None
         if st is not None and st.epoch == rec.get("epoch", 0):
+            st.rec, st.nranges = rec, len(rec["ranges"])
             return st
         if rec.get("epoch", 0) < self.refused_epochs.get(sid, 0):
             # this node sealed that epoch (a seal of its own range: SEAL_RANGES, re-replication)
@@ -242,6 +253,7 @@ class Replicator:
         st.confirm = rng["start"]
         self.store.log.confirm(sid, st.confirm)
         self.primaries[sid] = st
+        st.rec, st.nranges = rec, len(rec["ranges"])
         for nid in st.peers:
             link = self._link(nid)
             if link.channel is not None:
@@ -264,7 +276,12 @@ class Replicator:
     def _live(self, st):
         """Live replicas of the range ``st`` sequences, this node included."""
         live = self.membership.members if self.membership is not None else ()  # (per append: no copy)
-        return 1 + sum(1 for nid in st.peers if nid in live)
+        cached = st.live_of
+        if cached is not None and cached[0] is live:
+            return cached[1]  # (the membership replaces its map on every change)
+        n = 1 + sum(1 for nid in st.peers if nid in live)
+        st.live_of = (live, n)
+        return n
 
     def members_changed(self, _members):
         """Membership changed: a range left with fewer than ack_count live replicas fails the
