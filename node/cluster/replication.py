@@ -226,14 +226,14 @@ class Replicator:
         rec = self.pd.streams.get(sid)
         if rec is None:
             return st
-        if st is not None and st.rec is rec and st.nranges == len(rec["ranges"]):
+        if st is not None and st.rec is rec and st.nranges == len(rec.get("ranges", ())):
             return st  # (per APPEND: checked already against this very record)
         rng = placement.open_range(rec)
         primary = placement.primary_of(rng) if rng else None
         if primary is None or primary["id"] != self.node_id:
             return None
         if st is not None and st.epoch == rec.get("epoch", 0):
-            st.rec, st.nranges = rec, len(rec["ranges"])
+            st.rec, st.nranges = rec, len(rec.get("ranges", ()))
             return st
         if rec.get("epoch", 0) < self.refused_epochs.get(sid, 0):
             # this node sealed that epoch (a seal of its own range: SEAL_RANGES, re-replication)
@@ -253,7 +253,7 @@ class Replicator:
         st.confirm = rng["start"]
         self.store.log.confirm(sid, st.confirm)
         self.primaries[sid] = st
-        st.rec, st.nranges = rec, len(rec["ranges"])
+        st.rec, st.nranges = rec, len(rec.get("ranges", ()))
         for nid in st.peers:
             link = self._link(nid)
             if link.channel is not None:
