@@ -156,8 +156,11 @@ def main():
             p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", tree, os.path.join(tmp, "t%d" % i)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             servers.append(p)
-        for p in servers:
-            descs.append(json.loads(p.stdout.readline()))
+        for tree, p in zip(trees, servers):
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError("the cluster of %s did not start (exit code %s)" % (tree, p.wait()))
+            descs.append(json.loads(line))
         for d in descs:
             run_once(d, 200, args.window)  # warm-up
         results = {n: [] for n in names}
