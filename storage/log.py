@@ -6,6 +6,7 @@ once the batch is durable, in log order.
 """
 
 import os
+import struct
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -14,11 +15,12 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
-from storage.commit import AppendBatch, now_ms
+from storage.commit import AppendBatch, AppendRun, now_ms
 from storage.index import INDEX_KEY, INDEX_VAL, U64
 from storage.wal import T_BATCH
 
 _MAX_OFFSET = (1 << 63) - 1
+_BASE_COUNT = struct.Struct(">qi")  # a record batch's base_offset and record_count (bytes 1..12)
 _DIRECT_READ = 16 << 10
 CLEAN_BELOW = 0.25  # re-append a segment's live batches when they fill less than this share of it
 
@@ -290,6 +292,33 @@ class RecordLog:
         if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
             batch = bytes(batch)  # kept as it is only if it cannot change (bytes, or a view of bytes)
         return core.submit(AppendBatch(sid, batch, base, count, block_crc))
+
+    def append_replica_run(self, sid, batches, block_crcs):
+        """``append_replica`` (without ``base``) of consecutive batches at once: the first must
+        start at the stream's next offset and each at the end of the one before; all are stored
+        or none (one commit-core operation, ``AppendRun``). Fires with the run's end offset.
+        The batches must be bytes or views of bytes (kept, not copied)."""
+        core = self._core
+        try:
+            s = self._get(sid)
+            at = start = s.assigned
+            nbytes = 0
+            for batch in batches:
+                n = len(batch)
+                if n < 29:
+                    raise errors.InvalidRequest("a record batch is at least 29 bytes")
+                base, count = _BASE_COUNT.unpack_from(batch, 1)
+                if base != at:
+                    raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (base, at))
+                if count < 1:
+                    raise errors.InvalidRequest("record_count must be >= 1")
+                at = base + count
+                nbytes += n
+            core.check_writable(nbytes)
+        except errors.StoreError:
+            return defer.fail()
+        s.assigned = at
+        return core.submit(AppendRun(sid, batches, block_crcs, start, at - start, nbytes))
 
     def forget_unwritten(self):
         """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused

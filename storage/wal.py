@@ -15,6 +15,7 @@ never straddles two segments. Only the writer thread appends; readers ``pread`` 
 """
 
 import bisect
+import errno
 import os
 import struct
 import time
@@ -38,6 +39,7 @@ BATCH_HEAD_SIZE = _BATCH_HEAD.size  # 54
 BATCH_AT = ENTRY_SIZE + 16  # where the record batch starts in a batch entry
 _BATCH_MAGIC = 0x22
 
+IOV_MAX = 1024  # Linux's limit on buffers per pwritev
 SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
 
@@ -198,8 +200,10 @@ class Wal:
         self.graveyard = []  # fds of deleted segments, closed a while later (readers may hold them)
         self.active = bases[-1] if bases else None
         self.end = (bases[-1] + os.fstat(self.fds[bases[-1]]).st_size) if bases else 0
-        self._buf = bytearray()
-        self._buf_start = self.end  # global position of _buf[0]
+        # the group's entries not yet written, as the buffers they are made of (written with
+        # pwritev: the batches go from the caller's bytes to the file, not through a joined copy)
+        self._buf = []
+        self._buf_start = self.end  # global position of _buf's first byte
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
         self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
@@ -291,9 +295,9 @@ class Wal:
             self.flush()
             self._new_segment(self.end)
         pos = self.end
-        self._buf += ENTRY.pack(length, entry_crc(self.active, etype, parts, crc32_held, tail_crc), etype)
-        for p in parts:
-            self._buf += p
+        buf = self._buf
+        buf.append(ENTRY.pack(length, entry_crc(self.active, etype, parts, crc32_held, tail_crc), etype))
+        buf.extend(parts)  # (immutable bytes or views of them: kept, not copied, until flush)
         self.end += total
         return pos
 
@@ -321,29 +325,39 @@ class Wal:
     def flush(self):
         if self._buf:
             fd = self.fds[self.active]
-            view = memoryview(self._buf)
+            parts = self._buf
             off = self._buf_start - self.active
-            pwrite = self.ops.pwrite
-            while view:
-                n = pwrite(fd, view, off)
-                view = view[n:]
+            pwritev = self.ops.pwritev
+            i = 0
+            while i < len(parts):
+                n = pwritev(fd, parts[i:i + IOV_MAX], off)
+                if n <= 0:
+                    raise OSError(errno.EIO, "pwritev wrote nothing")
                 off += n
+                while n:  # drop what was written; a part written in part goes on as its rest
+                    k = len(parts[i])
+                    if n >= k:
+                        n -= k
+                        i += 1
+                    else:
+                        parts[i] = memoryview(parts[i])[n:]
+                        n = 0
             self._dirty.add(self.active)
-            self._buf = bytearray()
+            self._buf = []
             self.flushes += 1
         self._buf_start = self.end
 
     def discard(self):
         """Forget the unflushed group (its transaction was aborted)."""
         self.end = self._buf_start
-        self._buf = bytearray()
+        self._buf = []
 
     def rollback(self, position: int):
         """Cut the log back to ``position``, the start of a group that failed (after ``discard``):
         its bytes, flushed or not, leave the files (segments it opened are removed), and the cut
         is synced, so a restart cannot replay a write that was answered with an error. Raises
         OSError when the disk refuses; the caller then stops writing."""
-        self._buf = bytearray()
+        self._buf = []
         bases = self.bases
         i = bisect.bisect_right(bases, position) - 1
         for later in bases[i + 1:] if i >= 0 else bases:

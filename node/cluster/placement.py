@@ -359,8 +359,7 @@ class PlacementDriver:
         rng = open_range(rec)
         # a read is served by a replica of the open range (after a failover a node that held
         # an older range only may hold an unacknowledged tail past its seal)
-        serves = any(s["id"] == self.node_id for s in rng["servers"]) if rng else hosts(rec, self.node_id)
-        if read and serves:
+        if read and (any(s["id"] == self.node_id for s in rng["servers"]) if rng else hosts(rec, self.node_id)):
             if self._local(sid):
                 if offset is not None and rng is not None:
                     return self._catching_up(sid, rng, offset, wait)
