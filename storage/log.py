@@ -454,18 +454,31 @@ class RecordLog:
         of bytes; smaller batches come as bytes, read and CRC-checked as by ``read()``. Only
         batches below the visible ``next_offset`` are named, as by ``read()``."""
         try:
-            s = self._check_read(sid, offset)
+            spans = self.read_spans_now(sid, offset, max_bytes)
         except errors.StoreError:
             return defer.fail()
-        if offset == s.next_offset:
-            return defer.succeed([])
-        try:
-            spans = self._cached_spans(sid, offset, max_bytes, s.next_offset)
-        except Exception:
-            spans = None  # the read pool does it again, and reports what fails
         if spans is not None:
             return defer.succeed(spans)
-        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset, True)
+        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, self._streams[sid].next_offset, True)
+
+    def read_spans_now(self, sid, offset, max_bytes):
+        """``read_spans`` answered on this thread when it can be without waiting for the disk:
+        the list (FileSpans found in the page cache; empty at the stream's end), or None when the
+        read pool must do it (``read_spans``). Raises StoreError for a stream or offset it would
+        fail. No Deferred: the hot path of a sequential reader (protocols/sbp/fetch.py)."""
+        s = self._check_read(sid, offset)
+        if offset == s.next_offset:
+            return []
+        try:
+            return self._cached_spans(sid, offset, max_bytes, s.next_offset)
+        except Exception:
+            return None  # the read pool does it again, and reports what fails
+
+    def read_bounds(self, sid):
+        """``(trim_offset, next_offset)`` of ``sid`` (what ``stream()`` says of them, without
+        building its StreamMeta); StreamNotFound as ``stream()``."""
+        s = self._get(sid)
+        return s.trim_offset, s.next_offset
 
     def prefetch(self, sid, offset, nbytes):
         """Ask the kernel for the ``nbytes`` of the WAL from where the batch holding ``offset``

@@ -125,7 +125,7 @@ class SbpServerProtocol(Protocol):
     """One connection: frames in, dispatch to APPEND / FETCH / admin, backpressure, GOAWAY.
 
     What the handlers (append.py, fetch.py, admin.py) use of it: ``out``, ``sender``,
-    ``read_batches``, ``lost``, ``closing``, ``begin``/``end``, ``warn``, ``throttle_time_ms``,
+    ``read_batches``, ``read_now``, ``lost``, ``closing``, ``begin``/``end``, ``warn``, ``throttle_time_ms``,
     ``maybe_idle``, ``store``, ``factory``, ``reactor``, ``log``."""
 
     log = Logger()
@@ -150,6 +150,7 @@ class SbpServerProtocol(Protocol):
         self.sender = None  # FileSender: replies with batches sent from the WAL files
         self.out = None  # where replies are written: the FileSender, or the transport
         self.read_batches = None  # store.log.read, or read_spans with a FileSender
+        self.read_now = None  # with a FileSender: store.log.read_spans_now (the page cache, no Deferred)
         self.appends = AppendHandler(self)
         self.fetches = FetchHandler(self)
         self.admin = factory.admin_class(self)
@@ -169,6 +170,7 @@ class SbpServerProtocol(Protocol):
         if self.sender is not None:
             self.out = self.sender
             self.read_batches = self.store.log.read_spans
+            self.read_now = self.store.log.read_spans_now
         else:
             self.out = self.transport
             self.read_batches = self.store.log.read if self.store is not None else None
