@@ -21,6 +21,7 @@ from protocols.sbp.append import RESULTS_PER_FRAME
 from protocols.sbp.codec import T
 from protocols.sbp.status import status_for_error, status_for_failure
 from storage import errors, record_batch
+from storage.crc import crc32_combine
 from storage.wal import FileSpan
 
 # A FETCH reply frame carries at most this much payload so header + payload stay within 16 MiB.
@@ -510,7 +511,10 @@ class FetchOp:
             spans = 0
             for b in parts:
                 if type(b) is FileSpan:
-                    crc = codec.batch_crc_from_header(b.header, b.length, crc)
+                    if b.crc is not None:  # worked out by the store's head check
+                        crc = crc32_combine(crc, b.crc, b.length)
+                    else:
+                        crc = codec.batch_crc_from_header(b.header, b.length, crc)
                     spans += b.length
                 else:
                     try:
