@@ -658,9 +658,9 @@ def redis_pipe_read_load(port, key, total, window, q):
            "client_cpu": time.process_time() - c0})
 
 
-def proc_cpu(pid):
-    """CPU seconds (user + system) a process has used so far."""
-    with open("/proc/%d/stat" % pid) as f:
+def proc_cpu(pid, tid=None):
+    """CPU seconds (user + system) a process (or its thread ``tid``) has used so far."""
+    with open("/proc/%d/stat" % pid if tid is None else "/proc/%d/task/%d/stat" % (pid, tid)) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -687,6 +687,7 @@ def measured(pid, fn, *args, profile=None):
     (``<prefix>.client.txt``), collapsed stacks per thread of the samples on CPU, over the run (Redis is not
     Python: only its load generator is recorded)."""
     c0 = proc_cpu(pid)
+    m0 = proc_cpu(pid, pid)  # the main thread: the node's reactor
     spies = []
 
     def started(child):
@@ -701,6 +702,7 @@ def measured(pid, fn, *args, profile=None):
     x0 = proc_switches(pid)
     result = run_in_process(fn, *args, started=started)
     result["server_cpu"] = proc_cpu(pid) - c0
+    result["main_thread_cpu"] = proc_cpu(pid, pid) - m0
     result["server_switches"] = proc_switches(pid) - x0
     for spy in spies:
         spy.send_signal(signal.SIGINT)
@@ -856,6 +858,8 @@ def pipelined(base, args):
                     if before is not None:  # reads the node could not answer from the page cache
                         after = c.status()["metrics"].get("sbp", {})
                         r["pool_reads"] = after.get("fetch_pool_reads", 0) - before.get("fetch_pool_reads", 0)
+                        r["node_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in (
+                            "fetch_sendfile_calls", "fetch_sendfile_short", "prefetch_checks", "prefetch_pieces")}
                     r["load"] = load
                     r["rate"] = r["records"] / r["seconds"]
                     rows[name].append(r)
@@ -868,6 +872,15 @@ def pipelined(base, args):
                               r["client_cpu"], r.get("errors", 0), load)
                           + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else "")
                           + ("  (%d reads from the read pool)" % r["pool_reads"] if "pool_reads" in r else ""))
+                    if "node_counts" in r:
+                        # what the node did per FETCH this round (issue 24: what makes a round slow)
+                        k, n = r["node_counts"], r["requests"]
+                        print("      node per FETCH: reactor thread CPU %.0f us, %.1f sendfile calls (%.2f short: "
+                              "socket full), %.3f prefetch checks sending %d pieces to the read pool; "
+                              "load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
+                                  r["main_thread_cpu"] / n * 1e6, k["fetch_sendfile_calls"] / n,
+                                  k["fetch_sendfile_short"] / n, k["prefetch_checks"] / n, k["prefetch_pieces"],
+                                  r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
             c.delete_stream(sid)
             with socket.create_connection(("127.0.0.1", redis.port)) as rs:
                 rs.sendall(redis_cmd(b"DEL", key))

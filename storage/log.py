@@ -486,18 +486,20 @@ class RecordLog:
         pages missing from the page cache (``Wal.uncached``, a few cachestat calls) are read in by
         the read pool (``Wal.will_need``). For a sequential reader, so its later ``read_spans``
         find the bytes in memory (and stay on the reactor thread) even after memory reclaim
-        dropped them. Reactor thread: one index look-up; a no-op past the stream's visible end."""
+        dropped them. Reactor thread: one index look-up; a no-op past the stream's visible end.
+        Returns the number of pieces sent to the read pool."""
         s = self._streams.get(sid)
         if s is None or not s.trim_offset <= offset < s.next_offset:
-            return
+            return 0
         core = self._core
         cur = self._locate(core.snapshot(), sid, offset)
         if cur is None:
-            return
+            return 0
         pieces = core.wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
         if pieces:
             core.in_pool(core.wal.will_need, pieces).addErrback(
                 lambda f: self.log.failure("WAL prefetch failed", f))
+        return len(pieces)
 
     def _cached_spans(self, sid, offset, max_bytes, limit):
         """Reactor thread, no waiting for the disk: the FileSpans of ``read_spans`` when every

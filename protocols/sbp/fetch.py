@@ -91,9 +91,13 @@ class FetchHandler:
         self.pf_bytes += nbytes
         if self.pf_bytes >= PREFETCH_STEP:
             self.pf_bytes = 0
-            steps = self.conn.factory.prefetch_steps
+            factory = self.conn.factory
+            steps = factory.prefetch_steps
             if steps:
-                self.conn.store.log.prefetch(sid, end, steps * PREFETCH_STEP)
+                pieces = self.conn.store.log.prefetch(sid, end, steps * PREFETCH_STEP)
+                metrics = factory.metrics
+                metrics["prefetch_checks"] += 1
+                metrics["prefetch_pieces"] += pieces
 
     def start_read_ahead(self, sid, offset, max_bytes):
         """After a single-stream FETCH ending at ``offset`` below the stream's tail (and once its
@@ -198,7 +202,7 @@ class ReadAhead:
         ra.key = (sid, offset, max_bytes)
         ra.next_at_read = next_at_read
         ra.batches = batches
-        ra.nbytes = sum(map(len, batches))
+        ra.nbytes = _nbytes(batches)
         ra.failure = None
         ra.done = True
         ra._waiters = []
@@ -394,7 +398,7 @@ class FetchOp:
         total = 0
         limit = info.batch_max_bytes
         for b in batches:
-            n = len(b)
+            n = b.length if type(b) is FileSpan else len(b)
             if taken and (total >= limit or total + n > FRAME_PAYLOAD_CAP):
                 break
             taken.append(b)
@@ -521,7 +525,8 @@ class FetchOp:
                         crc = codec.batches_crc(b, 0, len(b), crc)
                     except ValueError:
                         crc = codec.crc32(b, crc)
-            frame_parts = codec.encode_frame_parts(codec.FETCH, flags, self.frame.stream_id, header, parts, payload_crc=crc)
+            frame_parts = codec.encode_frame_parts(codec.FETCH, flags, self.frame.stream_id, header, parts, payload_crc=crc,
+                                                   payload_len=sum(e.nbytes for e in group))
             if spans:
                 metrics["fetch_sendfile_bytes"] += spans
                 conn.sender.send(frame_parts)
@@ -532,6 +537,11 @@ class FetchOp:
         if last:
             conn.factory.observe_latency("sbp.fetch", time.perf_counter() - self.t0)
             self.fetcher.op_done(self)
+
+
+def _nbytes(batches):
+    """The bytes of a read's batches (FileSpans and bytes)."""
+    return sum([b.length if type(b) is FileSpan else len(b) for b in batches])
 
 
 def _head(batch):

@@ -70,7 +70,8 @@ class SbpServerFactory(Factory):
         self.connections = set()
         self.shutting_down = False
         metrics = node.metrics.setdefault("sbp", {})
-        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "fetch_pool_reads", "errors"):
+        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "fetch_pool_reads", "errors",
+                  "fetch_sendfile_calls", "fetch_sendfile_short", "prefetch_checks", "prefetch_pieces"):
             metrics.setdefault(k, 0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
@@ -166,7 +167,7 @@ class SbpServerProtocol(Protocol):
         self.transport.registerProducer(self.gate, True)
         tcp_internals.set_read_size(self.transport, codec.READ_SIZE)
         if self.factory.zero_copy:
-            self.sender = FileSender.for_transport(self.transport, self._backlog)
+            self.sender = FileSender.for_transport(self.transport, self._backlog, self.factory.metrics)
         if self.sender is not None:
             self.out = self.sender
             self.read_batches = self.store.log.read_spans
