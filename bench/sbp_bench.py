@@ -836,6 +836,7 @@ def pipelined(base, args):
     with Node(base, "interval:1000") as node, Redis(base, "everysec") as redis:
         npid, rpid = node.proc.proc.pid, redis.proc.pid
         c = BlockingSbpClient("127.0.0.1", node.port)
+        appended_at = time.monotonic()
         for i in range(args.rounds):
             sid = c.create_stream()["stream_id"]
             key = b"p%d" % i
@@ -854,10 +855,17 @@ def pipelined(base, args):
                     load = os.getloadavg()[0]
                     prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
                     before = c.status()["metrics"].get("sbp", {}) if name == "sbp_read" else None
+                    if name == "sbp_read":
+                        # how long ago the stream was written: pages older than about a minute may
+                        # have been reclaimed (this VM's DAMON pageout; the prefetch reads them again)
+                        r_age = time.monotonic() - appended_at
                     r = measured(*runs[name], profile=prof)
+                    if name == "sbp_append":
+                        appended_at = time.monotonic()
                     if before is not None:  # reads the node could not answer from the page cache
                         after = c.status()["metrics"].get("sbp", {})
                         r["pool_reads"] = after.get("fetch_pool_reads", 0) - before.get("fetch_pool_reads", 0)
+                        r["age"] = r_age
                         r["node_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in (
                             "fetch_sendfile_calls", "fetch_sendfile_short", "prefetch_checks", "prefetch_pieces")}
                     r["load"] = load
@@ -875,12 +883,13 @@ def pipelined(base, args):
                     if "node_counts" in r:
                         # what the node did per FETCH this round (issue 24: what makes a round slow)
                         k, n = r["node_counts"], r["requests"]
-                        print("      node per FETCH: reactor thread CPU %.0f us, %.1f sendfile calls (%.2f short: "
-                              "socket full), %.3f prefetch checks sending %d pieces to the read pool; "
-                              "load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
-                                  r["main_thread_cpu"] / n * 1e6, k["fetch_sendfile_calls"] / n,
+                        print("      data written %.0f s before; node per FETCH: reactor thread CPU %.0f us, %.1f sendfile "
+                              "calls (%.2f short: socket full), %.3f prefetch checks; %d prefetch pieces (%d MiB of WAL with "
+                              "pages missing from the page cache, asked back from disk); load generator CPU %.0f us per FETCH; node/load "
+                              "generator CPU %.2f" % (
+                                  r["age"], r["main_thread_cpu"] / n * 1e6, k["fetch_sendfile_calls"] / n,
                                   k["fetch_sendfile_short"] / n, k["prefetch_checks"] / n, k["prefetch_pieces"],
-                                  r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
+                                  k["prefetch_pieces"] * 4, r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
             c.delete_stream(sid)
             with socket.create_connection(("127.0.0.1", redis.port)) as rs:
                 rs.sendall(redis_cmd(b"DEL", key))
