@@ -867,7 +867,8 @@ def pipelined(base, args):
                         r["pool_reads"] = after.get("fetch_pool_reads", 0) - before.get("fetch_pool_reads", 0)
                         r["age"] = r_age
                         r["node_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in (
-                            "fetch_sendfile_calls", "fetch_sendfile_short", "prefetch_checks", "prefetch_pieces")}
+                            "fetch_sendfile_calls", "fetch_sendfile_short", "fetch_send_stalls", "fetch_send_wall_s",
+                            "prefetch_checks", "prefetch_pieces")}
                     r["load"] = load
                     r["rate"] = r["records"] / r["seconds"]
                     rows[name].append(r)
@@ -884,12 +885,13 @@ def pipelined(base, args):
                         # what the node did per FETCH this round (issue 24: what makes a round slow)
                         k, n = r["node_counts"], r["requests"]
                         print("      data written %.0f s before; node per FETCH: reactor thread CPU %.0f us, %.1f sendfile "
-                              "calls (%.2f short: socket full), %.3f prefetch checks; %d prefetch pieces (%d MiB of WAL with "
-                              "pages missing from the page cache, asked back from disk); load generator CPU %.0f us per FETCH; node/load "
-                              "generator CPU %.2f" % (
+                              "calls (%.2f short: socket full), %.0f us wall in them, %d sends over 5 ms; %.3f prefetch "
+                              "checks naming %d pieces to read back from disk (4 MiB of WAL with pages missing from the page "
+                              "cache, up to %d MiB: a piece is named again by each check until its pages are in); load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
                                   r["age"], r["main_thread_cpu"] / n * 1e6, k["fetch_sendfile_calls"] / n,
-                                  k["fetch_sendfile_short"] / n, k["prefetch_checks"] / n, k["prefetch_pieces"],
-                                  k["prefetch_pieces"] * 4, r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
+                                  k["fetch_sendfile_short"] / n, k["fetch_send_wall_s"] / n * 1e6, k["fetch_send_stalls"],
+                                  k["prefetch_checks"] / n, k["prefetch_pieces"], k["prefetch_pieces"] * 4,
+                                  r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
             c.delete_stream(sid)
             with socket.create_connection(("127.0.0.1", redis.port)) as rs:
                 rs.sendall(redis_cmd(b"DEL", key))

@@ -25,6 +25,7 @@ waiting for the disk.
 
 import os
 import socket
+import time
 from collections import deque
 
 from twisted.logger import Logger
@@ -43,6 +44,7 @@ class FileSender:
     log = Logger()
 
     HIGH = 4 << 20  # queued bytes (file ranges included) above which on_backlog(True)
+    STALL_S = 0.005
 
     def __init__(self, transport, on_backlog, counts=None):
         self.transport = transport
@@ -59,6 +61,11 @@ class FileSender:
         self._counts = counts if counts is not None else {}
         self._counts.setdefault("fetch_sendfile_calls", 0)
         self._counts.setdefault("fetch_sendfile_short", 0)
+        # wall time in the passes that called sendfile, and those passes over STALL_S: a sendfile
+        # of cached pages takes microseconds; longer is the reactor waiting (for a page still
+        # being read from disk, or for a CPU on a busy machine)
+        self._counts.setdefault("fetch_send_wall_s", 0.0)
+        self._counts.setdefault("fetch_send_stalls", 0)
         self._orig_do_write = tcp_internals.take_over_writes(transport, self._do_write)
 
     @classmethod
@@ -145,6 +152,7 @@ class FileSender:
         n_parts = len(parts)
         i = 0
         calls = 0
+        t0 = time.perf_counter()
         try:
             while i < n_parts:
                 p = parts[i]
@@ -160,7 +168,7 @@ class FileSender:
                             return None
                         self.sent_file_bytes += n
                         if n < left:
-                            self._count(calls, 1)  # the socket's buffer is full
+                            self._count(calls, 1, t0)  # the socket's buffer is full
                             return parts[i:], n
                     i += 1
                     continue
@@ -175,16 +183,16 @@ class FileSender:
                 if p:
                     n = sock.send(p, _MSG_MORE if j < n_parts else 0)
                     if n < len(p):
-                        self._count(calls, 0)
+                        self._count(calls, 0, t0)
                         return parts[i:], n
                 i = j
         except (BlockingIOError, InterruptedError):
-            self._count(calls, 1 if type(parts[i]) is FileSpan else 0)
+            self._count(calls, 1 if type(parts[i]) is FileSpan else 0, t0)
             return parts[i:], 0
         except OSError as e:
             self.log.debug("send failed: {error}", error=e)
             return None
-        self._count(calls, 0)
+        self._count(calls, 0, t0)
         return (), 0
 
     def _queue_bytes(self, parts):
@@ -239,6 +247,7 @@ class FileSender:
         sock = self._sock
         out = self._fileno
         calls = 0
+        t0 = time.perf_counter()
         try:
             while q:
                 item = q[0]
@@ -256,7 +265,7 @@ class FileSender:
                     if n < left:
                         item[1] = off + n
                         item[2] = left - n
-                        self._count(calls, 1)
+                        self._count(calls, 1, t0)
                         return True  # the socket's buffer is full
                 else:
                     # MSG_MORE when more follows (a reply's prefix and header before its batches):
@@ -268,19 +277,25 @@ class FileSender:
                         return True
                 q.popleft()
         except (BlockingIOError, InterruptedError):
-            self._count(calls, 1 if calls and type(q[0]) is list else 0)
+            self._count(calls, 1 if calls and type(q[0]) is list else 0, t0)
             return True
         except OSError as e:
             self.log.debug("send failed: {error}", error=e)
             return False
         if calls:
-            self._count(calls, 0)
+            self._count(calls, 0, t0)
         return True
 
-    def _count(self, calls, short):
+    def _count(self, calls, short, t0):
+        if not calls:
+            return
         counts = self._counts
         counts["fetch_sendfile_calls"] += calls
         counts["fetch_sendfile_short"] += short
+        wall = time.perf_counter() - t0
+        counts["fetch_send_wall_s"] += wall
+        if wall > self.STALL_S:
+            counts["fetch_send_stalls"] += 1
 
     def _abort(self):
         self.discard()

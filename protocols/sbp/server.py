@@ -71,8 +71,9 @@ class SbpServerFactory(Factory):
         self.shutting_down = False
         metrics = node.metrics.setdefault("sbp", {})
         for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "fetch_pool_reads", "errors",
-                  "fetch_sendfile_calls", "fetch_sendfile_short", "prefetch_checks", "prefetch_pieces"):
+                  "fetch_sendfile_calls", "fetch_sendfile_short", "fetch_send_stalls", "prefetch_checks", "prefetch_pieces"):
             metrics.setdefault(k, 0)
+        metrics.setdefault("fetch_send_wall_s", 0.0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
         # sbpnode_responses_total (node/metrics.py): replies by opcode << 16 | status code (int
