@@ -665,6 +665,19 @@ def proc_cpu(pid, tid=None):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_read_bytes(pid):
+    """Bytes a process has had read from the disk so far (/proc/PID/io read_bytes: its reads and
+    read-ahead that missed the page cache, the read pool's WILLNEED prefetch included)."""
+    try:
+        with open("/proc/%d/io" % pid) as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def proc_switches(pid):
     """Context switches (voluntary + involuntary) of all of a process's threads so far: each
     hand-off between the node's reactor and writer, each wake-up, is one; less load-sensitive
@@ -700,7 +713,9 @@ def measured(pid, fn, *args, profile=None):
             time.sleep(1.0)  # py-spy attaches before the load starts
 
     x0 = proc_switches(pid)
+    d0 = proc_read_bytes(pid)
     result = run_in_process(fn, *args, started=started)
+    result["server_disk_read"] = proc_read_bytes(pid) - d0
     result["server_cpu"] = proc_cpu(pid) - c0
     result["main_thread_cpu"] = proc_cpu(pid, pid) - m0
     result["server_switches"] = proc_switches(pid) - x0
@@ -884,11 +899,11 @@ def pipelined(base, args):
                     if "node_counts" in r:
                         # what the node did per FETCH this round (issue 24: what makes a round slow)
                         k, n = r["node_counts"], r["requests"]
-                        print("      data written %.0f s before; node per FETCH: reactor thread CPU %.0f us, %.1f sendfile "
+                        print("      data written %.0f s before, %.0f MiB read back from disk; node per FETCH: reactor thread CPU %.0f us, %.1f sendfile "
                               "calls (%.2f short: socket full), %.0f us wall in them, %d sends over 5 ms; %.3f prefetch "
                               "checks naming %d pieces to read back from disk (4 MiB of WAL with pages missing from the page "
                               "cache, up to %d MiB: a piece is named again by each check until its pages are in); load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
-                                  r["age"], r["main_thread_cpu"] / n * 1e6, k["fetch_sendfile_calls"] / n,
+                                  r["age"], r["server_disk_read"] / 2 ** 20, r["main_thread_cpu"] / n * 1e6, k["fetch_sendfile_calls"] / n,
                                   k["fetch_sendfile_short"] / n, k["fetch_send_wall_s"] / n * 1e6, k["fetch_send_stalls"],
                                   k["prefetch_checks"] / n, k["prefetch_pieces"], k["prefetch_pieces"] * 4,
                                   r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
