@@ -665,6 +665,17 @@ def proc_cpu(pid, tid=None):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_sched(pid, tid):
+    """(seconds on a CPU, seconds runnable but waiting for one) of a thread so far
+    (/proc/PID/task/TID/schedstat)."""
+    try:
+        with open("/proc/%d/task/%d/schedstat" % (pid, tid)) as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except OSError:
+        return 0.0, 0.0
+
+
 def proc_read_bytes(pid):
     """Bytes a process has had read from the disk so far (/proc/PID/io read_bytes: its reads and
     read-ahead that missed the page cache, the read pool's WILLNEED prefetch included)."""
@@ -714,8 +725,10 @@ def measured(pid, fn, *args, profile=None):
 
     x0 = proc_switches(pid)
     d0 = proc_read_bytes(pid)
+    s0 = thread_sched(pid, pid)
     result = run_in_process(fn, *args, started=started)
     result["server_disk_read"] = proc_read_bytes(pid) - d0
+    result["main_thread_cpu_wait"] = thread_sched(pid, pid)[1] - s0[1]
     result["server_cpu"] = proc_cpu(pid) - c0
     result["main_thread_cpu"] = proc_cpu(pid, pid) - m0
     result["server_switches"] = proc_switches(pid) - x0
@@ -894,16 +907,20 @@ def pipelined(base, args):
                               r["server_cpu"] / r["records"] * 1e6, r["server_cpu"] / r["requests"] * 1e6,
                               r["server_switches"] / r["requests"],
                               r["client_cpu"], r.get("errors", 0), load)
+                          + ("  (server main thread runnable, waiting for a CPU: %.0f us/request)" % (
+                              r["main_thread_cpu_wait"] / r["requests"] * 1e6))
                           + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else "")
                           + ("  (%d reads from the read pool)" % r["pool_reads"] if "pool_reads" in r else ""))
                     if "node_counts" in r:
                         # what the node did per FETCH this round (issue 24: what makes a round slow)
                         k, n = r["node_counts"], r["requests"]
-                        print("      data written %.0f s before, %.0f MiB read back from disk; node per FETCH: reactor thread CPU %.0f us, %.1f sendfile "
+                        print("      data written %.0f s before, %.0f MiB read back from disk; node per FETCH: reactor thread CPU %.0f us "
+                              "(and %.0f us runnable, waiting for a CPU), %.1f sendfile "
                               "calls (%.2f short: socket full), %.0f us wall in them, %d sends over 5 ms; %.3f prefetch "
                               "checks naming %d pieces to read back from disk (4 MiB of WAL with pages missing from the page "
                               "cache, up to %d MiB: a piece is named again by each check until its pages are in); load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
-                                  r["age"], r["server_disk_read"] / 2 ** 20, r["main_thread_cpu"] / n * 1e6, k["fetch_sendfile_calls"] / n,
+                                  r["age"], r["server_disk_read"] / 2 ** 20, r["main_thread_cpu"] / n * 1e6,
+                                  r["main_thread_cpu_wait"] / n * 1e6, k["fetch_sendfile_calls"] / n,
                                   k["fetch_sendfile_short"] / n, k["fetch_send_wall_s"] / n * 1e6, k["fetch_send_stalls"],
                                   k["prefetch_checks"] / n, k["prefetch_pieces"], k["prefetch_pieces"] * 4,
                                   r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
