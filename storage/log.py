@@ -14,6 +14,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
+from storage import wal as wal_module
 from storage.commit import AppendBatch, now_ms
 from storage.index import INDEX_KEY, INDEX_VAL, U64
 from storage.wal import T_BATCH
@@ -495,9 +496,19 @@ class RecordLog:
         cur = self._locate(core.snapshot(), sid, offset)
         if cur is None:
             return 0
-        pieces = core.wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
-        if pieces:
-            core.in_pool(core.wal.will_need, pieces).addErrback(
+        wal = core.wal
+        pieces = wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
+        if pieces and wal_module.cachestat is not None:
+            # until their reads are done, cached reads of them go to the pool (Wal.fetch_in)
+            pieces = wal.mark_fetching(pieces)
+            if pieces:
+                def failed(f, positions=[p for p, _ in pieces]):
+                    wal.unmark_fetching(positions)
+                    self.log.failure("WAL prefetch failed", f)
+
+                core.in_pool(wal.fetch_in, pieces).addErrback(failed)
+        elif pieces:
+            core.in_pool(wal.will_need, pieces).addErrback(
                 lambda f: self.log.failure("WAL prefetch failed", f))
         return len(pieces)
 

@@ -17,6 +17,7 @@ never straddles two segments. Only the writer thread appends; readers ``pread`` 
 import bisect
 import os
 import struct
+import threading
 import time
 
 from storage import fileops
@@ -191,6 +192,18 @@ def _pages_cached(fd, start, end, _one=[memoryview(bytearray(1))]):
     return cachestat(fd, start, end - start) >= pages or cachestat(fd, start, end - start) >= pages
 
 
+def _run_ready(fd, seg_base, start, end, fetching):
+    """``_pages_cached``, and no prefetched piece still being read overlaps the run (``cachestat``
+    counts a page whose read is in flight as cached, and the reactor's ``sendfile`` of it would
+    wait for the disk: such a read goes to the read pool, which waits for it)."""
+    if fetching:
+        lo, hi = seg_base + start, seg_base + end
+        for p, e in fetching.items():
+            if p < hi and lo < e:
+                return False
+    return _pages_cached(fd, start, end)
+
+
 class Wal:
     def __init__(self, directory: str, segment_bytes: int, sync_dir: bool = True):
         self.dir = directory
@@ -209,6 +222,10 @@ class Wal:
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
         self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
+        # Prefetched pieces whose reads may still be in flight (``fetch_in``): WAL position -> end.
+        # Copy-on-write (the reactor reads it without a lock; writers take _fetching_lock).
+        self.fetching = {}
+        self._fetching_lock = threading.Lock()
         # Observability (writer thread writes, any thread reads): flushes = group commits that
         # wrote bytes; on_sync(seconds) is told each fdatasync's duration (the node's histogram).
         self.flushes = 0
@@ -495,10 +512,11 @@ class Wal:
         f = None
         prefix_crcs = {}
         run_start = run_end = -1  # the current run of adjacent batches (file offsets)
+        fetching = self.fetching  # prefetched pieces still being read: cachestat counts their pages
         try:
             for pos, total, base_offset, count in entries:
                 if not (seg_base <= pos < seg_end if f is not None else False):
-                    if run_end >= 0 and not _pages_cached(f.fd, run_start, run_end):
+                    if run_end >= 0 and not _run_ready(f.fd, seg_base, run_start, run_end, fetching):
                         return None
                     seg_base, f = self._segment_file(pos, files)
                     i = bisect.bisect_right(bases, pos)
@@ -524,10 +542,10 @@ class Wal:
                 if run_end >= 0 and 0 <= off - run_end <= _PAGE:
                     run_end = off + total  # the next batch in the same file (the WAL's entry framing between)
                 else:
-                    if run_end >= 0 and not _pages_cached(f.fd, run_start, run_end):
+                    if run_end >= 0 and not _run_ready(f.fd, seg_base, run_start, run_end, fetching):
                         return None
                     run_start, run_end = off, off + total
-            if run_end >= 0 and not _pages_cached(f.fd, run_start, run_end):
+            if run_end >= 0 and not _run_ready(f.fd, seg_base, run_start, run_end, fetching):
                 return None
         except OSError:  # EAGAIN: not in the page cache; EOPNOTSUPP: the file system cannot tell
             return None
@@ -620,6 +638,54 @@ class Wal:
                 os.posix_fadvise(fd, pos - bases[i], length, os.POSIX_FADV_WILLNEED)
             except OSError:  # the segment went away meanwhile (its fd closed): nothing to read
                 pass
+
+    def mark_fetching(self, pieces):
+        """Reactor: the ``(pos, length)`` pieces ``fetch_in`` is about to read in; until it has,
+        ``cached_spans`` sends reads of them to the read pool. Returns the pieces not already
+        being read (the others are left to the task reading them)."""
+        with self._fetching_lock:
+            cur = self.fetching
+            new = [(p, n) for p, n in pieces if p not in cur]
+            if new:
+                d = dict(cur)
+                for p, n in new:
+                    d[p] = p + n
+                self.fetching = d
+        return new
+
+    def unmark_fetching(self, positions):
+        with self._fetching_lock:
+            cur = self.fetching
+            if any(p in cur for p in positions):
+                d = dict(cur)
+                for p in positions:
+                    d.pop(p, None)
+                self.fetching = d
+
+    def fetch_in(self, pieces):
+        """Read pool: ``will_need`` the ``(pos, length)`` pieces (marked with ``mark_fetching``),
+        then wait for each to be in the page cache (``sendfile`` to /dev/null: waits for the reads
+        in flight, copies nothing) and unmark it, so the reactor serves it from then on."""
+        try:
+            self.will_need(pieces)
+            bases, fds, null = self.bases, self.fds, self._null
+            for pos, length in pieces:
+                try:
+                    i = bisect.bisect_right(bases, pos) - 1
+                    fd = fds.get(bases[i]) if i >= 0 else None
+                    off, left = pos - bases[i], length
+                    while fd is not None and left > 0:
+                        n = os.sendfile(null, fd, off, left)
+                        if n <= 0:
+                            break  # the segment ends here (the active one, or cut)
+                        off += n
+                        left -= n
+                except OSError:  # the segment went away meanwhile: nothing to wait for
+                    pass
+                finally:
+                    self.unmark_fetching((pos,))
+        finally:
+            self.unmark_fetching([p for p, _ in pieces])
 
     def _segment_file(self, pos: int, files: dict):
         """(segment base, SegmentFile) of the segment holding ``pos``, one per read in ``files``."""

@@ -422,7 +422,8 @@ async def test_sequential_reader_prefetch_keeps_it_off_the_read_pool(store, srv)
     done = threads.deferToThread(reader)
     await reactor_until(lambda: len(offsets) == 3, what="two replies")
     third = entry_positions(store, sid)[offsets[-1] // BIG][0]  # where the third FETCH's batches lie
-    await reactor_until(lambda: not wal.uncached(third, 1 << 20), what="the prefetched pages")
+    # the pages are in and their reads done (cachestat counts a page whose read is in flight)
+    await reactor_until(lambda: not wal.uncached(third, 1 << 20) and not wal.fetching, what="the prefetched pages")
     go_on.set()
     await done
     assert offsets[-1] == end and len(offsets) > 10
