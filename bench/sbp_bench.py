@@ -918,7 +918,7 @@ def pipelined(base, args):
                               "(and %.0f us runnable, waiting for a CPU), %.1f sendfile "
                               "calls (%.2f short: socket full), %.0f us wall in them, %d sends over 5 ms; %.3f prefetch "
                               "checks naming %d pieces to read back from disk (4 MiB of WAL with pages missing from the page "
-                              "cache, up to %d MiB: a piece is named again by each check until its pages are in); load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
+                              "cache, up to %d MiB; a piece found short again after its read counts again); load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
                                   r["age"], r["server_disk_read"] / 2 ** 20, r["main_thread_cpu"] / n * 1e6,
                                   r["main_thread_cpu_wait"] / n * 1e6, k["fetch_sendfile_calls"] / n,
                                   k["fetch_sendfile_short"] / n, k["fetch_send_wall_s"] / n * 1e6, k["fetch_send_stalls"],
