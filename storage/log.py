@@ -15,6 +15,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
+from storage import wal as wal_module
 from storage.commit import AppendBatch, AppendRun, now_ms
 from storage.index import INDEX_KEY, INDEX_VAL, U64
 from storage.wal import T_BATCH
@@ -489,18 +490,31 @@ class RecordLog:
         of bytes; smaller batches come as bytes, read and CRC-checked as by ``read()``. Only
         batches below the visible ``next_offset`` are named, as by ``read()``."""
         try:
-            s = self._check_read(sid, offset)
+            spans = self.read_spans_now(sid, offset, max_bytes)
         except errors.StoreError:
             return defer.fail()
-        if offset == s.next_offset:
-            return defer.succeed([])
-        try:
-            spans = self._cached_spans(sid, offset, max_bytes, s.next_offset)
-        except Exception:
-            spans = None  # the read pool does it again, and reports what fails
         if spans is not None:
             return defer.succeed(spans)
-        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset, True)
+        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, self._streams[sid].next_offset, True)
+
+    def read_spans_now(self, sid, offset, max_bytes):
+        """``read_spans`` answered on this thread when it can be without waiting for the disk:
+        the list (FileSpans found in the page cache; empty at the stream's end), or None when the
+        read pool must do it (``read_spans``). Raises StoreError for a stream or offset it would
+        fail. No Deferred: the hot path of a sequential reader (protocols/sbp/fetch.py)."""
+        s = self._check_read(sid, offset)
+        if offset == s.next_offset:
+            return []
+        try:
+            return self._cached_spans(sid, offset, max_bytes, s.next_offset)
+        except Exception:
+            return None  # the read pool does it again, and reports what fails
+
+    def read_bounds(self, sid):
+        """``(trim_offset, next_offset)`` of ``sid`` (what ``stream()`` says of them, without
+        building its StreamMeta); StreamNotFound as ``stream()``."""
+        s = self._get(sid)
+        return s.trim_offset, s.next_offset
 
     def prefetch(self, sid, offset, nbytes):
         """Ask the kernel for the ``nbytes`` of the WAL from where the batch holding ``offset``
@@ -508,18 +522,30 @@ class RecordLog:
         pages missing from the page cache (``Wal.uncached``, a few cachestat calls) are read in by
         the read pool (``Wal.will_need``). For a sequential reader, so its later ``read_spans``
         find the bytes in memory (and stay on the reactor thread) even after memory reclaim
-        dropped them. Reactor thread: one index look-up; a no-op past the stream's visible end."""
+        dropped them. Reactor thread: one index look-up; a no-op past the stream's visible end.
+        Returns the number of pieces sent to the read pool."""
         s = self._streams.get(sid)
         if s is None or not s.trim_offset <= offset < s.next_offset:
-            return
+            return 0
         core = self._core
         cur = self._locate(core.snapshot(), sid, offset)
         if cur is None:
-            return
-        pieces = core.wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
-        if pieces:
-            core.in_pool(core.wal.will_need, pieces).addErrback(
+            return 0
+        wal = core.wal
+        pieces = wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
+        if pieces and wal_module.cachestat is not None:
+            # until their reads are done, cached reads of them go to the pool (Wal.fetch_in)
+            pieces = wal.mark_fetching(pieces)
+            if pieces:
+                def failed(f, positions=[p for p, _ in pieces]):
+                    wal.unmark_fetching(positions)
+                    self.log.failure("WAL prefetch failed", f)
+
+                core.in_pool(wal.fetch_in, pieces).addErrback(failed)
+        elif pieces:
+            core.in_pool(wal.will_need, pieces).addErrback(
                 lambda f: self.log.failure("WAL prefetch failed", f))
+        return len(pieces)
 
     def _cached_spans(self, sid, offset, max_bytes, limit):
         """Reactor thread, no waiting for the disk: the FileSpans of ``read_spans`` when every
