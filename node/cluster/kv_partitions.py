@@ -91,10 +91,30 @@ TRIM_S = 2.0  # each leader trims its partitions' streams this often (below what
 # records can go, or the whole stream can (every replica applied all of it)
 TRIM_MIN_RECORDS = 512
 PUBLISH_S = 2.0  # applied offsets are published at most this often
+# ... and at least this often even if unchanged (a key the placement-driver leader removed while this
+# node was out of the member list comes back)
+REPUBLISH_S = 30.0
 SNAPSHOT_CURSOR = b"\x00snap"  # + u8 partition + u64 offset: a snapshot cursor on the kv peer port
 _SNAP = struct.Struct(">BQ")
 SNAPSHOT_PAGE = 1024  # keys per snapshot page (and per local write while clearing the range)
 SNAPSHOT_RETRY_S = 0.5  # between two attempts when no node could serve a snapshot
+
+
+def _write_state(path, state, durable):
+    """STATE_FILE, replaced whole (in a thread); ``durable``: fsynced before and after the rename."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class NotLeader(Exception):
@@ -191,6 +211,13 @@ class Partition:
         self.snapshotting = False  # the partition's key range is being cleared and copied here
         self.snapshots = 0  # snapshots this node took of the partition since it started
         self.trimming = False  # a trim of the stream (leader) is under way
+        # this node is no longer a replica of the partition and its key range is (being) cleared
+        # from the local store: ``applied`` is 0 and the applier stays off until it is a replica
+        # again (then a snapshot, or the log from 0). Kept in STATE_FILE.
+        self.dropped = False
+        self.cleared = False  # the key range was cleared by this process (``dropped`` and done)
+        self.clearing = False  # the key range is being cleared
+        self.drop_check_at = 0.0  # reactor time of the next check whether the dropped copy may go
 
     def when_applied(self, offset):
         if self.applied >= offset:
@@ -215,9 +242,11 @@ class KvPartitions:
         self.stopped = False
         self._map_waiters = []  # ensure_map callers while the map is being read or made
         self._saved = {}  # sid -> applied offset (the state file, as loaded / last written)
+        self._saved_dropped = set()  # sids whose partition this node dropped (the state file, as loaded)
         self._dirty = False
         self._published = None  # the applied offsets last published to etcd
         self._next_publish = 0.0
+        self._last_publish = 0.0
         self._trim_loop = None
         self._loop = None
         self._watch = None
@@ -226,6 +255,8 @@ class KvPartitions:
         self._next_move = 0.0
         self._move_skip = {}  # partition -> reactor time until which the rebalancer leaves it alone
         self.moves = 0  # rebalancing moves this node made (as placement-driver leader)
+        self.forgotten = 0  # departed nodes' published offsets this node removed (as placement-driver leader)
+        self._save_lock = defer.DeferredLock()
         self.reactor = node.reactor
         self.path = os.path.join(node.config.data_dir, STATE_FILE)
 
@@ -259,7 +290,9 @@ class KvPartitions:
     def start(self):
         try:
             with open(self.path) as f:
-                self._saved = {int(k): int(v) for k, v in json.load(f).get("applied", {}).items()}
+                state = json.load(f)
+            self._saved = {int(k): int(v) for k, v in state.get("applied", {}).items()}
+            self._saved_dropped = {int(s) for s in state.get("dropped", [])}
         except FileNotFoundError:
             pass
         except (ValueError, AttributeError, TypeError) as e:
@@ -318,8 +351,9 @@ class KvPartitions:
         self.map = streams
         for p, sid in enumerate(streams):
             if p not in self.parts:
-                self.parts[p] = Partition(p, sid, self._saved.get(sid, 0))
-                self._by_sid[sid] = self.parts[p]
+                part = self.parts[p] = Partition(p, sid, self._saved.get(sid, 0))
+                part.dropped = sid in self._saved_dropped
+                self._by_sid[sid] = part
 
     def ensure_map(self):
         """Fires once the partition map is known (made here if no node made it yet)."""
@@ -514,6 +548,9 @@ class KvPartitions:
                                                        callbackArgs=(part, part.lead_epoch), errbackArgs=(part,))
         elif part.lead_epoch is not None:
             self._not_leader(part, "node %s leads" % (primary["id"] if primary else None))
+        if rng is not None and not any(s["id"] == self.node_id for s in rng["servers"]):
+            if part.lead_epoch is None and not (part.cleared or part.clearing or part.applying):
+                self._maybe_drop(part, rec)
         self._kick(part)
 
     def _take_lead(self, _, part, epoch):
@@ -580,8 +617,13 @@ class KvPartitions:
                 except store_errors.StreamNotFound:
                     return
                 limit = self._limit(part)
-                if limit is not None and part.applied >= limit:
-                    return
+                if limit is not None and (part.dropped or part.applied >= limit):
+                    return  # (a dropped copy applies nothing until it is a replica again)
+                if limit is None and part.dropped:
+                    # a replica again (re-replication, a move back): from applied 0, so a snapshot
+                    # if the local copy is trimmed, else the whole log; never the cleared copy
+                    part.dropped = part.cleared = False
+                    self._dirty = True
                 if part.sequenced or part.received:
                     visible = log.stream(part.sid).next_offset
                     if limit is not None:
@@ -673,13 +715,7 @@ class KvPartitions:
         self.log.info("key-value partition {p}: applied {applied} is below the stream's trim point {start} here: "
                       "taking a snapshot", p=p, applied=part.applied, start=start)
         try:
-            position = lo
-            while not self.stopped:
-                keys = [k for k in self.kv.scan_keys(position, SNAPSHOT_PAGE) if k <= hi]
-                if not keys:
-                    break
-                yield self._write_retrying([(k, None) for k in keys])
-                position = keys[-1] + b"\x00"
+            yield self._clear_range(p)
             name = SNAPSHOT_CURSOR + _SNAP.pack(p, start)
             copied = None
             while copied is None and not self.stopped:
@@ -702,6 +738,105 @@ class KvPartitions:
                           "from {start}", p=p, n=copied[1], nid=copied[0], start=start)
         finally:
             part.snapshotting = False
+
+    @defer.inlineCallbacks
+    def _clear_range(self, p):
+        """Remove every key of partition ``p`` from the local store; fires with how many."""
+        lo, hi = bounds(p)
+        position, n = lo, 0
+        while not self.stopped:
+            keys = [k for k in self.kv.scan_keys(position, SNAPSHOT_PAGE) if k <= hi]
+            if not keys:
+                break
+            yield self._write_retrying([(k, None) for k in keys])
+            n += len(keys)
+            position = keys[-1] + b"\x00"
+        return n
+
+    # -- a copy this node no longer holds ------------------------------------------------------------
+
+    def _maybe_drop(self, part, rec):
+        """This node is not a replica of ``part``'s open range (a rebalancing move or
+        re-replication dropped it): clear the partition's keys from the local store (``_drop``)
+        once the copy is not needed, i.e. once every replica of the open range published an applied
+        offset at least the stream's trim point (so they hold everything below it, and any later
+        snapshot has a source other than this node; nothing below it exists anywhere else). A
+        stream never trimmed needs no check: a new copy applies its whole log. Checked at most
+        every TRIM_S."""
+        if part.dropped and part.applied == 0:
+            self._drop(part)  # (dropped before a restart; the clear may not have finished)
+            return
+        now = self.reactor.seconds()
+        if now < part.drop_check_at:
+            return
+        part.drop_check_at = now + TRIM_S
+        self._drop_safe(part).addCallbacks(
+            lambda ok: ok and self._drop(part),
+            lambda f: self.log.info("key-value partition {p}: dropped copy kept for now: {e}", p=part.p, e=f.value))
+
+    @defer.inlineCallbacks
+    def _drop_safe(self, part):
+        rec = self.pd.streams.get(part.sid)
+        trim = rec.get("trim_offset", 0) if rec is not None else None
+        published = {}
+        if trim:
+            published = yield self._read_published()
+            rec = self.pd.streams.get(part.sid)  # (the newest, after the read)
+        rng = placement.open_range(rec) if rec is not None else None
+        if rng is None or any(s["id"] == self.node_id for s in rng["servers"]):
+            return False
+        if part.lead_epoch is not None or part.cleared or part.clearing or part.applying or self.stopped:
+            return False
+        trim = rec.get("trim_offset", 0)
+        return all(published.get(s["id"], {}).get(part.sid, -1) >= trim for s in rng["servers"]) if trim else True
+
+    @defer.inlineCallbacks
+    def _drop(self, part):
+        """Clear partition ``part``'s keys from the local store, its applied offset 0 first (in
+        the state file, durably, and published), so that a crash part-way never leaves a store
+        missing keys below its recorded applied offset; if this node becomes a replica again it
+        starts from a snapshot (or the whole log), never from this copy."""
+        part.clearing = part.applying = True
+        try:
+            if not part.dropped or part.applied:
+                part.dropped = True
+                part.applied = 0
+                part.received.clear()
+                part.received_bytes = 0
+                self._dirty = True
+                saved = yield self._save(durable=True)
+                if not saved:
+                    return
+                state = self._state()
+                yield self.cluster.client.put(self.prefix + APPLIED_KEY + str(self.node_id), json.dumps(state))
+                self._published = state
+                self._last_publish = self.reactor.seconds()
+            n = yield self._clear_range(part.p)
+            if not self.stopped:
+                part.cleared = True
+                self.log.info("key-value partition {p}: not a replica here any more: {n} keys cleared from the "
+                              "local store", p=part.p, n=n)
+        except Exception as e:
+            self.log.warn("key-value partition {p}: dropped copy not cleared yet: {e}", p=part.p, e=e)
+        finally:
+            part.clearing = part.applying = False
+        self._kick(part)  # (a replica again meanwhile: its applier starts over from 0)
+
+    @defer.inlineCallbacks
+    def _read_published(self):
+        """node id -> {stream id: applied offset}, as every node last published it."""
+        kvs, _rev = yield self.cluster.client.get_prefix(self.prefix + APPLIED_KEY)
+        return self._parse_published(kvs)
+
+    def _parse_published(self, kvs):
+        published = {}
+        for kv in kvs:
+            try:
+                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
+                published[nid] = {int(k): int(v) for k, v in json.loads(kv.value)["applied"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        return published
 
     def _snapshot_sources(self, p):
         """Nodes to ask for a snapshot of ``p``: its leader first, then every other live member."""
@@ -793,59 +928,69 @@ class KvPartitions:
             for key in [k for k, (_v, end) in part.overlay.items() if end <= applied]:
                 del part.overlay[key]
 
+    def _state(self):
+        return {"applied": {str(part.sid): part.applied for part in self.parts.values()},
+                "dropped": sorted(part.sid for part in self.parts.values() if part.dropped)}
+
+    @defer.inlineCallbacks
+    def _save(self, durable=False):
+        """Write the applied offsets (and dropped copies) to the state file if they changed (always
+        with ``durable``: fsynced, file and directory); True once the file holds them."""
+        yield self._save_lock.acquire()
+        try:
+            if not self._dirty and not durable:
+                return True
+            self._dirty = False
+            try:
+                yield threads.deferToThread(_write_state, self.path, self._state(), durable)
+            except OSError as e:
+                self.log.warn("cannot write {path}: {e}", path=self.path, e=e)
+                self._dirty = True
+                return False
+            return True
+        finally:
+            self._save_lock.release()
+
     @defer.inlineCallbacks
     def _persist(self):
         """Write the applied offsets to the state file (the store has those writes), then publish
         them (``APPLIED_KEY``): a stream is trimmed only below what every replica published."""
         if self.map is None:
             return
-        state = {"applied": {str(part.sid): part.applied for part in self.parts.values()}}
-        if self._dirty:
-            self._dirty = False
-            path = self.path
-
-            def write():
-                tmp = path + ".tmp"
-                with open(tmp, "w") as f:
-                    json.dump(state, f)
-                os.replace(tmp, path)
-
-            try:
-                yield threads.deferToThread(write)
-            except OSError as e:
-                self.log.warn("cannot write {path}: {e}", path=path, e=e)
-                self._dirty = True
-                return
+        saved = yield self._save()
+        if not saved:
+            return
+        state = self._state()
         now = self.reactor.seconds()
-        if state != self._published and not self.stopped and now >= self._next_publish:
+        due = state != self._published or now >= self._last_publish + REPUBLISH_S
+        if due and not self.stopped and now >= self._next_publish:
             self._next_publish = now + PUBLISH_S
             try:
                 yield self.cluster.client.put(self.prefix + APPLIED_KEY + str(self.node_id), json.dumps(state))
                 self._published = state
+                self._last_publish = now
             except Exception as e:
                 self.log.warn("cannot publish the applied offsets of the key-value partitions: {e}", e=e)
 
     @defer.inlineCallbacks
     def _trim(self):
         """Trim the streams of the partitions led here below what every replica of their open
-        range published as applied (and this node applied)."""
+        range published as applied (and this node applied); as placement-driver leader, remove
+        the published offsets of nodes that left the cluster (``_forget_departed``)."""
         if self.map is None or self.stopped:
             return
         led = [part for part in self.parts.values() if part.ready and not part.trimming]
-        if not led:
+        pd_leader = bool(self.cluster.election and self.cluster.election.is_leader)
+        if not led and not pd_leader:
             return
         try:
             kvs, _rev = yield self.cluster.client.get_prefix(self.prefix + APPLIED_KEY)
         except Exception as e:
             self.log.warn("cannot read the published applied offsets: {e}", e=e)
             return
-        published = {}
-        for kv in kvs:
-            try:
-                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
-                published[nid] = {int(k): int(v) for k, v in json.loads(kv.value)["applied"].items()}
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
+        published = self._parse_published(kvs)
+        if pd_leader:
+            self._forget_departed(kvs)
         for part in led:
             rec = self.pd.streams.get(part.sid)
             rng = placement.open_range(rec) if rec is not None else None
@@ -861,6 +1006,43 @@ class KvPartitions:
             part.trimming = True
             self.pd.trim_stream(part.sid, point).addCallbacks(
                 self._trimmed, self._trim_failed, callbackArgs=(part, point), errbackArgs=(part,))
+
+    def _forget_departed(self, kvs):
+        """Delete ``P kv/applied/<node>`` of every node that left the cluster for good: not a live
+        member and a replica of no partition's open range (failover or re-replication dropped it
+        from all 8). Such a node holds no trim back anyway (only the open ranges' replicas count);
+        this keeps etcd from growing with departed nodes. Each delete is a transaction that holds
+        only while the node's member key is absent and the published value unchanged, so a node
+        back meanwhile keeps its key; a node that returns later publishes again."""
+        if self.map is None:
+            return
+        members = self.cluster.membership.members
+        holders = set()
+        for sid in self.map:
+            rec = self.pd.streams.get(sid)
+            rng = placement.open_range(rec) if rec is not None else None
+            if rng is None or sid in getattr(self.cluster.failover, "busy", ()):
+                return  # placement in flux: decide on a later pass
+            holders.update(s["id"] for s in rng["servers"])
+        for kv in kvs:
+            try:
+                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
+            except ValueError:
+                continue
+            if nid in members or nid in holders or nid == self.node_id:
+                continue
+            key = self.prefix + APPLIED_KEY + str(nid)
+            d = self.cluster.client.txn(
+                [etcd.compare_version(self.prefix + "members/%d" % nid, 0), etcd.compare_mod_revision(key, kv.mod_revision)],
+                [etcd.op_delete(key)])
+            d.addCallbacks(self._forgot, lambda f, nid=nid: self.log.info(
+                "published applied offsets of node {nid} not removed: {e}", nid=nid, e=f.value), callbackArgs=(nid,))
+
+    def _forgot(self, result, nid):
+        if result.succeeded:
+            self.forgotten += 1
+            self.log.info("node {nid} left the cluster and holds no key-value partition: its published applied "
+                          "offsets are removed", nid=nid)
 
     def _trimmed(self, _, part, point):
         part.trimming = False
@@ -1327,6 +1509,7 @@ class KvPartitions:
                         "replicas": [s["id"] for s in rng["servers"]] if rng else [],
                         "applied": part.applied, "serving_here": part.ready,
                         "trim_offset": rec.get("trim_offset", 0) if rec else 0,
-                        "snapshotting": part.snapshotting, "snapshots": part.snapshots})
-        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves,
+                        "snapshotting": part.snapshotting, "snapshots": part.snapshots,
+                        "dropped": part.dropped, "cleared": part.cleared})
+        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves, "forgotten_nodes": self.forgotten,
                 "peer_port": self.port.getHost().port if self.port is not None else None}
