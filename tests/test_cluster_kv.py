@@ -13,7 +13,7 @@ from protocols.partition import client_framing, codec
 from protocols.partition.client import BlockingKvClient, KvError
 from protocols.partition.codec import GET_FB, GET_FF, GET_KEYS, GET_KEYS_PREFIX
 from protocols.sbp.client import call_status
-from tests.etcdproc import etcd_available
+from tests.etcdproc import EtcdCluster, etcd_available
 from tests.test_cluster import client, sbpctl, start_nodes, three_nodes, view, wait_for
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
@@ -586,3 +586,36 @@ def test_a_dropped_copy_is_cleared_and_a_departed_node_forgotten(tmp_path):
         assert sum(kv_status(n).get("forgotten_nodes", 0) for n in nodes) >= 1
         with kv(nodes[2], timeout=60) as c:
             assert full_scan(c, GET_FF, page=500) == sorted(model.items())
+
+
+def test_replica_reads_answer_acknowledged_values_from_the_local_copy(tmp_path):
+    """``--kv-reads replica``: a GET is answered from the node's own applied copy (every node holds
+    all 8 partitions with 3 nodes and R=3), so it forwards nothing; a value read is always one
+    that was acknowledged (old or new), and the newest one shows once the copy applied it."""
+    etcd = EtcdCluster(tmp_path, members=1).start()
+    try:
+        nodes = start_nodes(tmp_path, etcd.client_urls, [1, 2, 3], kv_reads="replica")
+        try:
+            keys = spread_keys(200, b"stale")
+            with kv(nodes[0]) as c:
+                c.pipeline([(codec.SET, lambda cid, k=k: codec.encode_set(cid, k, b"old")) for k in keys])
+            reader = nodes[1]
+
+            def read_all():
+                with kv(reader) as c:
+                    return c.pipeline([(codec.GET, lambda cid, k=k: codec.encode_get(cid, k)) for k in keys])
+            wait_for(lambda: read_all() == [b"old"] * len(keys), timeout=30, what="replica reads of the first values")
+            with kv(nodes[2]) as c:
+                c.pipeline([(codec.SET, lambda cid, k=k: codec.encode_set(cid, k, b"new")) for k in keys])
+            seen = read_all()
+            assert set(seen) <= {b"old", b"new"}, set(seen)
+            wait_for(lambda: read_all() == [b"new"] * len(keys), timeout=30, what="replica reads of the new values")
+            st = kv_status(reader)
+            assert st["reads"] == "replica" and st["replica_gets"] >= 3 * len(keys), st.get("replica_gets")
+            with kv(reader) as c:  # scans stay with the leaders
+                assert dict(full_scan(c, GET_FF, page=100))[keys[7]] == b"new"
+        finally:
+            for n in nodes:
+                n.kill9()
+    finally:
+        etcd.stop()

@@ -43,8 +43,15 @@ Routing: every node serves every key. A request for a partition led elsewhere go
 with the cluster TLS options) over the §4 framing, pipelined on one connection per peer node with
 client_id as the correlation id. The peer port serves only partitions its node leads and answers
 ERR 1 (PARTITION_DIED) for the others, having done nothing: the sender looks the leader up again
-and retries, for at most ROUTE_WAIT_S (covering a failover). Reads are served by the leader only
-(linearizable). Scans are one partition at a time (``scan``), cursors on the client's node.
+and retries, for at most ROUTE_WAIT_S (covering a failover). Reads are served by the leader
+(linearizable), unless the node runs with ``--kv-reads replica``: then a GET of a partition held
+here is answered from the local applied copy (an acknowledged value, possibly stale). Scans are one
+partition at a time (``scan``), cursors on the client's node.
+
+Dropped copies (issue 20): a node no longer a replica of a partition's open range clears the
+partition's keys from its store once the open range's replicas hold everything below the trim
+point (``_maybe_drop``, ``_drop``); the placement-driver leader deletes the published applied
+offsets of nodes that left the cluster for good (``_forget_departed``).
 """
 
 import json
@@ -255,6 +262,9 @@ class KvPartitions:
         self._next_move = 0.0
         self._move_skip = {}  # partition -> reactor time until which the rebalancer leaves it alone
         self.moves = 0  # rebalancing moves this node made (as placement-driver leader)
+        # --kv-reads replica: GETs of partitions held here are answered from the local applied copy
+        self.replica_reads = getattr(node.config, "kv_reads", "leader") == "replica"
+        self.replica_gets = 0  # GETs answered that way
         self.forgotten = 0  # departed nodes' published offsets this node removed (as placement-driver leader)
         self._save_lock = defer.DeferredLock()
         self.reactor = node.reactor
@@ -1364,8 +1374,28 @@ class KvPartitions:
             return None
         return remote(peer)
 
+    def _replica_read(self, p):
+        """True if ``--kv-reads replica`` lets this node answer a GET of partition ``p`` from its
+        own applied copy: it is a replica of the open range whose copy is a prefix of the
+        stream's acknowledged history (not dropped, not clearing or taking a snapshot: mid-copy,
+        the key range is no single state)."""
+        part = self.parts.get(p)
+        if part is None or part.dropped or part.clearing or part.snapshotting:
+            return False
+        rec = self.pd.streams.get(part.sid)
+        rng = placement.open_range(rec) if rec is not None else None
+        if rng is None or not any(s["id"] == self.node_id for s in rng["servers"]):
+            return False
+        try:
+            return part.applied >= self.node.store.log.stream(part.sid).trim_offset
+        except store_errors.StreamNotFound:
+            return False
+
     def get(self, key):
         p = codec.partition_of(key)
+        if self.replica_reads and self.map is not None and self._replica_read(p):
+            self.replica_gets += 1
+            return defer.succeed(self.kv.get(key))
         local = lambda: self.get_local(key)  # noqa: E731
         remote = lambda peer: peer.get(key)  # noqa: E731
         d = self._fast(p, lambda: defer.succeed(self.kv.get(key)), remote)
@@ -1512,4 +1542,5 @@ class KvPartitions:
                         "snapshotting": part.snapshotting, "snapshots": part.snapshots,
                         "dropped": part.dropped, "cleared": part.cleared})
         return {"placed": True, "partitions": out, "rebalancing_moves": self.moves, "forgotten_nodes": self.forgotten,
+                "reads": "replica" if self.replica_reads else "leader", "replica_gets": self.replica_gets,
                 "peer_port": self.port.getHost().port if self.port is not None else None}
