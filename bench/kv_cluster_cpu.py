@@ -9,7 +9,8 @@ processes' CPU per operation (user + system of the 3 nodes from /proc, summed), 
 generator's own CPU per operation (its process CPU: the machine's speed cancels in the ratio),
 the ratio of the two, records per SET and ops/s. ``--py-spy DIR``: py-spy records every node
 during the SET phase and the GET phase (``DIR/set-N.txt``, ``DIR/get-N.txt``; summarise with
-``bench/pyspy_top.py``).
+``bench/pyspy_top.py``); with ``--strace``, ``strace -c -f`` instead (``DIR/set-N.strace``: system
+calls per thread kind, to divide by the ops).
 """
 
 import argparse
@@ -32,11 +33,15 @@ def own_cpu():
     return t.user + t.system
 
 
-def spy(nodes, path, what):
+def spy(nodes, path, what, strace=False):
+    if strace and path:
+        os.makedirs(path, exist_ok=True)
+        return [subprocess.Popen(["strace", "-c", "-f", "-p", str(n.proc.pid), "-o", os.path.join(path, "%s-%d.strace" % (what, n.node_id))],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in nodes]
     if not path:
         return []
     os.makedirs(path, exist_ok=True)
-    return [subprocess.Popen(["py-spy", "record", "-r", "50", "-f", "raw", "-t", "--nonblocking", "-p", str(n.proc.pid),
+    return [subprocess.Popen(["py-spy", "record", "-r", "100", "-f", "raw", "-t", "--nonblocking", "-p", str(n.proc.pid),
                               "-o", os.path.join(path, "%s-%d.txt" % (what, n.node_id))],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in nodes]
 
@@ -48,8 +53,8 @@ def unspy(procs):
         p.wait(30)
 
 
-def phase(name, nodes, sock, requests, reply_len, depth, spy_dir, tail):
-    spies = spy(nodes, spy_dir, name)
+def phase(name, nodes, sock, requests, reply_len, depth, spy_dir, tail, strace=False):
+    spies = spy(nodes, spy_dir, name, strace)
     if spies:
         time.sleep(1.0)
     before = records(nodes) if name == "set" else 0
@@ -74,7 +79,9 @@ def main(argv=None):
     ap.add_argument("--warm", type=int, default=2_000)
     ap.add_argument("--depth", type=int, default=64)
     ap.add_argument("--value-size", type=int, default=100)
+    ap.add_argument("--get-rounds", type=int, default=1, help="GET every key this many times (a longer GET phase)")
     ap.add_argument("--py-spy", default=None, metavar="DIR")
+    ap.add_argument("--strace", action="store_true", help="strace -c -f every node instead of py-spy (into --py-spy DIR)")
     args = ap.parse_args(argv)
     value = os.urandom(args.value_size)
     keys = make_keys(args.keys + args.warm)
@@ -90,9 +97,9 @@ def main(argv=None):
         pipelined(sock, kv_gets(warm), codec.HEADER_LEN + 6 + 8 + args.value_size, args.depth)
         time.sleep(0.5)
         phase("set", nodes, sock, kv_sets(keys, value), codec.HEADER_LEN, args.depth, args.py_spy,
-              codec.encode_status(len(keys) - 1, codec.OK))
-        phase("get", nodes, sock, kv_gets(keys), codec.HEADER_LEN + 6 + 8 + args.value_size, args.depth, args.py_spy,
-              codec.encode_get_reply(len(keys) - 1, keys[-1], value))
+              codec.encode_status(len(keys) - 1, codec.OK), args.strace)
+        phase("get", nodes, sock, kv_gets(keys * args.get_rounds), codec.HEADER_LEN + 6 + 8 + args.value_size, args.depth, args.py_spy,
+              codec.encode_get_reply(len(keys) * args.get_rounds - 1, keys[-1], value), args.strace)
         sock.close()
     finally:
         for n in nodes:

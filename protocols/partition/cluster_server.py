@@ -249,12 +249,31 @@ class ClusterKvProtocol(Protocol):
             self._answer_get(entry[0], cid, key, self._slot())
             return
         slot = self._slot()
+        if not self.local_only:
+            svc = self.service()
+            if svc is not None and svc.relay_get(key, req.client_id.to_bytes(8, "big"), self._relayed, (cid, key, slot)):
+                return
+        self._get_routed(cid, key, slot)
+
+    def _get_routed(self, cid, key, slot):
         try:
             svc = self._svc()
             d = svc.get_local(key) if self.local_only else svc.get(key)
         except Exception:
             d = defer.fail()
         d.addCallbacks(self._answer_get, self._failed, callbackArgs=(cid, key, slot), errbackArgs=(cid, GET, slot))
+
+    def _relayed(self, reply, status, ctx):
+        """A GET relayed to its partition's leader (``KvPartitions.relay_get``) answered: its
+        reply as the leader framed it, the client_id already this connection's; None: route it
+        again (the leader changed, the connection was lost)."""
+        cid, key, slot = ctx
+        if reply is None:
+            if not self._lost:
+                self._get_routed(cid, key, slot)
+            return
+        self._count(GET, ERR_STATUS + int.from_bytes(reply[26:28], "big") if status == codec.ERR else status)
+        self._fill(slot, reply)
 
     def _answer_get(self, value, cid, key, slot):
         if value is None:
