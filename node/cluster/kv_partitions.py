@@ -133,6 +133,7 @@ class Unavailable(Exception):
     """The partition has no live, ready leader within ROUTE_WAIT_S (ERR 1)."""
 
 
+_NOT_HERE = object()  # KvPartitions.get_here: not answered here at once
 _RELAY = object()  # a pending entry's kind: a GET relayed for a client connection (PeerProtocol.relay_get)
 
 
@@ -1482,6 +1483,21 @@ class KvPartitions:
             return part.applied >= self.node.store.log.stream(part.sid).trim_offset
         except store_errors.StreamNotFound:
             return False
+
+    NOT_HERE = _NOT_HERE
+
+    def get_here(self, key, peer=False):
+        """The value of ``key`` (None if absent) when this node answers it at once, without a
+        Deferred: it leads the key's partition and serves it (``peer``: the kv peer port's rule,
+        ``get_local``'s), or ``--kv-reads replica`` answers from the copy here; else NOT_HERE."""
+        p = codec.partition_of(key)
+        part = self.parts.get(p)
+        if part is not None and part.ready and (peer or self._known_leader(p) == self.node_id):
+            return self.kv.get(key)
+        if not peer and self.replica_reads and self.map is not None and self._replica_read(p):
+            self.replica_gets += 1
+            return self.kv.get(key)
+        return _NOT_HERE
 
     def relay_get(self, key, client_id, done, ctx):
         """The forwarding fast path of a GET (``PeerProtocol.relay_get``) when ``key``'s

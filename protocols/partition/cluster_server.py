@@ -248,11 +248,19 @@ class ClusterKvProtocol(Protocol):
         if entry is not None:
             self._answer_get(entry[0], cid, key, self._slot())
             return
-        slot = self._slot()
-        if not self.local_only:
-            svc = self.service()
-            if svc is not None and svc.relay_get(key, req.client_id.to_bytes(8, "big"), self._relayed, (cid, key, slot)):
+        svc = self.service()
+        if svc is not None:
+            try:
+                value = svc.get_here(key, self.local_only)
+            except Exception:  # (the routed path answers it with the error)
+                value = svc.NOT_HERE
+            if value is not svc.NOT_HERE:  # (no Deferred: led and served here, or a replica read)
+                self._answer_get(value, cid, key, self._slot())
                 return
+        slot = self._slot()
+        if svc is not None and not self.local_only and \
+                svc.relay_get(key, cid.to_bytes(8, "big"), self._relayed, (cid, key, slot)):
+            return
         self._get_routed(cid, key, slot)
 
     def _get_routed(self, cid, key, slot):
