@@ -81,15 +81,16 @@ def main(argv=None):
     ap.add_argument("--value-size", type=int, default=100)
     ap.add_argument("--get-rounds", type=int, default=1, help="GET every key this many times (a longer GET phase)")
     ap.add_argument("--py-spy", default=None, metavar="DIR")
+    ap.add_argument("--kv-reads", choices=["leader", "replica"], default="leader", help="the nodes' --kv-reads")
     ap.add_argument("--strace", action="store_true", help="strace -c -f every node instead of py-spy (into --py-spy DIR)")
     args = ap.parse_args(argv)
     value = os.urandom(args.value_size)
     keys = make_keys(args.keys + args.warm)
     warm, keys = keys[:args.warm], keys[args.warm:]
-    print("kv_cluster_cpu: %d keys (+%d warm-up), %d-byte values, depth %d; load %.2f %.2f %.2f"
-          % (args.keys, args.warm, args.value_size, args.depth, *os.getloadavg()), flush=True)
+    print("kv_cluster_cpu: %d keys (+%d warm-up), %d-byte values, depth %d, --kv-reads %s; load %.2f %.2f %.2f"
+          % (args.keys, args.warm, args.value_size, args.depth, args.kv_reads, *os.getloadavg()), flush=True)
     tmp = tempfile.mkdtemp(prefix="kv-cluster-cpu-")
-    etcd, nodes = start_cluster(tmp, "never")
+    etcd, nodes = start_cluster(tmp, "never", **({"kv_reads": "replica"} if args.kv_reads == "replica" else {}))
     try:
         wait_placed(nodes[0])
         sock = connect(nodes[0].ports["kv"])
