@@ -134,6 +134,7 @@ class Unavailable(Exception):
 
 
 _NOT_HERE = object()  # KvPartitions.get_here: not answered here at once
+_RUN = object()  # a pending entry's kind: one operation of a forwarded write run (PeerProtocol.write_run)
 _RELAY = object()  # a pending entry's kind: a GET relayed for a client connection (PeerProtocol.relay_get)
 
 
@@ -166,6 +167,40 @@ class PeerProtocol(KvClientProtocol):
         # into smaller runs, so into more replicated records per SET: 0.20-0.22 against 0.17-0.19)
         self.transport.write(codec.encode_get(cid, key))
 
+    def write_run(self, ops):
+        """Forward a write run ([(key, value or None to remove)]) in one write: fires once every
+        operation is answered with one bool per operation (True for a SET; whether the key
+        existed for a REMOVE), or fails with the first failed operation's error in run order
+        (KvError; ConnectionError if the connection is lost first). One Deferred per run."""
+        if self._lost is not None:
+            return defer.fail(ConnectionError("connection to the kv server lost"))
+        if not self._pending:
+            self.progress = self.clock.seconds()
+        d = defer.Deferred()
+        run = [d, len(ops), [None] * len(ops), {}]  # the Deferred, unanswered, results, errors by index
+        parts, pending, ids = [], self._pending, self._ids
+        encode_set, encode_remove = codec.encode_set, codec.encode_remove
+        for i, (key, value) in enumerate(ops):
+            cid = next(ids)
+            pending.append((cid, _RUN, (run, i, value is None)))
+            parts.append(encode_remove(cid, key) if value is None else encode_set(cid, key, value))
+        self.transport.write(b"".join(parts))
+        return d
+
+    @staticmethod
+    def _run_answered(run, i, result, error):
+        if error is not None:
+            run[3][i] = error
+        else:
+            run[2][i] = result
+        run[1] -= 1
+        if run[1] == 0:
+            d = run[0]
+            if run[3]:
+                d.errback(run[3][min(run[3])])
+            else:
+                d.callback(run[2])
+
     def dataReceived(self, data):
         self.progress = self.clock.seconds()
         frames = self._frames
@@ -179,6 +214,19 @@ class PeerProtocol(KvClientProtocol):
                 if int.from_bytes(buf[pos + 8:pos + 16], "big") != cid:
                     raise KvProtocolError("reply for client_id %d, expected %d" % (
                         int.from_bytes(buf[pos + 8:pos + 16], "big"), cid))
+                if cmd is _RUN:
+                    run, i, remove = d
+                    status = int.from_bytes(buf[pos + 24:pos + 26], "big")
+                    if status == codec.OK or (remove and status == codec.DATA_NOT_FOUND):
+                        self._run_answered(run, i, status == codec.OK, None)
+                    elif status == codec.ERR:
+                        code = int.from_bytes(buf[pos + 26:pos + 28], "big") if end - pos >= codec.ERR_LEN else None
+                        self._run_answered(run, i, None, KvError(code))
+                    elif status == codec.INVALID_COMMAND:
+                        self._run_answered(run, i, None, KvError(None, status))
+                    else:
+                        raise KvProtocolError("unexpected %s reply to a write" % codec.COMMAND_NAMES.get(status, status))
+                    continue
                 if cmd is _RELAY:
                     client_id, done, ctx = d
                     status = int.from_bytes(buf[pos + 24:pos + 26], "big")
@@ -202,8 +250,12 @@ class PeerProtocol(KvClientProtocol):
 
     def connectionLost(self, reason=None):
         relayed = [entry for entry in self._pending if entry[1] is _RELAY]
-        self._pending = type(self._pending)(entry for entry in self._pending if entry[1] is not _RELAY)
+        runs = [entry for entry in self._pending if entry[1] is _RUN]
+        self._pending = type(self._pending)(entry for entry in self._pending if entry[1] is not _RELAY
+                                            and entry[1] is not _RUN)
         super().connectionLost(reason)
+        for _cid, _cmd, (run, i, _remove) in runs:
+            self._run_answered(run, i, None, ConnectionError("connection to the kv server lost"))
         for _cid, _cmd, (_client_id, done, ctx) in relayed:
             done(None, None, ctx)
 
@@ -1542,7 +1594,7 @@ class KvPartitions:
         longer leads is sent again to the new leader."""
 
         @defer.inlineCallbacks
-        def remote(peer):
+        def remote_each(peer):
             ds = [peer.remove(k) if v is None else peer.set(k, v) for k, v in ops]
             results = yield defer.DeferredList(ds, consumeErrors=True)
             out = []
@@ -1553,6 +1605,11 @@ class KvPartitions:
                     r.raiseException()
                 out.append(r if v is None else True)
             return out
+
+        def remote(peer):
+            # (one Deferred for the run; ERR 1 from a peer that no longer leads fails it with that
+            # KvError, and the run goes to the new leader as above)
+            return peer.write_run(ops) if peer.__class__ is PeerProtocol else remote_each(peer)
 
         # a peer that is not the leader refuses every op with ERR 1 (it does nothing); one that
         # fails part-way answers ERR 0 for what it could not do
