@@ -334,6 +334,7 @@ class Partition:
         self.dropped = False
         self.cleared = False  # the key range was cleared by this process (``dropped`` and done)
         self.clearing = False  # the key range is being cleared
+        self.held_in = None  # (stream record, this node a replica of its open range, its trim point)
         self.drop_check_at = 0.0  # reactor time of the next check whether the dropped copy may go
 
     def when_applied(self, offset):
@@ -1528,13 +1529,14 @@ class KvPartitions:
         if part is None or part.dropped or part.clearing or part.snapshotting:
             return False
         rec = self.pd.streams.get(part.sid)
-        rng = placement.open_range(rec) if rec is not None else None
-        if rng is None or not any(s["id"] == self.node_id for s in rng["servers"]):
-            return False
-        try:
-            return part.applied >= self.node.store.log.stream(part.sid).trim_offset
-        except store_errors.StreamNotFound:
-            return False
+        cached = part.held_in
+        if cached is None or cached[0] is not rec:  # (a record changes by replacement)
+            rng = placement.open_range(rec) if rec is not None else None
+            cached = part.held_in = (rec, rng is not None and any(s["id"] == self.node_id for s in rng["servers"]),
+                                     rec.get("trim_offset", 0) if rec is not None else 0)
+        # applied at least to the record's trim point, so at least to this copy's own (a copy
+        # follows the record's, or starts below it): not a new copy still to take its snapshot
+        return cached[1] and part.applied >= cached[2]
 
     NOT_HERE = _NOT_HERE
 
