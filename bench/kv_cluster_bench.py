@@ -41,10 +41,10 @@ from tests.etcdproc import EtcdCluster  # noqa: E402
 from tests.nodeproc import NodeProcess  # noqa: E402
 
 
-def start_cluster(base, fsync):
+def start_cluster(base, fsync, **options):
     etcd = EtcdCluster(base, members=1).start()
     nodes = [NodeProcess(base, name="n%d" % i, cluster=etcd.client_urls, fsync=fsync, node_id=i,
-                         replication_factor=3, meta="none", chunks="none", swarm="none", http="none")
+                         replication_factor=3, meta="none", chunks="none", swarm="none", http="none", **options)
              for i in (1, 2, 3)]
     threads = [threading.Thread(target=n.start, kwargs={"timeout": 120}) for n in nodes]
     for t in threads:

@@ -66,6 +66,7 @@ class NodeConfig:
     metrics: bool = True  # --metrics on|off: the Prometheus registry, latency hooks and status page
     metrics_token: Optional[str] = None  # --metrics-token: bearer token for /metrics and the status page
     metrics_streams: int = 100  # --metrics-streams: streams that get their own label
+    kv_reads: str = "leader"  # --kv-reads leader|replica: who answers a cluster GET (docs/cluster.md)
 
     def endpoint(self, name: str) -> Optional[str]:
         return with_backlog(getattr(self, name))
@@ -178,6 +179,12 @@ def cluster_tls(opts):
     except CertificateRefused as e:
         raise usage.UsageError("--cluster-tls-cert: %s" % e)
     return tuple(os.path.abspath(p) for p in paths)
+def parse_kv_reads(value) -> str:
+    if value not in ("leader", "replica"):
+        raise usage.UsageError("--kv-reads: %r is not leader or replica" % (value,))
+    return value
+
+
 def parse_on_off(option: str, value) -> bool:
     v = str(value).strip().lower()
     if v not in ("on", "off"):
@@ -238,5 +245,6 @@ def from_options(opts) -> NodeConfig:
         metrics=parse_on_off("metrics", opts["metrics"]),
         metrics_token=opts["metrics-token"],
         metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),
+        kv_reads=parse_kv_reads(opts["kv-reads"]),
         **{name: parse_endpoint(option_name(name), opts[option_name(name)]) for name in LISTENERS},
     )

@@ -13,7 +13,7 @@ from protocols.partition import client_framing, codec
 from protocols.partition.client import BlockingKvClient, KvError
 from protocols.partition.codec import GET_FB, GET_FF, GET_KEYS, GET_KEYS_PREFIX
 from protocols.sbp.client import call_status
-from tests.etcdproc import etcd_available
+from tests.etcdproc import EtcdCluster, etcd_available
 from tests.test_cluster import client, sbpctl, start_nodes, three_nodes, view, wait_for
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd-server is not installed")
@@ -515,3 +515,107 @@ def test_kill9_during_a_snapshot_transfer(tmp_path):
         with kv(fourth, timeout=60) as c:
             for k in sorted(model)[::97]:
                 assert c.get(k) == model[k]
+
+
+def published_nodes(etcd):
+    """The node ids with a ``P kv/applied/<node>`` key in etcd (the default prefix)."""
+    import base64
+
+    prefix = b"/sbpnode/kv/applied/"
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    r = etcd.request(0, "/v3/kv/range", {"key": base64.b64encode(prefix).decode(),
+                                         "range_end": base64.b64encode(end).decode()})
+    return sorted(int(base64.b64decode(kv["key"])[len(prefix):]) for kv in r.get("kvs", []))
+
+
+@pytest.mark.slow
+def test_a_dropped_copy_is_cleared_and_a_departed_node_forgotten(tmp_path):
+    """Streams trimmed to their end; a 4th node joins, so nodes 1-3 each lose 2 copies to it: each
+    clears those partitions' keys from its own store (and keeps the 6 it holds exactly). Then the
+    4th is killed -9: re-replication gives its copies back to nodes 1-3, which start them from a
+    snapshot (not from what they cleared) and end equal to the model; once no partition names the
+    dead node, its published applied offsets are removed from etcd."""
+    with three_nodes(tmp_path) as (etcd, nodes):
+        model = {}
+        with kv(nodes[0], timeout=60) as c:
+            for start in range(0, 2000, 500):
+                batch = {bytes([i % 256]) + b"drop%05d" % i: b"v%d" % i for i in range(start, start + 500)}
+                c.pipeline([(codec.SET, lambda cid, k=k, v=v: codec.encode_set(cid, k, v)) for k, v in batch.items()])
+                model.update(batch)
+            c.set(b"\x00last", b"1")
+            model[b"\x00last"] = b"1"
+
+        def trimmed():
+            parts = kv_status(nodes[1]).get("partitions") or []
+            return len(parts) == 8 and all(p["trim_offset"] == p["applied"] > 0 for p in parts) and parts
+        wait_for(trimmed, timeout=60, what="every stream trimmed to its end")
+
+        def of(q):
+            return sorted((k, v) for k, v in model.items() if k[0] >> 5 == q)
+
+        fourth = start_nodes(tmp_path, etcd.client_urls, [4])[0]
+        nodes.append(fourth)
+        parts = wait_for(lambda: spread_over_four(nodes[1]), timeout=120, what="partitions spread over 4 nodes")
+        wait_for(lambda: published_nodes(etcd) == [1, 2, 3, 4], timeout=30, what="4 nodes publishing")
+        for node in nodes[:3]:
+            gone = [p["partition"] for p in parts if node.node_id not in p["replicas"]]
+            assert len(gone) == 2, (node.node_id, parts)
+
+            def cleared(node=node, gone=gone):
+                st = {p["partition"]: p for p in kv_status(node)["partitions"]}
+                return all(st[q]["cleared"] and st[q]["applied"] == 0 for q in gone)
+            wait_for(cleared, timeout=60, what="node %d's dropped copies cleared" % node.node_id)
+            for q in range(8):
+                assert local_partition(node, q) == ([] if q in gone else of(q)), (node.node_id, q)
+
+        fourth.kill9()
+        nodes.pop()  # (dead: three_nodes' cleanup kills the others)
+
+        def back_on_three():
+            got = placement_of(nodes[0])
+            return got and all(sorted(p["replicas"]) == [1, 2, 3] for p in got) and got
+        wait_for(back_on_three, timeout=120, what="every partition back on nodes 1-3")
+        for node in nodes:
+            st = wait_for(lambda node=node: copies_applied(node, range(8)), timeout=90,
+                          what="node %d's copies applied" % node.node_id)
+            regained = [p["partition"] for p in parts if node.node_id not in p["replicas"]]
+            assert all(st[q]["snapshots"] >= 1 and not st[q]["dropped"] for q in regained), st
+            for q in range(8):
+                assert local_partition(node, q) == of(q), (node.node_id, q)
+        wait_for(lambda: published_nodes(etcd) == [1, 2, 3], timeout=30, what="node 4's published offsets removed")
+        assert sum(kv_status(n).get("forgotten_nodes", 0) for n in nodes) >= 1
+        with kv(nodes[2], timeout=60) as c:
+            assert full_scan(c, GET_FF, page=500) == sorted(model.items())
+
+
+def test_replica_reads_answer_acknowledged_values_from_the_local_copy(tmp_path):
+    """``--kv-reads replica``: a GET is answered from the node's own applied copy (every node holds
+    all 8 partitions with 3 nodes and R=3), so it forwards nothing; a value read is always one
+    that was acknowledged (old or new), and the newest one shows once the copy applied it."""
+    etcd = EtcdCluster(tmp_path, members=1).start()
+    try:
+        nodes = start_nodes(tmp_path, etcd.client_urls, [1, 2, 3], kv_reads="replica")
+        try:
+            keys = spread_keys(200, b"stale")
+            with kv(nodes[0]) as c:
+                c.pipeline([(codec.SET, lambda cid, k=k: codec.encode_set(cid, k, b"old")) for k in keys])
+            reader = nodes[1]
+
+            def read_all():
+                with kv(reader) as c:
+                    return c.pipeline([(codec.GET, lambda cid, k=k: codec.encode_get(cid, k)) for k in keys])
+            wait_for(lambda: read_all() == [b"old"] * len(keys), timeout=30, what="replica reads of the first values")
+            with kv(nodes[2]) as c:
+                c.pipeline([(codec.SET, lambda cid, k=k: codec.encode_set(cid, k, b"new")) for k in keys])
+            seen = read_all()
+            assert set(seen) <= {b"old", b"new"}, set(seen)
+            wait_for(lambda: read_all() == [b"new"] * len(keys), timeout=30, what="replica reads of the new values")
+            st = kv_status(reader)
+            assert st["reads"] == "replica" and st["replica_gets"] >= 3 * len(keys), st.get("replica_gets")
+            with kv(reader) as c:  # scans stay with the leaders
+                assert dict(full_scan(c, GET_FF, page=100))[keys[7]] == b"new"
+        finally:
+            for n in nodes:
+                n.kill9()
+    finally:
+        etcd.stop()

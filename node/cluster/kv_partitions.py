@@ -43,8 +43,15 @@ Routing: every node serves every key. A request for a partition led elsewhere go
 with the cluster TLS options) over the §4 framing, pipelined on one connection per peer node with
 client_id as the correlation id. The peer port serves only partitions its node leads and answers
 ERR 1 (PARTITION_DIED) for the others, having done nothing: the sender looks the leader up again
-and retries, for at most ROUTE_WAIT_S (covering a failover). Reads are served by the leader only
-(linearizable). Scans are one partition at a time (``scan``), cursors on the client's node.
+and retries, for at most ROUTE_WAIT_S (covering a failover). Reads are served by the leader
+(linearizable), unless the node runs with ``--kv-reads replica``: then a GET of a partition held
+here is answered from the local applied copy (an acknowledged value, possibly stale). Scans are one
+partition at a time (``scan``), cursors on the client's node.
+
+Dropped copies (issue 20): a node no longer a replica of a partition's open range clears the
+partition's keys from its store once the open range's replicas hold everything below the trim
+point (``_maybe_drop``, ``_drop``); the placement-driver leader deletes the published applied
+offsets of nodes that left the cluster for good (``_forget_departed``).
 """
 
 import json
@@ -59,7 +66,8 @@ from twisted.python.failure import Failure
 
 from node.cluster import etcd, kv_log, placement
 from protocols.partition import codec
-from protocols.partition.client import KvClientProtocol, KvError
+from protocols import framing
+from protocols.partition.client import KvClientProtocol, KvError, KvProtocolError, interpret
 from protocols.partition.server import BEGIN, END, SCAN_REPLY_BUDGET, scan_page
 from storage import errors as store_errors
 from storage import record_batch
@@ -91,10 +99,30 @@ TRIM_S = 2.0  # each leader trims its partitions' streams this often (below what
 # records can go, or the whole stream can (every replica applied all of it)
 TRIM_MIN_RECORDS = 512
 PUBLISH_S = 2.0  # applied offsets are published at most this often
+# ... and at least this often even if unchanged (a key the placement-driver leader removed while this
+# node was out of the member list comes back)
+REPUBLISH_S = 30.0
 SNAPSHOT_CURSOR = b"\x00snap"  # + u8 partition + u64 offset: a snapshot cursor on the kv peer port
 _SNAP = struct.Struct(">BQ")
 SNAPSHOT_PAGE = 1024  # keys per snapshot page (and per local write while clearing the range)
 SNAPSHOT_RETRY_S = 0.5  # between two attempts when no node could serve a snapshot
+
+
+def _write_state(path, state, durable):
+    """STATE_FILE, replaced whole (in a thread); ``durable``: fsynced before and after the rename."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class NotLeader(Exception):
@@ -105,8 +133,14 @@ class Unavailable(Exception):
     """The partition has no live, ready leader within ROUTE_WAIT_S (ERR 1)."""
 
 
+_NOT_HERE = object()  # KvPartitions.get_here: not answered here at once
+_RUN = object()  # a pending entry's kind: one operation of a forwarded write run (PeerProtocol.write_run)
+_RELAY = object()  # a pending entry's kind: a GET relayed for a client connection (PeerProtocol.relay_get)
+
+
 class PeerProtocol(KvClientProtocol):
-    """A forwarding connection to a kv peer port that notes when it last made progress."""
+    """A forwarding connection to a kv peer port that notes when it last made progress; GETs
+    relayed for client connections go without a Deferred or a decoded reply (``relay_get``)."""
 
     def __init__(self, clock):
         super().__init__()
@@ -118,9 +152,112 @@ class PeerProtocol(KvClientProtocol):
             self.progress = self.clock.seconds()
         return super()._request(cmd, encode)
 
+    def relay_get(self, key, client_id, done, ctx):
+        """Forward a GET whose reply goes back to a client as it came: ``done(reply, status,
+        ctx)`` with the reply frame's bytes, the client's ``client_id`` (8 bytes) put in place of
+        this connection's, and its status (OK, DATA_NOT_FOUND or ERR); ``done(None, None, ctx)``
+        if the peer no longer leads the partition (ERR 1) or the connection is lost (then the
+        caller routes the GET again). No Deferred and no decoded reply per GET."""
+        if not self._pending:
+            self.progress = self.clock.seconds()
+        cid = next(self._ids)
+        self._pending.append((cid, _RELAY, (client_id, done, ctx)))
+        # (Twisted's buffer: the requests of one pass leave together on the next poll. Holding
+        # them for one send on the next pass instead was measured to split what the peer reads
+        # into smaller runs, so into more replicated records per SET: 0.20-0.22 against 0.17-0.19)
+        self.transport.write(codec.encode_get(cid, key))
+
+    def write_run(self, ops):
+        """Forward a write run ([(key, value or None to remove)]) in one write: fires once every
+        operation is answered with one bool per operation (True for a SET; whether the key
+        existed for a REMOVE), or fails with the first failed operation's error in run order
+        (KvError; ConnectionError if the connection is lost first). One Deferred per run."""
+        if self._lost is not None:
+            return defer.fail(ConnectionError("connection to the kv server lost"))
+        if not self._pending:
+            self.progress = self.clock.seconds()
+        d = defer.Deferred()
+        run = [d, len(ops), [None] * len(ops), {}]  # the Deferred, unanswered, results, errors by index
+        parts, pending, ids = [], self._pending, self._ids
+        encode_set, encode_remove = codec.encode_set, codec.encode_remove
+        for i, (key, value) in enumerate(ops):
+            cid = next(ids)
+            pending.append((cid, _RUN, (run, i, value is None)))
+            parts.append(encode_remove(cid, key) if value is None else encode_set(cid, key, value))
+        self.transport.write(b"".join(parts))
+        return d
+
+    @staticmethod
+    def _run_answered(run, i, result, error):
+        if error is not None:
+            run[3][i] = error
+        else:
+            run[2][i] = result
+        run[1] -= 1
+        if run[1] == 0:
+            d = run[0]
+            if run[3]:
+                d.errback(run[3][min(run[3])])
+            else:
+                d.callback(run[2])
+
     def dataReceived(self, data):
         self.progress = self.clock.seconds()
-        super().dataReceived(data)
+        frames = self._frames
+        frames.feed(data)
+        pending = self._pending
+        try:
+            for buf, pos, end in frames.spans():
+                if not pending:
+                    raise KvProtocolError("reply without a request")
+                cid, cmd, d = pending.popleft()
+                if int.from_bytes(buf[pos + 8:pos + 16], "big") != cid:
+                    raise KvProtocolError("reply for client_id %d, expected %d" % (
+                        int.from_bytes(buf[pos + 8:pos + 16], "big"), cid))
+                if cmd is _RUN:
+                    run, i, remove = d
+                    status = int.from_bytes(buf[pos + 24:pos + 26], "big")
+                    if status == codec.OK or (remove and status == codec.DATA_NOT_FOUND):
+                        self._run_answered(run, i, status == codec.OK, None)
+                    elif status == codec.ERR:
+                        code = int.from_bytes(buf[pos + 26:pos + 28], "big") if end - pos >= codec.ERR_LEN else None
+                        self._run_answered(run, i, None, KvError(code))
+                    elif status == codec.INVALID_COMMAND:
+                        self._run_answered(run, i, None, KvError(None, status))
+                    else:
+                        raise KvProtocolError("unexpected %s reply to a write" % codec.COMMAND_NAMES.get(status, status))
+                    continue
+                if cmd is _RELAY:
+                    client_id, done, ctx = d
+                    status = int.from_bytes(buf[pos + 24:pos + 26], "big")
+                    if status == codec.ERR and end - pos >= codec.ERR_LEN and \
+                            int.from_bytes(buf[pos + 26:pos + 28], "big") == codec.E_PARTITION_DIED:
+                        done(None, None, ctx)
+                    else:
+                        done(b"".join((buf[pos:pos + 8], client_id, buf[pos + 16:end])), status, ctx)
+                    continue
+                reply = codec.decode_reply(buf, cmd, pos)
+                try:
+                    result = interpret(reply, cmd)
+                except KvError as e:
+                    d.errback(e)
+                else:
+                    d.callback(result)
+        except (KvProtocolError, codec.ReplyError, framing.FrameRefused) as e:
+            self.log.warn("kv peer sent a bad reply ({error}); closing", error=str(e))
+            frames.clear()
+            self.transport.abortConnection()
+
+    def connectionLost(self, reason=None):
+        relayed = [entry for entry in self._pending if entry[1] is _RELAY]
+        runs = [entry for entry in self._pending if entry[1] is _RUN]
+        self._pending = type(self._pending)(entry for entry in self._pending if entry[1] is not _RELAY
+                                            and entry[1] is not _RUN)
+        super().connectionLost(reason)
+        for _cid, _cmd, (run, i, _remove) in runs:
+            self._run_answered(run, i, None, ConnectionError("connection to the kv server lost"))
+        for _cid, _cmd, (_client_id, done, ctx) in relayed:
+            done(None, None, ctx)
 
     def stalled(self, now, limit):
         """True if requests have waited ``limit`` seconds with no reply at all."""
@@ -191,6 +328,14 @@ class Partition:
         self.snapshotting = False  # the partition's key range is being cleared and copied here
         self.snapshots = 0  # snapshots this node took of the partition since it started
         self.trimming = False  # a trim of the stream (leader) is under way
+        # this node is no longer a replica of the partition and its key range is (being) cleared
+        # from the local store: ``applied`` is 0 and the applier stays off until it is a replica
+        # again (then a snapshot, or the log from 0). Kept in STATE_FILE.
+        self.dropped = False
+        self.cleared = False  # the key range was cleared by this process (``dropped`` and done)
+        self.clearing = False  # the key range is being cleared
+        self.held_in = None  # (stream record, this node a replica of its open range, its trim point)
+        self.drop_check_at = 0.0  # reactor time of the next check whether the dropped copy may go
 
     def when_applied(self, offset):
         if self.applied >= offset:
@@ -215,9 +360,11 @@ class KvPartitions:
         self.stopped = False
         self._map_waiters = []  # ensure_map callers while the map is being read or made
         self._saved = {}  # sid -> applied offset (the state file, as loaded / last written)
+        self._saved_dropped = set()  # sids whose partition this node dropped (the state file, as loaded)
         self._dirty = False
         self._published = None  # the applied offsets last published to etcd
         self._next_publish = 0.0
+        self._last_publish = 0.0
         self._trim_loop = None
         self._loop = None
         self._watch = None
@@ -226,6 +373,14 @@ class KvPartitions:
         self._next_move = 0.0
         self._move_skip = {}  # partition -> reactor time until which the rebalancer leaves it alone
         self.moves = 0  # rebalancing moves this node made (as placement-driver leader)
+        # --kv-reads replica: GETs of partitions held here are answered from the local applied copy
+        self.replica_reads = getattr(node.config, "kv_reads", "leader") == "replica"
+        self.replica_gets = 0  # GETs answered that way
+        self.forgotten = 0  # departed nodes' published offsets this node removed (as placement-driver leader)
+        self._save_lock = defer.DeferredLock()
+        self._leaders = [None] * PARTITIONS  # p -> (stream record, its open range's primary id)
+        self._due = [{}, {}]  # partitions whose appliers are kicked on the next pass / after the delay
+        self._due_calls = [None, None]
         self.reactor = node.reactor
         self.path = os.path.join(node.config.data_dir, STATE_FILE)
 
@@ -259,7 +414,9 @@ class KvPartitions:
     def start(self):
         try:
             with open(self.path) as f:
-                self._saved = {int(k): int(v) for k, v in json.load(f).get("applied", {}).items()}
+                state = json.load(f)
+            self._saved = {int(k): int(v) for k, v in state.get("applied", {}).items()}
+            self._saved_dropped = {int(s) for s in state.get("dropped", [])}
         except FileNotFoundError:
             pass
         except (ValueError, AttributeError, TypeError) as e:
@@ -289,6 +446,9 @@ class KvPartitions:
         for lp in (self._loop, self._persist_loop, self._trim_loop):
             if lp is not None and lp.running:
                 lp.stop()
+        for call in self._due_calls:
+            if call is not None and call.active():
+                call.cancel()
         for peer in list(self.peers.values()):
             if isinstance(peer, KvClientProtocol) and peer._lost is None:
                 peer.transport.loseConnection()
@@ -318,8 +478,9 @@ class KvPartitions:
         self.map = streams
         for p, sid in enumerate(streams):
             if p not in self.parts:
-                self.parts[p] = Partition(p, sid, self._saved.get(sid, 0))
-                self._by_sid[sid] = self.parts[p]
+                part = self.parts[p] = Partition(p, sid, self._saved.get(sid, 0))
+                part.dropped = sid in self._saved_dropped
+                self._by_sid[sid] = part
 
     def ensure_map(self):
         """Fires once the partition map is known (made here if no node made it yet)."""
@@ -514,6 +675,9 @@ class KvPartitions:
                                                        callbackArgs=(part, part.lead_epoch), errbackArgs=(part,))
         elif part.lead_epoch is not None:
             self._not_leader(part, "node %s leads" % (primary["id"] if primary else None))
+        if rng is not None and not any(s["id"] == self.node_id for s in rng["servers"]):
+            if part.lead_epoch is None and not (part.cleared or part.clearing or part.applying):
+                self._maybe_drop(part, rec)
         self._kick(part)
 
     def _take_lead(self, _, part, epoch):
@@ -580,8 +744,13 @@ class KvPartitions:
                 except store_errors.StreamNotFound:
                     return
                 limit = self._limit(part)
-                if limit is not None and part.applied >= limit:
-                    return
+                if limit is not None and (part.dropped or part.applied >= limit):
+                    return  # (a dropped copy applies nothing until it is a replica again)
+                if limit is None and part.dropped:
+                    # a replica again (re-replication, a move back): from applied 0, so a snapshot
+                    # if the local copy is trimmed, else the whole log; never the cleared copy
+                    part.dropped = part.cleared = False
+                    self._dirty = True
                 if part.sequenced or part.received:
                     visible = log.stream(part.sid).next_offset
                     if limit is not None:
@@ -673,13 +842,7 @@ class KvPartitions:
         self.log.info("key-value partition {p}: applied {applied} is below the stream's trim point {start} here: "
                       "taking a snapshot", p=p, applied=part.applied, start=start)
         try:
-            position = lo
-            while not self.stopped:
-                keys = [k for k in self.kv.scan_keys(position, SNAPSHOT_PAGE) if k <= hi]
-                if not keys:
-                    break
-                yield self._write_retrying([(k, None) for k in keys])
-                position = keys[-1] + b"\x00"
+            yield self._clear_range(p)
             name = SNAPSHOT_CURSOR + _SNAP.pack(p, start)
             copied = None
             while copied is None and not self.stopped:
@@ -702,6 +865,105 @@ class KvPartitions:
                           "from {start}", p=p, n=copied[1], nid=copied[0], start=start)
         finally:
             part.snapshotting = False
+
+    @defer.inlineCallbacks
+    def _clear_range(self, p):
+        """Remove every key of partition ``p`` from the local store; fires with how many."""
+        lo, hi = bounds(p)
+        position, n = lo, 0
+        while not self.stopped:
+            keys = [k for k in self.kv.scan_keys(position, SNAPSHOT_PAGE) if k <= hi]
+            if not keys:
+                break
+            yield self._write_retrying([(k, None) for k in keys])
+            n += len(keys)
+            position = keys[-1] + b"\x00"
+        return n
+
+    # -- a copy this node no longer holds ------------------------------------------------------------
+
+    def _maybe_drop(self, part, rec):
+        """This node is not a replica of ``part``'s open range (a rebalancing move or
+        re-replication dropped it): clear the partition's keys from the local store (``_drop``)
+        once the copy is not needed, i.e. once every replica of the open range published an applied
+        offset at least the stream's trim point (so they hold everything below it, and any later
+        snapshot has a source other than this node; nothing below it exists anywhere else). A
+        stream never trimmed needs no check: a new copy applies its whole log. Checked at most
+        every TRIM_S."""
+        if part.dropped and part.applied == 0:
+            self._drop(part)  # (dropped before a restart; the clear may not have finished)
+            return
+        now = self.reactor.seconds()
+        if now < part.drop_check_at:
+            return
+        part.drop_check_at = now + TRIM_S
+        self._drop_safe(part).addCallbacks(
+            lambda ok: ok and self._drop(part),
+            lambda f: self.log.info("key-value partition {p}: dropped copy kept for now: {e}", p=part.p, e=f.value))
+
+    @defer.inlineCallbacks
+    def _drop_safe(self, part):
+        rec = self.pd.streams.get(part.sid)
+        trim = rec.get("trim_offset", 0) if rec is not None else None
+        published = {}
+        if trim:
+            published = yield self._read_published()
+            rec = self.pd.streams.get(part.sid)  # (the newest, after the read)
+        rng = placement.open_range(rec) if rec is not None else None
+        if rng is None or any(s["id"] == self.node_id for s in rng["servers"]):
+            return False
+        if part.lead_epoch is not None or part.cleared or part.clearing or part.applying or self.stopped:
+            return False
+        trim = rec.get("trim_offset", 0)
+        return all(published.get(s["id"], {}).get(part.sid, -1) >= trim for s in rng["servers"]) if trim else True
+
+    @defer.inlineCallbacks
+    def _drop(self, part):
+        """Clear partition ``part``'s keys from the local store, its applied offset 0 first (in
+        the state file, durably, and published), so that a crash part-way never leaves a store
+        missing keys below its recorded applied offset; if this node becomes a replica again it
+        starts from a snapshot (or the whole log), never from this copy."""
+        part.clearing = part.applying = True
+        try:
+            if not part.dropped or part.applied:
+                part.dropped = True
+                part.applied = 0
+                part.received.clear()
+                part.received_bytes = 0
+                self._dirty = True
+                saved = yield self._save(durable=True)
+                if not saved:
+                    return
+                state = self._state()
+                yield self.cluster.client.put(self.prefix + APPLIED_KEY + str(self.node_id), json.dumps(state))
+                self._published = state
+                self._last_publish = self.reactor.seconds()
+            n = yield self._clear_range(part.p)
+            if not self.stopped:
+                part.cleared = True
+                self.log.info("key-value partition {p}: not a replica here any more: {n} keys cleared from the "
+                              "local store", p=part.p, n=n)
+        except Exception as e:
+            self.log.warn("key-value partition {p}: dropped copy not cleared yet: {e}", p=part.p, e=e)
+        finally:
+            part.clearing = part.applying = False
+        self._kick(part)  # (a replica again meanwhile: its applier starts over from 0)
+
+    @defer.inlineCallbacks
+    def _read_published(self):
+        """node id -> {stream id: applied offset}, as every node last published it."""
+        kvs, _rev = yield self.cluster.client.get_prefix(self.prefix + APPLIED_KEY)
+        return self._parse_published(kvs)
+
+    def _parse_published(self, kvs):
+        published = {}
+        for kv in kvs:
+            try:
+                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
+                published[nid] = {int(k): int(v) for k, v in json.loads(kv.value)["applied"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        return published
 
     def _snapshot_sources(self, p):
         """Nodes to ask for a snapshot of ``p``: its leader first, then every other live member."""
@@ -747,8 +1009,31 @@ class KvPartitions:
         if not self.stopped:
             # a replica's applier is off every answer's path: it waits a little so that it reads
             # and applies many records at once (one log read and one store write, not one each)
-            delay = 0 if part.lead_epoch is not None else REPLICA_APPLY_DELAY_S
-            self.reactor.callLater(delay, self._kick, part)
+            self._kick_later(part, part.lead_epoch is None)
+
+    def _kick_later(self, part, delayed):
+        """Kick ``part``'s applier on the reactor's next pass (``delayed``: after
+        REPLICA_APPLY_DELAY_S) together with every other partition due then, the store writer's
+        wake-ups held over them: the partitions' writes go to the writer as one group (one
+        wake-up, one commit), not one group per partition."""
+        i = 1 if delayed else 0
+        due = self._due[i]
+        due[part.p] = part
+        if self._due_calls[i] is None:
+            self._due_calls[i] = self.reactor.callLater(REPLICA_APPLY_DELAY_S if delayed else 0, self._kick_due, i)
+
+    def _kick_due(self, i):
+        self._due_calls[i] = None
+        due, self._due[i] = self._due[i], {}
+        core = self.core
+        if core is not None:
+            core.hold_wakeups()
+        try:
+            for part in due.values():
+                self._kick(part)
+        finally:
+            if core is not None:
+                core.release_wakeups()
 
     @defer.inlineCallbacks
     def _write_local(self, ops):
@@ -793,59 +1078,69 @@ class KvPartitions:
             for key in [k for k, (_v, end) in part.overlay.items() if end <= applied]:
                 del part.overlay[key]
 
+    def _state(self):
+        return {"applied": {str(part.sid): part.applied for part in self.parts.values()},
+                "dropped": sorted(part.sid for part in self.parts.values() if part.dropped)}
+
+    @defer.inlineCallbacks
+    def _save(self, durable=False):
+        """Write the applied offsets (and dropped copies) to the state file if they changed (always
+        with ``durable``: fsynced, file and directory); True once the file holds them."""
+        yield self._save_lock.acquire()
+        try:
+            if not self._dirty and not durable:
+                return True
+            self._dirty = False
+            try:
+                yield threads.deferToThread(_write_state, self.path, self._state(), durable)
+            except OSError as e:
+                self.log.warn("cannot write {path}: {e}", path=self.path, e=e)
+                self._dirty = True
+                return False
+            return True
+        finally:
+            self._save_lock.release()
+
     @defer.inlineCallbacks
     def _persist(self):
         """Write the applied offsets to the state file (the store has those writes), then publish
         them (``APPLIED_KEY``): a stream is trimmed only below what every replica published."""
         if self.map is None:
             return
-        state = {"applied": {str(part.sid): part.applied for part in self.parts.values()}}
-        if self._dirty:
-            self._dirty = False
-            path = self.path
-
-            def write():
-                tmp = path + ".tmp"
-                with open(tmp, "w") as f:
-                    json.dump(state, f)
-                os.replace(tmp, path)
-
-            try:
-                yield threads.deferToThread(write)
-            except OSError as e:
-                self.log.warn("cannot write {path}: {e}", path=path, e=e)
-                self._dirty = True
-                return
+        saved = yield self._save()
+        if not saved:
+            return
+        state = self._state()
         now = self.reactor.seconds()
-        if state != self._published and not self.stopped and now >= self._next_publish:
+        due = state != self._published or now >= self._last_publish + REPUBLISH_S
+        if due and not self.stopped and now >= self._next_publish:
             self._next_publish = now + PUBLISH_S
             try:
                 yield self.cluster.client.put(self.prefix + APPLIED_KEY + str(self.node_id), json.dumps(state))
                 self._published = state
+                self._last_publish = now
             except Exception as e:
                 self.log.warn("cannot publish the applied offsets of the key-value partitions: {e}", e=e)
 
     @defer.inlineCallbacks
     def _trim(self):
         """Trim the streams of the partitions led here below what every replica of their open
-        range published as applied (and this node applied)."""
+        range published as applied (and this node applied); as placement-driver leader, remove
+        the published offsets of nodes that left the cluster (``_forget_departed``)."""
         if self.map is None or self.stopped:
             return
         led = [part for part in self.parts.values() if part.ready and not part.trimming]
-        if not led:
+        pd_leader = bool(self.cluster.election and self.cluster.election.is_leader)
+        if not led and not pd_leader:
             return
         try:
             kvs, _rev = yield self.cluster.client.get_prefix(self.prefix + APPLIED_KEY)
         except Exception as e:
             self.log.warn("cannot read the published applied offsets: {e}", e=e)
             return
-        published = {}
-        for kv in kvs:
-            try:
-                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
-                published[nid] = {int(k): int(v) for k, v in json.loads(kv.value)["applied"].items()}
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
+        published = self._parse_published(kvs)
+        if pd_leader:
+            self._forget_departed(kvs)
         for part in led:
             rec = self.pd.streams.get(part.sid)
             rng = placement.open_range(rec) if rec is not None else None
@@ -861,6 +1156,43 @@ class KvPartitions:
             part.trimming = True
             self.pd.trim_stream(part.sid, point).addCallbacks(
                 self._trimmed, self._trim_failed, callbackArgs=(part, point), errbackArgs=(part,))
+
+    def _forget_departed(self, kvs):
+        """Delete ``P kv/applied/<node>`` of every node that left the cluster for good: not a live
+        member and a replica of no partition's open range (failover or re-replication dropped it
+        from all 8). Such a node holds no trim back anyway (only the open ranges' replicas count);
+        this keeps etcd from growing with departed nodes. Each delete is a transaction that holds
+        only while the node's member key is absent and the published value unchanged, so a node
+        back meanwhile keeps its key; a node that returns later publishes again."""
+        if self.map is None:
+            return
+        members = self.cluster.membership.members
+        holders = set()
+        for sid in self.map:
+            rec = self.pd.streams.get(sid)
+            rng = placement.open_range(rec) if rec is not None else None
+            if rng is None or sid in getattr(self.cluster.failover, "busy", ()):
+                return  # placement in flux: decide on a later pass
+            holders.update(s["id"] for s in rng["servers"])
+        for kv in kvs:
+            try:
+                nid = int(kv.key.decode()[len(self.prefix + APPLIED_KEY):])
+            except ValueError:
+                continue
+            if nid in members or nid in holders or nid == self.node_id:
+                continue
+            key = self.prefix + APPLIED_KEY + str(nid)
+            d = self.cluster.client.txn(
+                [etcd.compare_version(self.prefix + "members/%d" % nid, 0), etcd.compare_mod_revision(key, kv.mod_revision)],
+                [etcd.op_delete(key)])
+            d.addCallbacks(self._forgot, lambda f, nid=nid: self.log.info(
+                "published applied offsets of node {nid} not removed: {e}", nid=nid, e=f.value), callbackArgs=(nid,))
+
+    def _forgot(self, result, nid):
+        if result.succeeded:
+            self.forgotten += 1
+            self.log.info("node {nid} left the cluster and holds no key-value partition: its published applied "
+                          "offsets are removed", nid=nid)
 
     def _trimmed(self, _, part, point):
         part.trimming = False
@@ -1160,11 +1492,17 @@ class KvPartitions:
         if self.map is None:
             return None
         rec = self.pd.streams.get(self.map[p])
-        rng = placement.open_range(rec) if rec is not None else None
-        primary = placement.primary_of(rng) if rng else None
-        if primary is None or primary["id"] not in self.cluster.membership.members:
+        cached = self._leaders[p]
+        if cached is not None and cached[0] is rec:  # (a record changes by replacement)
+            nid = cached[1]
+        else:
+            rng = placement.open_range(rec) if rec is not None else None
+            primary = placement.primary_of(rng) if rng else None
+            nid = primary["id"] if primary is not None else None
+            self._leaders[p] = (rec, nid)
+        if nid is None or nid not in self.cluster.membership.members:
             return None
-        return primary["id"]
+        return nid
 
     def _fast(self, p, local, remote):
         """``local()`` / ``remote(peer)`` at once when the leader is known and ready here or its
@@ -1182,8 +1520,61 @@ class KvPartitions:
             return None
         return remote(peer)
 
+    def _replica_read(self, p):
+        """True if ``--kv-reads replica`` lets this node answer a GET of partition ``p`` from its
+        own applied copy: it is a replica of the open range whose copy is a prefix of the
+        stream's acknowledged history (not dropped, not clearing or taking a snapshot: mid-copy,
+        the key range is no single state)."""
+        part = self.parts.get(p)
+        if part is None or part.dropped or part.clearing or part.snapshotting:
+            return False
+        rec = self.pd.streams.get(part.sid)
+        cached = part.held_in
+        if cached is None or cached[0] is not rec:  # (a record changes by replacement)
+            rng = placement.open_range(rec) if rec is not None else None
+            cached = part.held_in = (rec, rng is not None and any(s["id"] == self.node_id for s in rng["servers"]),
+                                     rec.get("trim_offset", 0) if rec is not None else 0)
+        # applied at least to the record's trim point, so at least to this copy's own (a copy
+        # follows the record's, or starts below it): not a new copy still to take its snapshot
+        return cached[1] and part.applied >= cached[2]
+
+    NOT_HERE = _NOT_HERE
+
+    def get_here(self, key, peer=False):
+        """The value of ``key`` (None if absent) when this node answers it at once, without a
+        Deferred: it leads the key's partition and serves it (``peer``: the kv peer port's rule,
+        ``get_local``'s), or ``--kv-reads replica`` answers from the copy here; else NOT_HERE."""
+        p = codec.partition_of(key)
+        part = self.parts.get(p)
+        if part is not None and part.ready and (peer or self._known_leader(p) == self.node_id):
+            return self.kv.get(key)
+        if not peer and self.replica_reads and self.map is not None and self._replica_read(p):
+            self.replica_gets += 1
+            return self.kv.get(key)
+        return _NOT_HERE
+
+    def relay_get(self, key, client_id, done, ctx):
+        """The forwarding fast path of a GET (``PeerProtocol.relay_get``) when ``key``'s
+        partition is led by another node whose peer connection is up and ``--kv-reads replica``
+        does not answer it here: True once sent; False (nothing done) otherwise, and then the
+        caller takes ``get``."""
+        p = codec.partition_of(key)
+        nid = self._known_leader(p)
+        if nid is None or nid == self.node_id:
+            return False
+        if self.replica_reads and self._replica_read(p):
+            return False
+        peer = self.peers.get(nid)
+        if peer.__class__ is not PeerProtocol or peer._lost is not None:
+            return False
+        peer.relay_get(key, client_id, done, ctx)
+        return True
+
     def get(self, key):
         p = codec.partition_of(key)
+        if self.replica_reads and self.map is not None and self._replica_read(p):
+            self.replica_gets += 1
+            return defer.succeed(self.kv.get(key))
         local = lambda: self.get_local(key)  # noqa: E731
         remote = lambda peer: peer.get(key)  # noqa: E731
         d = self._fast(p, lambda: defer.succeed(self.kv.get(key)), remote)
@@ -1205,7 +1596,7 @@ class KvPartitions:
         longer leads is sent again to the new leader."""
 
         @defer.inlineCallbacks
-        def remote(peer):
+        def remote_each(peer):
             ds = [peer.remove(k) if v is None else peer.set(k, v) for k, v in ops]
             results = yield defer.DeferredList(ds, consumeErrors=True)
             out = []
@@ -1216,6 +1607,11 @@ class KvPartitions:
                     r.raiseException()
                 out.append(r if v is None else True)
             return out
+
+        def remote(peer):
+            # (one Deferred for the run; ERR 1 from a peer that no longer leads fails it with that
+            # KvError, and the run goes to the new leader as above)
+            return peer.write_run(ops) if peer.__class__ is PeerProtocol else remote_each(peer)
 
         # a peer that is not the leader refuses every op with ERR 1 (it does nothing); one that
         # fails part-way answers ERR 0 for what it could not do
@@ -1327,6 +1723,8 @@ class KvPartitions:
                         "replicas": [s["id"] for s in rng["servers"]] if rng else [],
                         "applied": part.applied, "serving_here": part.ready,
                         "trim_offset": rec.get("trim_offset", 0) if rec else 0,
-                        "snapshotting": part.snapshotting, "snapshots": part.snapshots})
-        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves,
+                        "snapshotting": part.snapshotting, "snapshots": part.snapshots,
+                        "dropped": part.dropped, "cleared": part.cleared})
+        return {"placed": True, "partitions": out, "rebalancing_moves": self.moves, "forgotten_nodes": self.forgotten,
+                "reads": "replica" if self.replica_reads else "leader", "replica_gets": self.replica_gets,
                 "peer_port": self.port.getHost().port if self.port is not None else None}

@@ -248,13 +248,40 @@ class ClusterKvProtocol(Protocol):
         if entry is not None:
             self._answer_get(entry[0], cid, key, self._slot())
             return
+        svc = self.service()
+        if svc is not None:
+            try:
+                value = svc.get_here(key, self.local_only)
+            except Exception:  # (the routed path answers it with the error)
+                value = svc.NOT_HERE
+            if value is not svc.NOT_HERE:  # (no Deferred: led and served here, or a replica read)
+                self._answer_get(value, cid, key, self._slot())
+                return
         slot = self._slot()
+        if svc is not None and not self.local_only and \
+                svc.relay_get(key, cid.to_bytes(8, "big"), self._relayed, (cid, key, slot)):
+            return
+        self._get_routed(cid, key, slot)
+
+    def _get_routed(self, cid, key, slot):
         try:
             svc = self._svc()
             d = svc.get_local(key) if self.local_only else svc.get(key)
         except Exception:
             d = defer.fail()
         d.addCallbacks(self._answer_get, self._failed, callbackArgs=(cid, key, slot), errbackArgs=(cid, GET, slot))
+
+    def _relayed(self, reply, status, ctx):
+        """A GET relayed to its partition's leader (``KvPartitions.relay_get``) answered: its
+        reply as the leader framed it, the client_id already this connection's; None: route it
+        again (the leader changed, the connection was lost)."""
+        cid, key, slot = ctx
+        if reply is None:
+            if not self._lost:
+                self._get_routed(cid, key, slot)
+            return
+        self._count(GET, ERR_STATUS + int.from_bytes(reply[26:28], "big") if status == codec.ERR else status)
+        self._fill(slot, reply)
 
     def _answer_get(self, value, cid, key, slot):
         if value is None:
