@@ -1,0 +1,152 @@
+"""SHA-256 of many chunks at once: ``digests(datas)`` -> their 32-byte digests, in order.
+
+Chunks of one length, when there are enough of them (``MIN_LANES``), are hashed together by the
+multi-buffer kernel in ``storage/sha256_kernel.py`` (numba: up to 32 chunks in lock-step, one per
+vector lane); everything else (odd lengths, small groups, no kernel) by hashlib, exactly as before.
+Both give the same bytes: the kernel is checked against hashlib by tests/test_sha256.py and by
+``load()`` itself before it is used.
+
+Why: on a CPU without SHA extensions (this project's machine: Cascade Lake, AVX-512) OpenSSL's
+single-buffer SHA-256 runs at ~390 MB per CPU-second and is ~85% of a Toasty put's or get's CPU;
+the kernel runs at ~1,200-1,400 (docs/benchmarks.md, issue 18). No maintained library offers a
+multi-buffer SHA-256 to Python: Debian's intel-ipsec-mb (libipsec-mb1) has one, 2.7 GB per
+CPU-second here, but its job API refuses messages over 65,534 bytes, and our chunks are 64 KiB
+and 1 MiB (docs/storage.md). On a CPU with SHA extensions, or without AVX2, hashlib stays (it is
+faster there): ``load()`` checks the CPU and measures both before switching.
+
+numba takes about half a second to import and compiles once per machine (then cached, see
+``storage/jit.py``): ``start_loading()`` does it on a thread; until it is done, hashlib.
+"""
+
+import hashlib
+import threading
+import time
+
+from storage.jit import import_compiled
+
+MIN_LANES = 6  # fewer chunks of one length than this: hashlib (the kernel computes >= 8 lanes)
+LANES = 32  # chunks per kernel pass (storage/sha256_kernel.LANES)
+WARM_MIN_SPEEDUP = 1.5  # the kernel is used only if it measured at least this much faster
+
+# What chunk hashing runs on: "hashlib", "loading" (hashlib meanwhile), "multi-buffer"; why, after
+# loading, when it is not the kernel.
+state = "hashlib"
+why = None
+
+_kernel = None  # (addresses, length, out) -> None, once loaded and checked
+_np = None
+_lock = threading.Lock()
+_started = False
+_loaded = threading.Event()
+
+
+def enabled() -> bool:
+    return _kernel is not None
+
+
+def digests(datas):
+    """SHA-256 digests (bytes) of ``datas`` (bytes-likes), in order. Releases the GIL while hashing
+    (both the kernel and hashlib do for big buffers), so pool threads hash side by side."""
+    kernel = _kernel
+    n = len(datas)
+    if kernel is None or n < MIN_LANES:
+        sha = hashlib.sha256
+        return [sha(d).digest() for d in datas]
+    by_len = {}
+    for i, d in enumerate(datas):
+        by_len.setdefault(len(d), []).append(i)
+    out = [None] * n
+    np = _np
+    sha = hashlib.sha256
+    for length, idx in by_len.items():
+        if len(idx) < MIN_LANES or length == 0:
+            for i in idx:
+                out[i] = sha(datas[i]).digest()
+            continue
+        arrays = [np.frombuffer(datas[i], np.uint8) for i in idx]  # kept alive for the call
+        addrs = np.fromiter((a.ctypes.data for a in arrays), np.uint64, len(arrays))
+        res = np.empty((len(idx), 32), np.uint8)
+        kernel(addrs, length, res)
+        flat = res.tobytes()
+        for k, i in enumerate(idx):
+            out[i] = flat[32 * k : 32 * k + 32]
+    return out
+
+
+def start_loading():
+    """Load (or compile) and check the kernel on a thread, once per process."""
+    global _started, state
+    with _lock:
+        if _started:
+            return
+        _started = True
+        state = "loading"
+    threading.Thread(target=_load, name="sha256-kernel", daemon=True).start()
+
+
+def wait_loaded(timeout=None) -> bool:
+    """For benchmarks and tests: block until loading has finished (whatever the outcome)."""
+    return _loaded.wait(timeout)
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _load():
+    global _kernel, _np, state, why
+    try:
+        flags = _cpu_flags()
+        if "sha_ni" in flags:
+            state, why = "hashlib", "the CPU has SHA extensions (OpenSSL uses them)"
+            return
+        if "avx2" not in flags:
+            state, why = "hashlib", "the CPU has no AVX2"
+            return
+        mod, err = import_compiled("storage.sha256_kernel")
+        if mod is None:
+            state, why = "hashlib", err
+            return
+        import numpy as np
+
+        kernel = mod.sha256_lanes
+        # the kernel against hashlib on lengths around the padding's edges, then a speed check
+        for length in (0, 1, 55, 56, 63, 64, 65, 1000):
+            bufs = [bytes((i * 7 + k) & 255 for i in range(length)) for k in range(9)]
+            arrays = [np.frombuffer(b, np.uint8) for b in bufs]
+            addrs = np.array([a.ctypes.data for a in arrays], np.uint64)
+            res = np.empty((len(bufs), 32), np.uint8)
+            kernel(addrs, length, res)
+            if [bytes(r) for r in res] != [hashlib.sha256(b).digest() for b in bufs]:
+                state, why = "hashlib", "the kernel's digests differ from hashlib's"
+                return
+        bufs = [bytes([k]) * 65536 for k in range(16)]
+        arrays = [np.frombuffer(b, np.uint8) for b in bufs]
+        addrs = np.array([a.ctypes.data for a in arrays], np.uint64)
+        res = np.empty((16, 32), np.uint8)
+        best_k = best_h = float("inf")
+        for _ in range(3):
+            t = time.thread_time()
+            kernel(addrs, 65536, res)
+            best_k = min(best_k, time.thread_time() - t)
+            t = time.thread_time()
+            for b in bufs:
+                hashlib.sha256(b).digest()
+            best_h = min(best_h, time.thread_time() - t)
+        if best_k * WARM_MIN_SPEEDUP > best_h:
+            state, why = "hashlib", "the kernel measured no faster (%.2f ms vs hashlib %.2f ms)" % (best_k * 1e3, best_h * 1e3)
+            return
+        _np = np
+        _kernel = kernel
+        state, why = "multi-buffer", None
+    except Exception as e:  # a broken numba/llvmlite install must not stop anything
+        state, why = "hashlib", "the kernel failed to load: %r" % (e,)
+    finally:
+        _loaded.set()
