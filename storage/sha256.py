@@ -38,6 +38,7 @@ _np = None
 _lock = threading.Lock()
 _started = False
 _loaded = threading.Event()
+_waiters = []  # (reactor, Deferred) told when loading has finished
 
 
 def enabled() -> bool:
@@ -73,15 +74,33 @@ def digests(datas):
     return out
 
 
-def start_loading():
-    """Load (or compile) and check the kernel on a thread, once per process."""
+def start_loading(reactor=None):
+    """Load (or compile) and check the kernel on a thread, once per process. With a reactor,
+    returns a Deferred fired (with ``state``) on that reactor's thread once loading has finished,
+    whatever the outcome (a node holds its ready file for it: the loading thread holds the GIL for
+    most of a second); None without one."""
     global _started, state
+    d = None
     with _lock:
+        if reactor is not None:
+            from twisted.internet import defer
+
+            d = defer.Deferred()
+            if _loaded.is_set():
+                reactor.callFromThread(_tell, d)
+            else:
+                _waiters.append((reactor, d))
         if _started:
-            return
+            return d
         _started = True
         state = "loading"
     threading.Thread(target=_load, name="sha256-kernel", daemon=True).start()
+    return d
+
+
+def _tell(d):
+    if not d.called:
+        d.callback(state)
 
 
 def wait_loaded(timeout=None) -> bool:
@@ -149,4 +168,84 @@ def _load():
     except Exception as e:  # a broken numba/llvmlite install must not stop anything
         state, why = "hashlib", "the kernel failed to load: %r" % (e,)
     finally:
-        _loaded.set()
+        with _lock:
+            _loaded.set()
+            waiters = _waiters[:]
+            del _waiters[:]
+        for reactor, d in waiters:
+            reactor.callFromThread(_tell, d)
+
+
+class Gatherer:
+    """Hashes the chunk batches of many callers together: ``submit(datas)`` -> Deferred[digests].
+
+    A node receives a 1 MiB chunk per 1 MiB read, so the batch of one read pass is one chunk: too
+    few for the kernel's lanes. Here every batch joins a shared queue, and a hashing job (at most
+    ``max_jobs`` at once, in ``in_pool``: the store's read pool) takes everything queued when it
+    starts (up to ``LANES`` chunks). While the jobs are busy the queue fills, so the busier the
+    node, the fuller the lanes; an idle node hashes a lone batch at once (hashlib, as before).
+    ``submit`` and the Deferreds run on the reactor thread; the queue is shared with the jobs."""
+
+    def __init__(self, in_pool, max_jobs):
+        self.in_pool = in_pool
+        self.max_jobs = max_jobs
+        self.jobs = 0  # reactor thread only
+        self.queue = []  # [(datas, Deferred)], under self.lock
+        self.lock = threading.Lock()
+
+    def submit(self, datas):
+        from twisted.internet import defer
+
+        d = defer.Deferred()
+        with self.lock:
+            self.queue.append((datas, d))
+        if self.jobs < self.max_jobs:
+            self._start()
+        return d
+
+    def _start(self):
+        self.jobs += 1
+        self.in_pool(self._hash).addBoth(self._done)
+
+    def _hash(self):
+        """Pool thread: take what is queued now (at least one batch, up to LANES chunks), hash it
+        in one call -> [(Deferred, digests)]."""
+        with self.lock:
+            taken, n = 0, 0
+            for datas, _ in self.queue:
+                if taken and n + len(datas) > LANES:
+                    break
+                taken += 1
+                n += len(datas)
+            batch, self.queue = self.queue[:taken], self.queue[taken:]
+        if not batch:
+            return []
+        flat = [x for datas, _ in batch for x in datas]
+        try:
+            hashed = digests(flat)
+        except Exception as e:  # every caller hears of it
+            return [(d, e) for _, d in batch]
+        out, k = [], 0
+        for datas, d in batch:
+            out.append((d, hashed[k : k + len(datas)]))
+            k += len(datas)
+        return out
+
+    def _done(self, result):
+        self.jobs -= 1
+        with self.lock:
+            more = bool(self.queue)
+        if more and self.jobs < self.max_jobs:
+            self._start()
+        if isinstance(result, list):
+            for d, value in result:
+                if isinstance(value, Exception):
+                    d.errback(value)
+                else:
+                    d.callback(value)
+        else:  # the pool refused the job (the store is closing): fail what is queued
+            with self.lock:
+                failed, self.queue = self.queue, []
+            for _, d in failed:
+                d.errback(result)
+        return None

@@ -126,9 +126,7 @@ def _compress(S, nl):
 def _compress_lanes(S, nl):
     # _compress inlined with a constant lane count: loops of a known length vectorize with no
     # run-time checks (the row offsets are constants too)
-    if nl == VEC:
-        _compress(S, VEC)
-    elif nl == 2 * VEC:
+    if nl == 2 * VEC:
         _compress(S, 2 * VEC)
     elif nl == 3 * VEC:
         _compress(S, 3 * VEC)
@@ -151,7 +149,9 @@ def sha256_lanes(addrs, length, out):
     bits = np.uint64(length) * np.uint64(8)
     for g in range(0, n, LANES):
         m = min(LANES, n - g)
-        nl = (m + VEC - 1) // VEC * VEC  # lanes computed: whole vectors; the spare ones rehash lane 0
+        # lanes computed: whole vectors, at least two (LLVM's vector loop wants two vectors per
+        # iteration: 8 lanes alone ran the scalar loop, ~5x slower); the spare ones rehash lane 0
+        nl = max(2 * VEC, (m + VEC - 1) // VEC * VEC)
         for lane in range(nl):
             ptr[lane] = addrs[g + lane] if lane < m else addrs[g]
         for i in range(8):

@@ -33,6 +33,7 @@ from protocols.toasty import codec, file_tree, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
 from protocols.toasty.errors import ErrorCode
 from storage import errors
+from storage import sha256 as multi_sha256
 
 MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
@@ -747,6 +748,13 @@ class ChunkServerFactory(Factory):
     def __init__(self, node):
         self.node = node
         self.connections = set()
+        # CREATE_CHUNK / UPLOAD_CHUNK addresses are hashed by the store (chunks.put_many) with the
+        # multi-buffer SHA-256 once it is loaded (storage/sha256.py); the ready file waits for it
+        reactor = getattr(node, "reactor", None)
+        if reactor is not None and hasattr(node, "before_ready"):
+            node.before_ready(multi_sha256.start_loading(reactor), "multi-buffer SHA-256")
+        else:
+            multi_sha256.start_loading()
 
     def buildProtocol(self, addr):
         p = ChunkServerProtocol(self.node)
