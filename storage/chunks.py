@@ -295,7 +295,7 @@ class ChunkStore:
         pack_id, pos, size = CHUNK_VAL.unpack(found)[:3]
         return self._core.packs.read(pack_id, pos, size, bytes(addr))
 
-    def put_many(self, datas, pin=False, addrs=None):
+    def put_many(self, datas, pin=False, addrs=None, more=False):
         """Store several chunks in one write transaction (one pack write, one WAL entry); fires
         with their addresses, in order, once durable (idempotent, like :meth:`put`). ``datas`` may
         be memoryviews: they are not copied, so their buffers must stay unchanged until it fires.
@@ -304,7 +304,8 @@ class ChunkStore:
         the caller (the swarm syncer verifies every delivered chunk against its address), so they
         are not hashed again. Otherwise a big batch is hashed by the read pool first, so the
         writer thread (which every write waits on) does not, together with the other batches
-        waiting to be hashed then (``storage.sha256.Gatherer``)."""
+        waiting to be hashed then (``storage.sha256.Gatherer``; ``more``: the caller is already
+        receiving its next chunks, so waiting a moment for them fills the hashing lanes)."""
         datas = [d if isinstance(d, (bytes, memoryview)) else bytes(d) for d in datas]
         if addrs is not None:
             addrs = [bytes(a) for a in addrs]
@@ -315,7 +316,7 @@ class ChunkStore:
         size = sum(len(d) for d in datas)
         nbytes = size + 64 * len(datas)
         if addrs is None and size >= HASH_IN_POOL_BYTES:
-            d = self._hashing.submit(datas)
+            d = self._hashing.submit(datas, more)
             d.addCallback(lambda hashed: self._core.transact(lambda raw: self.put_many_in(raw, datas, pin, hashed), nbytes))
             return d
         return self._core.transact(lambda raw: self.put_many_in(raw, datas, pin, addrs), nbytes)

@@ -182,23 +182,40 @@ class Gatherer:
     A node receives a 1 MiB chunk per 1 MiB read, so the batch of one read pass is one chunk: too
     few for the kernel's lanes. Here every batch joins a shared queue, and a hashing job (at most
     ``max_jobs`` at once, in ``in_pool``: the store's read pool) takes everything queued when it
-    starts (up to ``LANES`` chunks). While the jobs are busy the queue fills, so the busier the
-    node, the fuller the lanes; an idle node hashes a lone batch at once (hashlib, as before).
+    starts (up to ``LANES`` chunks). With the kernel on, and while the latest caller said more
+    chunks were on their way (``more``: the rest of a pipelined upload is already being received),
+    it first waits until ``fill`` chunks are queued or the oldest has waited ``wait`` seconds. While
+    the jobs are busy the queue fills, so the busier the node, the fuller the lanes; a batch with
+    nothing known to follow it is hashed at once.
     ``submit`` and the Deferreds run on the reactor thread; the queue is shared with the jobs."""
 
-    def __init__(self, in_pool, max_jobs):
+    def __init__(self, in_pool, max_jobs, fill=16, wait=0.02):
         self.in_pool = in_pool
         self.max_jobs = max_jobs
+        self.fill = fill  # a job waits for this many queued chunks ...
+        self.wait = wait  # ... at most this long (s) after the oldest queued batch arrived,
+        self.more = False  # ... and only while the latest caller said more chunks were coming
         self.jobs = 0  # reactor thread only
         self.queue = []  # [(datas, Deferred)], under self.lock
+        self.queued = 0  # chunks in self.queue
+        self.since = 0.0  # when the oldest queued batch arrived (time.monotonic)
         self.lock = threading.Lock()
+        self.filled = threading.Condition(self.lock)
 
-    def submit(self, datas):
+    def submit(self, datas, more=False):
+        """``more``: the caller has already received part of its next chunks (a pipelined
+        upload), so a job may wait a little for them to fill its lanes."""
         from twisted.internet import defer
 
         d = defer.Deferred()
         with self.lock:
+            if not self.queue:
+                self.since = time.monotonic()
             self.queue.append((datas, d))
+            self.queued += len(datas)
+            self.more = more
+            if self.queued >= self.fill or not more:
+                self.filled.notify()
         if self.jobs < self.max_jobs:
             self._start()
         return d
@@ -211,6 +228,14 @@ class Gatherer:
         """Pool thread: take what is queued now (at least one batch, up to LANES chunks), hash it
         in one call -> [(Deferred, digests)]."""
         with self.lock:
+            # With the kernel, wait (briefly) for enough chunks to fill its lanes: while the
+            # other job hashes, the reactor reads the next chunks of the pipelined requests.
+            if _kernel is not None:
+                while self.queue and self.queued < self.fill and self.more:
+                    left = self.since + self.wait - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.filled.wait(left)
             taken, n = 0, 0
             for datas, _ in self.queue:
                 if taken and n + len(datas) > LANES:
@@ -218,6 +243,9 @@ class Gatherer:
                 taken += 1
                 n += len(datas)
             batch, self.queue = self.queue[:taken], self.queue[taken:]
+            self.queued -= n
+            if self.queue:
+                self.since = time.monotonic()
         if not batch:
             return []
         flat = [x for datas, _ in batch for x in datas]

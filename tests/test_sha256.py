@@ -81,3 +81,19 @@ def test_digests_uses_the_kernel_on_this_machine_when_it_pays():
         assert sha256.why
     datas = [os.urandom(65536) for _ in range(20)] + [os.urandom(100)]
     assert sha256.digests(datas) == [hashlib.sha256(d).digest() for d in datas]
+
+
+@pytest.mark.parametrize("more", [False, True])
+def test_gatherer_answers_every_batch_with_its_own_digests(more):
+    from twisted.internet import defer
+
+    sha256.start_loading()
+    assert sha256.wait_loaded(120)
+    jobs = []
+    g = sha256.Gatherer(lambda fn: jobs.append(fn) or defer.maybeDeferred(fn), max_jobs=2, wait=0.005)
+    batches = [[os.urandom(n) for _ in range(k)] for n, k in ((65536, 3), (100, 1), (65536, 20), (0, 2), (4096, 40))]
+    results = []
+    for b in batches:
+        g.submit(b, more=more).addCallback(results.append)
+    assert results == [[hashlib.sha256(x).digest() for x in b] for b in batches]
+    assert g.queue == [] and g.queued == 0 and g.jobs == 0

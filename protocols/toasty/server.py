@@ -587,10 +587,13 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         self._direct_bytes = 0
 
     def cost(self, msg, length):
-        # A CREATE_CHUNK builds a chunk_size chunk; a patch or a download loads a stored chunk
-        # (its size unknown until then: counted as 1 MiB) -- so a peer cannot make us hold
+        # A CREATE_CHUNK of part of a chunk builds a chunk_size chunk (a whole one is stored
+        # from the received frame itself: no second copy); a patch or a download loads a stored
+        # chunk (its size unknown until then: counted as 1 MiB) -- so a peer cannot make us hold
         # gigabytes with small requests.
         if msg.TYPE == codec.CREATE_CHUNK:
+            if msg.offset == 0 and len(msg.data) == msg.chunk_size:
+                return length
             return length + msg.chunk_size
         return length + 1024 * 1024
 
@@ -700,7 +703,10 @@ class ChunkServerProtocol(_ToastyServerProtocol):
             if flush:
                 self._flush_ready()
 
-        self.node.store.chunks.put_many([data for data, _ in puts]).addCallbacks(stored, failed)
+        # more chunks of a pipelined upload are already arriving: the store may wait a moment to
+        # hash them together with these (storage.sha256.Gatherer)
+        more = self._frames_in.buffered() > 0 and BUDGET not in self.gate.reasons
+        self.node.store.chunks.put_many([data for data, _ in puts], more=more).addCallbacks(stored, failed)
 
     def handle(self, msg):
         t = msg.TYPE
