@@ -53,23 +53,27 @@ def digests(datas):
     if kernel is None or n < MIN_LANES:
         sha = hashlib.sha256
         return [sha(d).digest() for d in datas]
-    by_len = {}
-    for i, d in enumerate(datas):
-        by_len.setdefault(len(d), []).append(i)
-    out = [None] * n
     np = _np
     sha = hashlib.sha256
-    for length, idx in by_len.items():
-        if len(idx) < MIN_LANES or length == 0:
-            for i in idx:
+    out = [None] * n
+    by_len = {}  # byte length -> [(index, uint8 array over the chunk's own buffer)]
+    for i, d in enumerate(datas):
+        try:
+            a = np.frombuffer(d, np.uint8)  # no copy; kept alive until the kernel returns
+        except (TypeError, ValueError):  # not one contiguous buffer: hashlib takes anything
+            out[i] = sha(d).digest()
+            continue
+        by_len.setdefault(a.shape[0], []).append((i, a))
+    for length, group in by_len.items():
+        if len(group) < MIN_LANES or length == 0:
+            for i, _ in group:
                 out[i] = sha(datas[i]).digest()
             continue
-        arrays = [np.frombuffer(datas[i], np.uint8) for i in idx]  # kept alive for the call
-        addrs = np.fromiter((a.ctypes.data for a in arrays), np.uint64, len(arrays))
-        res = np.empty((len(idx), 32), np.uint8)
+        addrs = np.fromiter((a.ctypes.data for _, a in group), np.uint64, len(group))
+        res = np.empty((len(group), 32), np.uint8)
         kernel(addrs, length, res)
         flat = res.tobytes()
-        for k, i in enumerate(idx):
+        for k, (i, _) in enumerate(group):
             out[i] = flat[32 * k : 32 * k + 32]
     return out
 
@@ -189,7 +193,7 @@ class Gatherer:
     nothing known to follow it is hashed at once.
     ``submit`` and the Deferreds run on the reactor thread; the queue is shared with the jobs."""
 
-    def __init__(self, in_pool, max_jobs, fill=16, wait=0.02):
+    def __init__(self, in_pool, max_jobs, fill=16, wait=0.05):
         self.in_pool = in_pool
         self.max_jobs = max_jobs
         self.fill = fill  # a job waits for this many queued chunks ...

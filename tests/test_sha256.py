@@ -97,3 +97,12 @@ def test_gatherer_answers_every_batch_with_its_own_digests(more):
         g.submit(b, more=more).addCallback(results.append)
     assert results == [[hashlib.sha256(x).digest() for x in b] for b in batches]
     assert g.queue == [] and g.queued == 0 and g.jobs == 0
+
+
+def test_digests_of_views_with_wide_items():
+    sha256.start_loading()
+    assert sha256.wait_loaded(120)
+    raw = os.urandom(4096 * 10)
+    wide = [memoryview(raw[k * 4096 : (k + 1) * 4096]).cast("I") for k in range(10)]  # len() counts items
+    datas = wide + [raw[:100]]
+    assert sha256.digests(datas) == [hashlib.sha256(d).digest() for d in datas]
