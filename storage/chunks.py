@@ -8,7 +8,6 @@ whose refcount stayed 0 for the grace period; a pack whose live bytes reach 0 is
 """
 
 import errno
-import hashlib
 import os
 import struct
 import time
@@ -17,6 +16,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
+from storage import sha256 as multi_sha256
 from storage.commit import now_ms
 from storage.crc import crc32
 from storage.index import U64
@@ -35,8 +35,9 @@ HASH_IN_POOL_BYTES = 256 * 1024
 
 
 def _digests(datas):
-    sha256 = hashlib.sha256
-    return [sha256(data).digest() for data in datas]  # releases the GIL for big chunks
+    # equal-length chunks side by side on the multi-buffer kernel where it pays (storage/sha256.py);
+    # both it and hashlib release the GIL for big chunks
+    return multi_sha256.digests(datas)
 
 
 def _pack_crc(pack_id, pos, addr, data):
@@ -261,6 +262,9 @@ class ChunkStore:
         self._grace_ms = int(grace_s * 1000)
         self._last_seq = 0
         self._waiters = []  # [(seq, Deferred)]
+        # put_many's batches are hashed together across callers (and connections), so the
+        # multi-buffer SHA-256's lanes fill even when each read brings one big chunk
+        self._hashing = multi_sha256.Gatherer(lambda fn: self._core.in_pool(fn), max(1, min(4, os.cpu_count() or 1)))
 
     def load(self):
         """At open, after recovery: the last arrival sequence number (blocking)."""
@@ -291,7 +295,7 @@ class ChunkStore:
         pack_id, pos, size = CHUNK_VAL.unpack(found)[:3]
         return self._core.packs.read(pack_id, pos, size, bytes(addr))
 
-    def put_many(self, datas, pin=False, addrs=None):
+    def put_many(self, datas, pin=False, addrs=None, more=False):
         """Store several chunks in one write transaction (one pack write, one WAL entry); fires
         with their addresses, in order, once durable (idempotent, like :meth:`put`). ``datas`` may
         be memoryviews: they are not copied, so their buffers must stay unchanged until it fires.
@@ -299,7 +303,9 @@ class ChunkStore:
         ``addrs``, if given, are the chunks' SHA-256 addresses, already computed and checked by
         the caller (the swarm syncer verifies every delivered chunk against its address), so they
         are not hashed again. Otherwise a big batch is hashed by the read pool first, so the
-        writer thread (which every write waits on) does not."""
+        writer thread (which every write waits on) does not, together with the other batches
+        waiting to be hashed then (``storage.sha256.Gatherer``; ``more``: the caller is already
+        receiving its next chunks, so waiting a moment for them fills the hashing lanes)."""
         datas = [d if isinstance(d, (bytes, memoryview)) else bytes(d) for d in datas]
         if addrs is not None:
             addrs = [bytes(a) for a in addrs]
@@ -310,7 +316,7 @@ class ChunkStore:
         size = sum(len(d) for d in datas)
         nbytes = size + 64 * len(datas)
         if addrs is None and size >= HASH_IN_POOL_BYTES:
-            d = self._core.in_pool(_digests, datas)
+            d = self._hashing.submit(datas, more)
             d.addCallback(lambda hashed: self._core.transact(lambda raw: self.put_many_in(raw, datas, pin, hashed), nbytes))
             return d
         return self._core.transact(lambda raw: self.put_many_in(raw, datas, pin, addrs), nbytes)

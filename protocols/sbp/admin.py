@@ -16,6 +16,7 @@ from protocols.sbp import codec
 from protocols.sbp.codec import T
 from protocols.sbp.status import status_for_error, status_for_failure
 from storage import block_check, errors
+from storage import sha256 as multi_sha256
 
 
 class RangeAdmin:
@@ -264,7 +265,7 @@ class RangeAdmin:
         except Exception:
             streams = None
         view = {"node_id": me.server_id, "sbp": me.advertise_addr, "streams": streams, "metrics": self.factory.node.metrics,
-                "append_check": block_check.state}
+                "append_check": block_check.state, "chunk_hash": multi_sha256.state}
         detail = json.dumps(view, sort_keys=True, default=str).encode()
         return T.DescribePdClusterResponse(codec.status(codec.OK, None, detail), T.PlacementDriverCluster([node]))
 

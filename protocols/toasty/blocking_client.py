@@ -17,6 +17,7 @@ from protocols.toasty.codec import HEADER, HEADER_LEN
 from protocols.toasty.errors import ErrorCode
 from protocols.toasty.planning import (
     DEFAULT_CHUNK_SIZE,
+    LANES_PER_JOB,
     MAX_ATTEMPTS,
     MAX_PIECE_CHUNKS,
     UPLOADS_IN_FLIGHT,
@@ -36,6 +37,7 @@ from protocols.toasty.planning import (
     verify_chunk,
     write_message,
 )
+from storage import sha256 as multi_sha256
 
 READ_SIZE = 1024 * 1024  # bytes asked of one recv: up to 16 pipelined 64 KiB chunk replies
 HASH_THREADS = 4  # at most this many helper threads hash chunks
@@ -191,6 +193,7 @@ class BlockingToastyClient:
         self.timeout = timeout
         self.parallel = parallel
         self._chunk_conns = {}
+        multi_sha256.start_loading()  # on a thread; chunks are hashed by hashlib until it is ready
 
     def close(self):
         self.meta.close()
@@ -209,6 +212,11 @@ class BlockingToastyClient:
             # to HASH_THREADS): SHA-256 releases the GIL, and without the CPU's SHA extensions
             # it is most of a transfer's CPU, more than one core can hash at line rate.
             self._pool = ThreadPoolExecutor(max_workers=hash_threads(), thread_name_prefix="toasty-verify")
+        if multi_sha256.enabled():
+            # The multi-buffer SHA-256 hashes a job's chunks side by side: jobs of up to 16 chunks,
+            # but at most half the requests in flight, so one job hashes while the next fills.
+            lanes = max(multi_sha256.MIN_LANES, min(LANES_PER_JOB, self.parallel // 2))
+            return HashBatcher(self._pool, per_job=lanes, job_bytes=lanes << 20)
         return HashBatcher(self._pool)
 
     def __enter__(self):

@@ -8,12 +8,16 @@ import random
 
 from protocols.toasty import codec, paths
 from protocols.toasty.errors import RETRYABLE, ErrorCode
+from storage import sha256 as multi_sha256
 
 MISSING = codec.MISSING_GENERATION
 DEFAULT_CHUNK_SIZE = 4096
 UPLOADS_IN_FLIGHT = 16
 MAX_ATTEMPTS = 30
 MAX_PIECE_CHUNKS = 1024
+# Chunks per helper-thread hashing job when the multi-buffer SHA-256 is on (storage/sha256.py):
+# its lanes are what make it fast, so a job holds this many chunks whatever their size.
+LANES_PER_JOB = 16
 
 E_NOENT = ErrorCode.NOT_FOUND.value  # the name clients had for it
 
@@ -206,7 +210,24 @@ def sha256(data):
 
 
 def run_batch(jobs):
-    return [fn(*args) for fn, args in jobs]
+    """A helper thread's job: the whole-chunk SHA-256s of a batch are hashed together
+    (``storage.sha256.digests``: equal-length chunks in lock-step on the multi-buffer kernel where
+    it pays), any other job one by one."""
+    out = [None] * len(jobs)
+    datas, where = [], []
+    for i, (fn, args) in enumerate(jobs):
+        if fn is sha256:
+            datas.append(args[0])
+            where.append(i)
+        elif fn is chunk_digest and not args[0] and not args[2]:
+            datas.append(args[1])  # a whole chunk: no zeros before or after its bytes
+            where.append(i)
+        else:
+            out[i] = fn(*args)
+    if datas:
+        for i, digest in zip(where, multi_sha256.digests(datas)):
+            out[i] = digest
+    return out
 
 
 class Digest:
@@ -237,10 +258,13 @@ class HashBatcher:
     job and several helpers hash them side by side (on a CPU without SHA extensions SHA-256 is
     most of a transfer's work: one helper thread would cap it at one core's hashing rate)."""
 
-    def __init__(self, pool, per_job=8, job_bytes=512 * 1024):
+    def __init__(self, pool, per_job=None, job_bytes=None):
         self.pool = pool
-        self.per_job = per_job
-        self.job_bytes = job_bytes
+        # With the multi-buffer kernel a batch is LANES_PER_JOB chunks whatever their size (its
+        # lanes are what makes it fast); with hashlib alone, 8 chunks or 512 KiB.
+        kernel = multi_sha256.enabled()
+        self.per_job = per_job or (LANES_PER_JOB if kernel else 8)
+        self.job_bytes = job_bytes or (LANES_PER_JOB << 20 if kernel else 512 * 1024)
         self.open = []
         self.open_bytes = 0
 

@@ -33,6 +33,7 @@ from protocols.toasty import codec, file_tree, paths
 from protocols.toasty.codec import HEADER, HEADER_LEN
 from protocols.toasty.errors import ErrorCode
 from storage import errors
+from storage import sha256 as multi_sha256
 
 MAX_IN_FLIGHT = 256  # requests executing per connection before we stop reading
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
@@ -586,10 +587,13 @@ class ChunkServerProtocol(_ToastyServerProtocol):
         self._direct_bytes = 0
 
     def cost(self, msg, length):
-        # A CREATE_CHUNK builds a chunk_size chunk; a patch or a download loads a stored chunk
-        # (its size unknown until then: counted as 1 MiB) -- so a peer cannot make us hold
+        # A CREATE_CHUNK of part of a chunk builds a chunk_size chunk (a whole one is stored
+        # from the received frame itself: no second copy); a patch or a download loads a stored
+        # chunk (its size unknown until then: counted as 1 MiB) -- so a peer cannot make us hold
         # gigabytes with small requests.
         if msg.TYPE == codec.CREATE_CHUNK:
+            if msg.offset == 0 and len(msg.data) == msg.chunk_size:
+                return length
             return length + msg.chunk_size
         return length + 1024 * 1024
 
@@ -699,7 +703,10 @@ class ChunkServerProtocol(_ToastyServerProtocol):
             if flush:
                 self._flush_ready()
 
-        self.node.store.chunks.put_many([data for data, _ in puts]).addCallbacks(stored, failed)
+        # more chunks of a pipelined upload are already arriving: the store may wait a moment to
+        # hash them together with these (storage.sha256.Gatherer)
+        more = self._frames_in.buffered() > 0 and BUDGET not in self.gate.reasons
+        self.node.store.chunks.put_many([data for data, _ in puts], more=more).addCallbacks(stored, failed)
 
     def handle(self, msg):
         t = msg.TYPE
@@ -747,6 +754,13 @@ class ChunkServerFactory(Factory):
     def __init__(self, node):
         self.node = node
         self.connections = set()
+        # CREATE_CHUNK / UPLOAD_CHUNK addresses are hashed by the store (chunks.put_many) with the
+        # multi-buffer SHA-256 once it is loaded (storage/sha256.py); the ready file waits for it
+        reactor = getattr(node, "reactor", None)
+        if reactor is not None and hasattr(node, "before_ready"):
+            node.before_ready(multi_sha256.start_loading(reactor), "multi-buffer SHA-256")
+        else:
+            multi_sha256.start_loading()
 
     def buildProtocol(self, addr):
         p = ChunkServerProtocol(self.node)
