@@ -20,6 +20,7 @@ class FileOps:
     """The real calls (one instance, ``OS``, serves every store)."""
 
     pwrite = staticmethod(os.pwrite)
+    pwritev = staticmethod(os.pwritev)
     fdatasync = staticmethod(os.fdatasync)
     ftruncate = staticmethod(os.ftruncate)
 
@@ -53,6 +54,11 @@ class Faults(FileOps):
     def pwrite(self, fd, data, offset):
         self._check("pwrite")
         return os.pwrite(fd, data, offset)
+
+    def pwritev(self, fd, buffers, offset):
+        """The WAL writes a group with ``pwritev``: here it is one ``pwrite`` of the joined
+        buffers, so a fault set for ``pwrite`` (or a test's own ``pwrite``) meets every WAL write."""
+        return self.pwrite(fd, b"".join(buffers), offset)
 
     def fdatasync(self, fd):
         self._check("fdatasync")
