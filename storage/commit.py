@@ -340,6 +340,13 @@ class CommitCore:
                     self._cond.notify()
         return op.done
 
+    @property
+    def writer_busy(self) -> bool:
+        """Reactor thread, a hint: the writer is at a group (or about to be) rather than waiting
+        for one. A caller about to give up the GIL for a while (a long CRC) keeps it instead while
+        the writer is busy, since the writer would take it and hold it up to the switch interval."""
+        return not self._writer_idle
+
     def hold_wakeups(self):
         """Reactor thread: until the matching ``release_wakeups()``, ``submit`` does not wake an
         idle writer. A protocol taking in a read's worth of requests queues them all and wakes it
