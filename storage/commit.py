@@ -336,9 +336,15 @@ class CommitCore:
             if self._wakes_held:
                 self._wake_pending = True
             else:
-                with self._cond:
-                    self._cond.notify()
+                self._wake_writer()
         return op.done
+
+    def _wake_writer(self):
+        with self._cond:
+            self._cond.notify()
+            # busy from now on, not once the woken writer has run: until it takes the GIL it
+            # could not say so itself (``writer_busy``), and a second notify would be wasted
+            self._writer_idle = False
 
     @property
     def writer_busy(self) -> bool:
@@ -358,8 +364,7 @@ class CommitCore:
         self._wakes_held -= 1
         if not self._wakes_held and self._wake_pending:
             self._wake_pending = False
-            with self._cond:
-                self._cond.notify()
+            self._wake_writer()
 
     def transact(self, fn, nbytes=256) -> defer.Deferred:
         """``check_writable`` then ``submit(Transact(fn, nbytes))``, as a Deferred either way."""
