@@ -81,6 +81,9 @@ from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS
 
 BATCH_PREFIX = struct.Struct(">QQ")  # a T_BATCH entry's payload starts: stream_id, append_ms
 _BASE = struct.Struct(">q")
+# a T_BATCH entry's payload up to the batch's record_count: stream_id, append_ms, then the batch's
+# magic byte and its base_offset (written in on the way to the WAL)
+_HEAD = struct.Struct(">QQBq")
 _BLOCK = HEADER_SIZE  # a record batch's records block starts here
 
 MAX_GROUP_BYTES = 16 << 20
@@ -583,9 +586,9 @@ class CommitCore:
                             parts = (BATCH_PREFIX.pack(sid, append_ms), view[:_BLOCK], view[_BLOCK:])
                     elif block_crc is None:
                         parts = (BATCH_PREFIX.pack(sid, append_ms), batch[:1], _BASE.pack(base), memoryview(batch)[9:])
-                    else:
+                    else:  # the SBP APPEND path: the entry's head in one piece, the records block as it came
                         view = memoryview(batch)
-                        parts = (BATCH_PREFIX.pack(sid, append_ms), view[:1], _BASE.pack(base), view[9:_BLOCK], view[_BLOCK:])
+                        parts = (_HEAD.pack(sid, append_ms, batch[0], base) + view[9:_BLOCK], view[_BLOCK:])
                     pos = wal.add(T_BATCH, parts, block_crc)
                     total = ENTRY_SIZE + 16 + len(batch)
                     index.put_batch_index(txn, dbs, INDEX_KEY.pack(sid, base),
