@@ -658,11 +658,35 @@ def redis_pipe_read_load(port, key, total, window, q):
            "client_cpu": time.process_time() - c0})
 
 
-def proc_cpu(pid):
-    """CPU seconds (user + system) a process has used so far."""
-    with open("/proc/%d/stat" % pid) as f:
+def proc_cpu(pid, tid=None):
+    """CPU seconds (user + system) a process (or its thread ``tid``) has used so far."""
+    with open("/proc/%d/stat" % pid if tid is None else "/proc/%d/task/%d/stat" % (pid, tid)) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_sched(pid, tid):
+    """(seconds on a CPU, seconds runnable but waiting for one) of a thread so far
+    (/proc/PID/task/TID/schedstat)."""
+    try:
+        with open("/proc/%d/task/%d/schedstat" % (pid, tid)) as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except OSError:
+        return 0.0, 0.0
+
+
+def proc_read_bytes(pid):
+    """Bytes a process has had read from the disk so far (/proc/PID/io read_bytes: its reads and
+    read-ahead that missed the page cache, the read pool's WILLNEED prefetch included)."""
+    try:
+        with open("/proc/%d/io" % pid) as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def proc_switches(pid):
@@ -687,6 +711,7 @@ def measured(pid, fn, *args, profile=None):
     (``<prefix>.client.txt``), collapsed stacks per thread of the samples on CPU, over the run (Redis is not
     Python: only its load generator is recorded)."""
     c0 = proc_cpu(pid)
+    m0 = proc_cpu(pid, pid)  # the main thread: the node's reactor
     spies = []
 
     def started(child):
@@ -699,8 +724,13 @@ def measured(pid, fn, *args, profile=None):
             time.sleep(1.0)  # py-spy attaches before the load starts
 
     x0 = proc_switches(pid)
+    d0 = proc_read_bytes(pid)
+    s0 = thread_sched(pid, pid)
     result = run_in_process(fn, *args, started=started)
+    result["server_disk_read"] = proc_read_bytes(pid) - d0
+    result["main_thread_cpu_wait"] = thread_sched(pid, pid)[1] - s0[1]
     result["server_cpu"] = proc_cpu(pid) - c0
+    result["main_thread_cpu"] = proc_cpu(pid, pid) - m0
     result["server_switches"] = proc_switches(pid) - x0
     for spy in spies:
         spy.send_signal(signal.SIGINT)
@@ -834,6 +864,7 @@ def pipelined(base, args):
     with Node(base, "interval:1000") as node, Redis(base, "everysec") as redis:
         npid, rpid = node.proc.proc.pid, redis.proc.pid
         c = BlockingSbpClient("127.0.0.1", node.port)
+        appended_at = time.monotonic()
         for i in range(args.rounds):
             sid = c.create_stream()["stream_id"]
             key = b"p%d" % i
@@ -852,10 +883,20 @@ def pipelined(base, args):
                     load = os.getloadavg()[0]
                     prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
                     before = c.status()["metrics"].get("sbp", {}) if name == "sbp_read" else None
+                    if name == "sbp_read":
+                        # how long ago the stream was written: pages older than about a minute may
+                        # have been reclaimed (this VM's DAMON pageout; the prefetch reads them again)
+                        r_age = time.monotonic() - appended_at
                     r = measured(*runs[name], profile=prof)
+                    if name == "sbp_append":
+                        appended_at = time.monotonic()
                     if before is not None:  # reads the node could not answer from the page cache
                         after = c.status()["metrics"].get("sbp", {})
                         r["pool_reads"] = after.get("fetch_pool_reads", 0) - before.get("fetch_pool_reads", 0)
+                        r["age"] = r_age
+                        r["node_counts"] = {k: after.get(k, 0) - before.get(k, 0) for k in (
+                            "fetch_sendfile_calls", "fetch_sendfile_short", "fetch_send_stalls", "fetch_send_wall_s",
+                            "prefetch_checks", "prefetch_pieces")}
                     r["load"] = load
                     r["rate"] = r["records"] / r["seconds"]
                     rows[name].append(r)
@@ -866,8 +907,23 @@ def pipelined(base, args):
                               r["server_cpu"] / r["records"] * 1e6, r["server_cpu"] / r["requests"] * 1e6,
                               r["server_switches"] / r["requests"],
                               r["client_cpu"], r.get("errors", 0), load)
+                          + ("  (server main thread runnable, waiting for a CPU: %.0f us/request)" % (
+                              r["main_thread_cpu_wait"] / r["requests"] * 1e6))
                           + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else "")
                           + ("  (%d reads from the read pool)" % r["pool_reads"] if "pool_reads" in r else ""))
+                    if "node_counts" in r:
+                        # what the node did per FETCH this round (issue 24: what makes a round slow)
+                        k, n = r["node_counts"], r["requests"]
+                        print("      data written %.0f s before, %.0f MiB read back from disk; node per FETCH: reactor thread CPU %.0f us "
+                              "(and %.0f us runnable, waiting for a CPU), %.1f sendfile "
+                              "calls (%.2f short: socket full), %.0f us wall in them, %d sends over 5 ms; %.3f prefetch "
+                              "checks naming %d pieces to read back from disk (4 MiB of WAL with pages missing from the page "
+                              "cache, up to %d MiB; a piece found short again after its read counts again); load generator CPU %.0f us per FETCH; node/load generator CPU %.2f" % (
+                                  r["age"], r["server_disk_read"] / 2 ** 20, r["main_thread_cpu"] / n * 1e6,
+                                  r["main_thread_cpu_wait"] / n * 1e6, k["fetch_sendfile_calls"] / n,
+                                  k["fetch_sendfile_short"] / n, k["fetch_send_wall_s"] / n * 1e6, k["fetch_send_stalls"],
+                                  k["prefetch_checks"] / n, k["prefetch_pieces"], k["prefetch_pieces"] * 4,
+                                  r["client_cpu"] / n * 1e6, r["server_cpu"] / r["client_cpu"]))
             c.delete_stream(sid)
             with socket.create_connection(("127.0.0.1", redis.port)) as rs:
                 rs.sendall(redis_cmd(b"DEL", key))

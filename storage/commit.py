@@ -4,6 +4,8 @@ Every write of every facade (``log``, ``kv``, ``chunks``, ``meta``) is one named
 to ``CommitCore.submit`` on the reactor thread:
 
 - ``AppendBatch``: a record batch for a stream; the offset was assigned by the log at call time.
+- ``AppendRun``: consecutive replica batches of one stream as one operation (each stored as an
+  ``AppendBatch`` would be; one Deferred for the run).
 - ``Transact``: ``fn(RawTxn)`` run inside the group's LMDB transaction (a nested one: a raising
   ``fn`` writes nothing); every raw write it makes is recorded for the WAL.
 - ``Direct``: ``fn(txn)`` run on the group's transaction itself (no nesting, no RawTxn), returning
@@ -84,6 +86,7 @@ _BASE = struct.Struct(">q")
 # a T_BATCH entry's payload up to the batch's record_count: stream_id, append_ms, then the batch's
 # magic byte and its base_offset (written in on the way to the WAL)
 _HEAD = struct.Struct(">QQBq")
+_BASE_COUNT = struct.Struct(">qi")  # a record batch's base_offset and record_count (bytes 1..12)
 _BLOCK = HEADER_SIZE  # a record batch's records block starts here
 
 MAX_GROUP_BYTES = 16 << 20
@@ -178,6 +181,24 @@ class AppendBatch(Operation):
         self.base_offset = base_offset
         self.record_count = record_count
         self.block_crc = block_crc
+
+
+class AppendRun(Operation):
+    """Consecutive replica batches of one stream (``batches``, each kept exactly as it is, its
+    base offset in its bytes 1..8; ``block_crcs`` as for ``AppendBatch``, one per batch, None
+    where unchecked), stored as ``AppendBatch`` stores each: the same WAL entries and index, in
+    the same group, but one operation and one Deferred for the run (a cluster replica stores the
+    batches of one received message with it). Fires with the run's end offset."""
+
+    __slots__ = ("stream_id", "batches", "block_crcs", "base_offset", "record_count")
+
+    def __init__(self, stream_id, batches, block_crcs, base_offset, record_count, nbytes):
+        super().__init__(nbytes + 64 * len(batches))
+        self.stream_id = stream_id
+        self.batches = batches
+        self.block_crcs = block_crcs
+        self.base_offset = base_offset  # where the run starts
+        self.record_count = record_count  # records of the whole run
 
 
 class Transact(Operation):
@@ -288,6 +309,7 @@ class CommitCore:
         # Hooks the assembly (store.py) sets, all called on the reactor thread:
         self.on_batch_durable = None  # (stream_id, base_offset, record_count), in log order
         self.on_close = []  # callables run once the writer stopped, before the files close
+        self.after_deliver = []  # callables run once per delivered group, after its operations' Deferreds
         self._checkpoint = checkpoint  # writer thread
         # Writer thread: the WAL position of the oldest entry holding kv memtable writes not yet
         # merged into LMDB (None: none); the checkpoint never passes it. Set by the first such
@@ -595,6 +617,23 @@ class CommitCore:
                                           INDEX_VAL.pack(pos, total, op.record_count, append_ms), live, pos, total,
                                           wal.active)
                     op.ok, op.value = True, base
+                elif kind is AppendRun:
+                    sid = op.stream_id
+                    append_ms = now_ms()
+                    prefix = BATCH_PREFIX.pack(sid, append_ms)
+                    for batch, block_crc in zip(op.batches, op.block_crcs):
+                        base, count = _BASE_COUNT.unpack_from(batch, 1)
+                        if block_crc is None:
+                            parts = (prefix, batch)
+                        else:
+                            view = memoryview(batch)
+                            parts = (prefix, view[:_BLOCK], view[_BLOCK:])
+                        pos = wal.add(T_BATCH, parts, block_crc)
+                        total = ENTRY_SIZE + 16 + len(batch)
+                        index.put_batch_index(txn, dbs, INDEX_KEY.pack(sid, base),
+                                              INDEX_VAL.pack(pos, total, count, append_ms), live, pos, total,
+                                              wal.active)
+                    op.ok, op.value = True, op.base_offset + op.record_count
                 else:  # Transact
                     live.flush(txn, dbs)  # so the function reads current segment counts
                     sub = self.env.begin(write=True, parent=txn)
@@ -664,6 +703,9 @@ class CommitCore:
                     if kind is AppendBatch:
                         if batch_durable is not None:
                             batch_durable(op.stream_id, op.value, op.record_count)
+                    elif kind is AppendRun:
+                        if batch_durable is not None:
+                            batch_durable(op.stream_id, op.base_offset, op.record_count)
                     elif kind is Transact:
                         for fn in op.raw.on_reactor:
                             fn()
@@ -679,6 +721,11 @@ class CommitCore:
         # (not yet in any memtable) lie before the group's end (storage/kv.py, issue 19).
         if wal_end is not None:
             self.delivered_wal_end = wal_end
+        for fn in self.after_deliver:
+            try:
+                fn()
+            except Exception:
+                self.logger.failure("store delivery hook failed")
         if self._drain_waiters and self._queued_bytes <= QUEUE_HIGH // 2:
             waiters, self._drain_waiters = self._drain_waiters, []
             for d in waiters:

@@ -20,7 +20,7 @@ class FileOps:
     """The real calls (one instance, ``OS``, serves every store)."""
 
     pwrite = staticmethod(os.pwrite)
-    pwritev = staticmethod(os.pwritev)
+    pwritev = staticmethod(os.pwritev)  # (at most IOV_MAX buffers; may write fewer bytes than given)
     fdatasync = staticmethod(os.fdatasync)
     ftruncate = staticmethod(os.ftruncate)
 
@@ -55,10 +55,16 @@ class Faults(FileOps):
         self._check("pwrite")
         return os.pwrite(fd, data, offset)
 
-    def pwritev(self, fd, buffers, offset):
-        """The WAL writes a group with ``pwritev``: here it is one ``pwrite`` of the joined
-        buffers, so a fault set for ``pwrite`` (or a test's own ``pwrite``) meets every WAL write."""
-        return self.pwrite(fd, b"".join(buffers), offset)
+    def pwritev(self, fd, parts, offset):
+        # part by part through ``pwrite`` (a fault, or a test's own ``pwrite``, applies to each):
+        # stops at the first short write, as pwritev(2) may
+        done = 0
+        for p in parts:
+            n = self.pwrite(fd, p, offset + done)
+            done += n
+            if n < len(p):
+                break
+        return done
 
     def fdatasync(self, fd):
         self._check("fdatasync")

@@ -6,6 +6,7 @@ once the batch is durable, in log order.
 """
 
 import os
+import struct
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -14,11 +15,13 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from storage import errors, index
-from storage.commit import AppendBatch, now_ms
+from storage import wal as wal_module
+from storage.commit import AppendBatch, AppendRun, now_ms
 from storage.index import INDEX_KEY, INDEX_VAL, U64
 from storage.wal import T_BATCH
 
 _MAX_OFFSET = (1 << 63) - 1
+_BASE_COUNT = struct.Struct(">qi")  # a record batch's base_offset and record_count (bytes 1..12)
 _DIRECT_READ = 16 << 10
 CLEAN_BELOW = 0.25  # re-append a segment's live batches when they fill less than this share of it
 
@@ -102,6 +105,12 @@ class RecordLog:
         self._streams = {}  # reactor thread: stream id -> StreamState
         self._counter = 0
         self._uncleanable = set()  # segments the cleaner could not empty (a hole after a power cut)
+        #: Set by whoever decides some streams' retention elsewhere (a cluster's placement driver):
+        #: called on the reactor with (stream id, point) for each stream whose batches up to
+        #: ``point`` outlived its retention period here; True means it takes that trim over (a
+        #: replicated stream's primary hands it on to every replica as a trim; a replica waits for
+        #: it), False that this store trims as usual.
+        self.retention_handler = None
 
     def load(self):
         """At open, after recovery: the streams' state from the index (blocking)."""
@@ -285,6 +294,33 @@ class RecordLog:
             batch = bytes(batch)  # kept as it is only if it cannot change (bytes, or a view of bytes)
         return core.submit(AppendBatch(sid, batch, base, count, block_crc))
 
+    def append_replica_run(self, sid, batches, block_crcs):
+        """``append_replica`` (without ``base``) of consecutive batches at once: the first must
+        start at the stream's next offset and each at the end of the one before; all are stored
+        or none (one commit-core operation, ``AppendRun``). Fires with the run's end offset.
+        The batches must be bytes or views of bytes (kept, not copied)."""
+        core = self._core
+        try:
+            s = self._get(sid)
+            at = start = s.assigned
+            nbytes = 0
+            for batch in batches:
+                n = len(batch)
+                if n < 29:
+                    raise errors.InvalidRequest("a record batch is at least 29 bytes")
+                base, count = _BASE_COUNT.unpack_from(batch, 1)
+                if base != at:
+                    raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (base, at))
+                if count < 1:
+                    raise errors.InvalidRequest("record_count must be >= 1")
+                at = base + count
+                nbytes += n
+            core.check_writable(nbytes)
+        except errors.StoreError:
+            return defer.fail()
+        s.assigned = at
+        return core.submit(AppendRun(sid, batches, block_crcs, start, at - start, nbytes))
+
     def forget_unwritten(self):
         """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused
         while the disk was full gave back their offsets, so each stream continues at its durable end."""
@@ -454,18 +490,31 @@ class RecordLog:
         of bytes; smaller batches come as bytes, read and CRC-checked as by ``read()``. Only
         batches below the visible ``next_offset`` are named, as by ``read()``."""
         try:
-            s = self._check_read(sid, offset)
+            spans = self.read_spans_now(sid, offset, max_bytes)
         except errors.StoreError:
             return defer.fail()
-        if offset == s.next_offset:
-            return defer.succeed([])
-        try:
-            spans = self._cached_spans(sid, offset, max_bytes, s.next_offset)
-        except Exception:
-            spans = None  # the read pool does it again, and reports what fails
         if spans is not None:
             return defer.succeed(spans)
-        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, s.next_offset, True)
+        return self._core.in_pool(self._read_blocking, sid, offset, max_bytes, self._streams[sid].next_offset, True)
+
+    def read_spans_now(self, sid, offset, max_bytes):
+        """``read_spans`` answered on this thread when it can be without waiting for the disk:
+        the list (FileSpans found in the page cache; empty at the stream's end), or None when the
+        read pool must do it (``read_spans``). Raises StoreError for a stream or offset it would
+        fail. No Deferred: the hot path of a sequential reader (protocols/sbp/fetch.py)."""
+        s = self._check_read(sid, offset)
+        if offset == s.next_offset:
+            return []
+        try:
+            return self._cached_spans(sid, offset, max_bytes, s.next_offset)
+        except Exception:
+            return None  # the read pool does it again, and reports what fails
+
+    def read_bounds(self, sid):
+        """``(trim_offset, next_offset)`` of ``sid`` (what ``stream()`` says of them, without
+        building its StreamMeta); StreamNotFound as ``stream()``."""
+        s = self._get(sid)
+        return s.trim_offset, s.next_offset
 
     def prefetch(self, sid, offset, nbytes):
         """Ask the kernel for the ``nbytes`` of the WAL from where the batch holding ``offset``
@@ -473,18 +522,30 @@ class RecordLog:
         pages missing from the page cache (``Wal.uncached``, a few cachestat calls) are read in by
         the read pool (``Wal.will_need``). For a sequential reader, so its later ``read_spans``
         find the bytes in memory (and stay on the reactor thread) even after memory reclaim
-        dropped them. Reactor thread: one index look-up; a no-op past the stream's visible end."""
+        dropped them. Reactor thread: one index look-up; a no-op past the stream's visible end.
+        Returns the number of pieces sent to the read pool."""
         s = self._streams.get(sid)
         if s is None or not s.trim_offset <= offset < s.next_offset:
-            return
+            return 0
         core = self._core
         cur = self._locate(core.snapshot(), sid, offset)
         if cur is None:
-            return
-        pieces = core.wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
-        if pieces:
-            core.in_pool(core.wal.will_need, pieces).addErrback(
+            return 0
+        wal = core.wal
+        pieces = wal.uncached(INDEX_VAL.unpack(cur.value())[0], nbytes)
+        if pieces and wal_module.cachestat is not None:
+            # until their reads are done, cached reads of them go to the pool (Wal.fetch_in)
+            pieces = wal.mark_fetching(pieces)
+            if pieces:
+                def failed(f, positions=[p for p, _ in pieces]):
+                    wal.unmark_fetching(positions)
+                    self.log.failure("WAL prefetch failed", f)
+
+                core.in_pool(wal.fetch_in, pieces).addErrback(failed)
+        elif pieces:
+            core.in_pool(wal.will_need, pieces).addErrback(
                 lambda f: self.log.failure("WAL prefetch failed", f))
+        return len(pieces)
 
     def _cached_spans(self, sid, offset, max_bytes, limit):
         """Reactor thread, no waiting for the disk: the FileSpans of ``read_spans`` when every
@@ -733,10 +794,14 @@ class RecordLog:
         d = core.in_pool(self._expired, aged, now_ms()) if aged else defer.succeed([])
 
         def trim_all(points):
+            handler = self.retention_handler
             for sid, point in points:
                 s = self._streams.get(sid)
-                if s is not None and point > s.trim_offset:
-                    self._trim(s, point)
+                if s is None or point <= s.trim_offset:
+                    continue
+                if handler is not None and handler(sid, point):
+                    continue
+                self._trim(s, point)
             return core.transact(self._gc_segments)
 
         return d.addCallback(trim_all)

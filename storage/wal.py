@@ -15,8 +15,10 @@ never straddles two segments. Only the writer thread appends; readers ``pread`` 
 """
 
 import bisect
+import errno
 import os
 import struct
+import threading
 import time
 
 from storage import fileops
@@ -38,9 +40,8 @@ BATCH_HEAD_SIZE = _BATCH_HEAD.size  # 54
 BATCH_AT = ENTRY_SIZE + 16  # where the record batch starts in a batch entry
 _BATCH_MAGIC = 0x22
 
+IOV_MAX = 1024  # Linux's limit on buffers per pwritev
 SUFFIX = ".wal"
-IOV_MIN = 4096  # parts this big are written from their own buffers (Wal.add)
-IOV_MAX = 1024  # buffers per pwritev (Linux's UIO_MAXIOV)
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
 
 
@@ -138,15 +139,18 @@ class SegmentFile:
 class FileSpan:
     """Where one stored record batch lies: ``length`` bytes at ``offset`` of ``file.fd`` (a
     SegmentFile). ``header`` is a copy of the batch's first 29 bytes (its record batch header).
+    ``crc``: the CRC-32 of the whole batch as stored (its header's bytes combined with the
+    records-block CRC the header holds), or None when not worked out.
     The bytes never change (stored batches are immutable); ``len(span)`` is the batch's length."""
 
-    __slots__ = ("file", "offset", "length", "header")
+    __slots__ = ("file", "offset", "length", "header", "crc")
 
-    def __init__(self, file: SegmentFile, offset: int, length: int, header: bytes):
+    def __init__(self, file: SegmentFile, offset: int, length: int, header: bytes, crc=None):
         self.file = file
         self.offset = offset
         self.length = length
         self.header = header
+        self.crc = crc
 
     def __len__(self):
         return self.length
@@ -175,16 +179,31 @@ def _span_from_head(head, f, base, off, total, sid, base_offset, count):
     return FileSpan(f, off + BATCH_AT, total - BATCH_AT, bytes(head[BATCH_AT:]))
 
 
-def _all_cached(first, last):
-    """True if every page from FileSpan ``first`` to the end of ``last`` (the same file) is in
-    the page cache (cachestat). A short count is asked again once: on a busy machine cachestat
-    now and then counts a few pages short of what is there (0.1-0.3% of calls here, never
-    twice in a row), and a false miss costs a read-pool round trip."""
-    start = first.offset
-    end = last.offset + last.length
+def _pages_cached(fd, start, end, _one=[memoryview(bytearray(1))]):
+    """True if every page of bytes ``start`` to ``end`` of ``fd`` is in the page cache
+    (cachestat) and the file reaches ``end`` (its last byte read with RWF_NOWAIT: cachestat
+    counts the pages a truncated file still has, and a truncated batch must go to the read
+    pool, which reports it). A short count is asked again once: on a busy machine cachestat now and then
+    counts a few pages short of what is there (0.1-0.3% of calls here, never twice in a row),
+    and a false miss costs a read-pool round trip. (Every page, not only the heads: memory
+    reclaim drops pages anywhere, and the reactor's sendfile of a page not in the cache would
+    wait for the disk.)"""
+    if os.preadv(fd, _one, end - 1, _NOWAIT) != 1:
+        return False
     pages = (end - 1) // _PAGE - start // _PAGE + 1
-    fd = first.file.fd
     return cachestat(fd, start, end - start) >= pages or cachestat(fd, start, end - start) >= pages
+
+
+def _run_ready(fd, seg_base, start, end, fetching):
+    """``_pages_cached``, and no prefetched piece still being read overlaps the run (``cachestat``
+    counts a page whose read is in flight as cached, and the reactor's ``sendfile`` of it would
+    wait for the disk: such a read goes to the read pool, which waits for it)."""
+    if fetching:
+        lo, hi = seg_base + start, seg_base + end
+        for p, e in fetching.items():
+            if p < hi and lo < e:
+                return False
+    return _pages_cached(fd, start, end)
 
 
 class Wal:
@@ -200,18 +219,17 @@ class Wal:
         self.graveyard = []  # fds of deleted segments, closed a while later (readers may hold them)
         self.active = bases[-1] if bases else None
         self.end = (bases[-1] + os.fstat(self.fds[bases[-1]]).st_size) if bases else 0
-        # The group not yet written (writer thread): ``_iov``, buffers for one pwritev, then
-        # ``_small``, the small parts framed since the last big one. A part of ``IOV_MIN`` bytes
-        # or more (a record batch's records block) is written from the caller's buffer, not
-        # copied into one group buffer first (issue 24: that copy was ~9% of the writer's CPU).
-        # The caller's buffers must not change until the group is flushed (the commit core's
-        # are bytes, or views of bytes).
-        self._iov = []
-        self._small = bytearray()
-        self._buf_start = self.end  # global position of the group's first byte
+        # the group's entries not yet written, as the buffers they are made of (written with
+        # pwritev: the batches go from the caller's bytes to the file, not through a joined copy)
+        self._buf = []
+        self._buf_start = self.end  # global position of _buf's first byte
         self._dirty = set()
         self._sizes = {}  # final sizes of retired segments
         self._null = os.open(os.devnull, os.O_WRONLY)  # warm(): sendfile's sink
+        # Prefetched pieces whose reads may still be in flight (``fetch_in``): WAL position -> end.
+        # Copy-on-write (the reactor reads it without a lock; writers take _fetching_lock).
+        self.fetching = {}
+        self._fetching_lock = threading.Lock()
         # Observability (writer thread writes, any thread reads): flushes = group commits that
         # wrote bytes; on_sync(seconds) is told each fdatasync's duration (the node's histogram).
         self.flushes = 0
@@ -300,16 +318,9 @@ class Wal:
             self.flush()
             self._new_segment(self.end)
         pos = self.end
-        small = self._small
-        small += ENTRY.pack(length, entry_crc(self.active, etype, parts, crc32_held, tail_crc), etype)
-        for p in parts:
-            if len(p) < IOV_MIN:
-                small += p
-                continue
-            if small:
-                self._iov.append(small)
-                small = self._small = bytearray()
-            self._iov.append(p)
+        buf = self._buf
+        buf.append(ENTRY.pack(length, entry_crc(self.active, etype, parts, crc32_held, tail_crc), etype))
+        buf.extend(parts)  # (immutable bytes or views of them: kept, not copied, until flush)
         self.end += total
         return pos
 
@@ -335,43 +346,41 @@ class Wal:
             os.close(dfd)
 
     def flush(self):
-        iov = self._iov
-        if self._small:
-            iov.append(self._small)
-        if iov:
+        if self._buf:
             fd = self.fds[self.active]
+            parts = self._buf
             off = self._buf_start - self.active
             pwritev = self.ops.pwritev
             i = 0
-            while i < len(iov):
-                n = pwritev(fd, iov[i:i + IOV_MAX], off)
+            while i < len(parts):
+                n = pwritev(fd, parts[i:i + IOV_MAX], off)
+                if n <= 0:
+                    raise OSError(errno.EIO, "pwritev wrote nothing")
                 off += n
-                while n:  # drop what was written; a short write resumes inside a buffer
-                    k = len(iov[i])
-                    if n < k:
-                        iov[i] = memoryview(iov[i])[n:]
-                        break
-                    n -= k
-                    i += 1
+                while n:  # drop what was written; a part written in part goes on as its rest
+                    k = len(parts[i])
+                    if n >= k:
+                        n -= k
+                        i += 1
+                    else:
+                        parts[i] = memoryview(parts[i])[n:]
+                        n = 0
             self._dirty.add(self.active)
+            self._buf = []
             self.flushes += 1
-        self._iov = []
-        self._small = bytearray()
         self._buf_start = self.end
 
     def discard(self):
         """Forget the unflushed group (its transaction was aborted)."""
         self.end = self._buf_start
-        self._iov = []
-        self._small = bytearray()
+        self._buf = []
 
     def rollback(self, position: int):
         """Cut the log back to ``position``, the start of a group that failed (after ``discard``):
         its bytes, flushed or not, leave the files (segments it opened are removed), and the cut
         is synced, so a restart cannot replay a write that was answered with an error. Raises
         OSError when the disk refuses; the caller then stops writing."""
-        self._iov = []
-        self._small = bytearray()
+        self._buf = []
         bases = self.bases
         i = bisect.bisect_right(bases, position) - 1
         for later in bases[i + 1:] if i >= 0 else bases:
@@ -490,13 +499,77 @@ class Wal:
 
     def cached_spans(self, sid: int, entries, files: dict):
         """``batch_span`` for each ``(pos, total, base_offset, count)`` without ever waiting for
-        the disk (the reactor thread): the heads are read with preadv2(RWF_NOWAIT), and each
-        batch's last byte (plus one byte every 64 KiB back from it in batches over 68 KiB) is
-        probed the same way, one batch's last byte in the same read as the next batch's head when
-        they are adjacent. None if any of it is not in the page cache or any check fails (the
-        caller goes to the read pool, which checks properly)."""
+        the disk (the reactor thread). None if any page of the batches is not in the page cache
+        or any check fails (the caller goes to the read pool, which checks properly).
+
+        With cachestat(2): one cachestat call per run of adjacent batches (the WAL's entry
+        framing between them) counts every page, and each head is read with
+        preadv2(RWF_NOWAIT) (which fails rather than wait should a page go meanwhile). The same
+        checks as ``batch_span``; each span also gets its batch's CRC (``FileSpan.crc``), which
+        the entry CRC check works out anyway, so a FETCH reply's frame CRC is one combine per
+        batch. Without cachestat: ``_probed_spans``."""
         if _NOWAIT is None:
             return None
+        if cachestat is None:
+            return self._probed_spans(sid, entries, files)
+        out = []
+        buf = bytearray(BATCH_HEAD_SIZE)
+        head = memoryview(buf)
+        iov = [head]
+        batch_hdr = head[BATCH_AT:]
+        entry_mid = head[ENTRY_SIZE:BATCH_AT]
+        preadv = os.preadv
+        unpack = _BATCH_HEAD.unpack
+        combine = crc32_combine
+        bases = self.bases
+        seg_end = -1
+        f = None
+        prefix_crcs = {}
+        run_start = run_end = -1  # the current run of adjacent batches (file offsets)
+        fetching = self.fetching  # prefetched pieces still being read: cachestat counts their pages
+        try:
+            for pos, total, base_offset, count in entries:
+                if not (seg_base <= pos < seg_end if f is not None else False):
+                    if run_end >= 0 and not _run_ready(f.fd, seg_base, run_start, run_end, fetching):
+                        return None
+                    seg_base, f = self._segment_file(pos, files)
+                    i = bisect.bisect_right(bases, pos)
+                    seg_end = bases[i] if i < len(bases) else 1 << 62
+                    run_start = run_end = -1
+                    prefix_crcs.clear()
+                off = pos - seg_base
+                if preadv(f.fd, iov, off, _NOWAIT) != BATCH_HEAD_SIZE:
+                    return None
+                (length, crc, t, h_sid, _ms, magic, h_base, h_count, _ts, records_crc,
+                 records_len) = unpack(buf)
+                if (t != T_BATCH or length != total - ENTRY_SIZE or h_sid != sid or magic != _BATCH_MAGIC
+                        or h_base != base_offset or h_count != count or records_len != total - BATCH_HEAD_SIZE):
+                    return None
+                # the batch's CRC (header bytes + stored records CRC), then the entry's from it
+                bcrc = combine(crc32(batch_hdr), records_crc, records_len)
+                pcrc = prefix_crcs.get(length)
+                if pcrc is None:
+                    pcrc = prefix_crcs[length] = crc32(_CRC_PREFIX.pack(seg_base, length, t))
+                if combine(crc32(entry_mid, pcrc), bcrc, total - BATCH_AT) != crc:
+                    return None
+                out.append(FileSpan(f, off + BATCH_AT, total - BATCH_AT, bytes(batch_hdr), bcrc))
+                if run_end >= 0 and 0 <= off - run_end <= _PAGE:
+                    run_end = off + total  # the next batch in the same file (the WAL's entry framing between)
+                else:
+                    if run_end >= 0 and not _run_ready(f.fd, seg_base, run_start, run_end, fetching):
+                        return None
+                    run_start, run_end = off, off + total
+            if run_end >= 0 and not _run_ready(f.fd, seg_base, run_start, run_end, fetching):
+                return None
+        except OSError:  # EAGAIN: not in the page cache; EOPNOTSUPP: the file system cannot tell
+            return None
+        return out
+
+    def _probed_spans(self, sid: int, entries, files: dict):
+        """``cached_spans`` without cachestat(2): the heads are read with preadv2(RWF_NOWAIT),
+        and each batch's last byte (plus one byte every 64 KiB back from it in batches over 68
+        KiB) is probed the same way, one batch's last byte in the same read as the next batch's
+        head when they are adjacent."""
         out = []
         buf = bytearray(1 + BATCH_HEAD_SIZE)
         view = memoryview(buf)
@@ -527,19 +600,6 @@ class Wal:
                 prev_f, prev_end = f, off + total
             if prev_f is not None and preadv(prev_f.fd, [view[:1]], prev_end - 1, _NOWAIT) != 1:
                 return None
-            if cachestat is not None:
-                # every page, not only the probed ones: memory reclaim drops pages anywhere, and
-                # the reactor's sendfile of a page not in the cache would wait for the disk
-                first = last = None
-                for span in out:
-                    if first is not None and span.file is first.file and 0 <= span.offset - last.offset - last.length <= _PAGE:
-                        last = span  # the next batch in the same file (the WAL's entry framing between)
-                        continue
-                    if first is not None and not _all_cached(first, last):
-                        return None
-                    first = last = span
-                if first is not None and not _all_cached(first, last):
-                    return None
         except OSError:  # EAGAIN: not in the page cache; EOPNOTSUPP: the file system cannot tell
             return None
         return out
@@ -592,6 +652,54 @@ class Wal:
                 os.posix_fadvise(fd, pos - bases[i], length, os.POSIX_FADV_WILLNEED)
             except OSError:  # the segment went away meanwhile (its fd closed): nothing to read
                 pass
+
+    def mark_fetching(self, pieces):
+        """Reactor: the ``(pos, length)`` pieces ``fetch_in`` is about to read in; until it has,
+        ``cached_spans`` sends reads of them to the read pool. Returns the pieces not already
+        being read (the others are left to the task reading them)."""
+        with self._fetching_lock:
+            cur = self.fetching
+            new = [(p, n) for p, n in pieces if p not in cur]
+            if new:
+                d = dict(cur)
+                for p, n in new:
+                    d[p] = p + n
+                self.fetching = d
+        return new
+
+    def unmark_fetching(self, positions):
+        with self._fetching_lock:
+            cur = self.fetching
+            if any(p in cur for p in positions):
+                d = dict(cur)
+                for p in positions:
+                    d.pop(p, None)
+                self.fetching = d
+
+    def fetch_in(self, pieces):
+        """Read pool: ``will_need`` the ``(pos, length)`` pieces (marked with ``mark_fetching``),
+        then wait for each to be in the page cache (``sendfile`` to /dev/null: waits for the reads
+        in flight, copies nothing) and unmark it, so the reactor serves it from then on."""
+        try:
+            self.will_need(pieces)
+            bases, fds, null = self.bases, self.fds, self._null
+            for pos, length in pieces:
+                try:
+                    i = bisect.bisect_right(bases, pos) - 1
+                    fd = fds.get(bases[i]) if i >= 0 else None
+                    off, left = pos - bases[i], length
+                    while fd is not None and left > 0:
+                        n = os.sendfile(null, fd, off, left)
+                        if n <= 0:
+                            break  # the segment ends here (the active one, or cut)
+                        off += n
+                        left -= n
+                except OSError:  # the segment went away meanwhile: nothing to wait for
+                    pass
+                finally:
+                    self.unmark_fetching((pos,))
+        finally:
+            self.unmark_fetching([p for p, _ in pieces])
 
     def _segment_file(self, pos: int, files: dict):
         """(segment base, SegmentFile) of the segment holding ``pos``, one per read in ``files``."""

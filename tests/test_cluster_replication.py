@@ -341,6 +341,70 @@ def test_seal_ranges_in_a_cluster_seals_the_open_range_and_opens_the_next(trio):
         wait_for(lambda: fetch_all(n, sid, 5)[0] == 5, what="node %d serves 5" % n.node_id)
 
 
+def _local_trim(node, sid):
+    """The trim point of ``node``'s own copy: a FETCH below it names it (OFFSET_OUT_OF_RANGE,
+    "offset 0 outside [trim, next]"); 0 while offset 0 is still stored."""
+    import re
+
+    with client(node) as c:
+        try:
+            c.fetch(sid, 0, 1, 0)
+            return 0
+        except SbpError as e:
+            m = re.search(r"outside \[(\d+), ", e.message or "")
+            if e.code != codec.OFFSET_OUT_OF_RANGE or not m:
+                raise
+            return int(m.group(1))
+
+
+def test_retention_is_decided_by_the_primary_and_reaches_every_replica_as_its_trim(trio):
+    """A replicated stream's retention runs on its primary's clock and goes to every replica as
+    a trim through the stream record, so all copies keep the same batches (issue 17)."""
+    import time
+
+    etcd, nodes = trio
+    with client(nodes[1]) as c:
+        sid = c.create_stream(replica_nums=3, retention_period_ms=4000)["stream_id"]
+    primary, others = roles(nodes, sid)
+    with client(primary) as c:
+        assert c.append_pipelined([(sid, batch(2, tag=b"old%d-" % i)) for i in range(10)], window=8)[-1] == 18
+    time.sleep(4.5)  # the first ten batches outlive the retention period; the next one does not yet
+    with client(primary) as c:
+        assert c.append(sid, batch(3, tag=b"new")) == 20
+
+    def trimmed_everywhere():
+        start = client(nodes[2]).list_ranges(sid)[0]["start_offset"]  # the stream record
+        points = [_local_trim(n, sid) for n in nodes]
+        return start == 20 and points == [20] * 3
+    wait_for(trimmed_everywhere, timeout=12, what="the record and every copy trimmed at 20")
+    for n in nodes:
+        assert fetch_all(n, sid, 23, 20)[1] == fetch_all(primary, sid, 23, 20)[1] != []
+
+
+def test_a_trim_reaches_every_replica_and_one_that_was_down(trio):
+    """CONTRACT §3 trim on a replicated stream: every copy ends at the primary's trim point,
+    including a replica that was down when it happened (it follows the record on restart)."""
+    etcd, nodes = trio
+    with client(nodes[0]) as c:
+        sid = c.create_stream(replica_nums=3)["stream_id"]
+    primary, (r1, r2) = roles(nodes, sid)
+    with client(primary) as c:
+        c.append_pipelined([(sid, batch(2, tag=b"t%d-" % i)) for i in range(20)], window=8)
+    wait_for(lambda: fetch_all(r2, sid, 40)[0] == 40, what="the replica holds 40")
+    r2.kill9()
+    with client(primary) as c:
+        c.append_pipelined([(sid, batch(2, tag=b"u%d-" % i)) for i in range(5)], window=8)
+        c.trim(sid, 31)  # inside the batch at 30: the trim point is 31, that batch is kept whole
+    wait_for(lambda: [_local_trim(n, sid) for n in (primary, r1)] == [31, 31], what="live copies trimmed")
+    r2.restart()
+    wait_for(lambda: _safe(lambda: _local_trim(r2, sid)) == 31, timeout=30, what="the restarted copy trimmed")
+    end, want = fetch_all(primary, sid, 50, 31)
+    assert end == 50 and int.from_bytes(want[0][1:9], "big") == 30
+    wait_for(lambda: _safe(lambda: fetch_all(r2, sid, 50, 31)) == (50, want), timeout=30,
+             what="the restarted copy holds the rest")
+    assert client(r1).list_ranges(sid)[0]["start_offset"] == 31
+
+
 def _appended(c, sid):
     try:
         return c.append(sid, batch(2, tag=b"after-seal"))

@@ -7,6 +7,7 @@ import glob
 import os
 import socket
 import threading
+import time
 
 import pytest
 import pytest_twisted
@@ -132,6 +133,52 @@ async def test_fetch_replies_from_files_in_order_with_other_replies(store, srv):
     assert codec.decode_header(by_id[101]).append_responses[0].base_offset == end
     metrics = srv.factory.metrics
     assert metrics["fetch_sendfile_bytes"] > 0.9 * sum(len(w) for w in want)
+
+
+@pytest_twisted.ensureDeferred
+async def test_replies_cut_anywhere_by_a_full_socket_arrive_whole(store, srv):
+    """A reader that is slow to start, with a small receive buffer: replies written straight to the socket
+    (FileSender._send_now) stop part way (in the prefix and header, in a batch, in the CRC) and
+    queue the rest; PINGs written meanwhile wait behind them. Every reply's payload is what the
+    copying read returns, every frame's CRC checks out."""
+    sid = await fill(store)
+    end = store.log.stream(sid).next_offset
+    asks = [((k * 37) % (end - 1), (1 << 20) if k % 3 else 70_000) for k in range(24)]
+    want = [payload_of(await store.log.read(sid, off, mb)) for off, mb in asks]
+    wire = []
+    for k, (off, mb) in enumerate(asks):
+        wire.append(fetch_frame(k + 1, sid, off, mb))
+        if k % 5 == 4:
+            wire.append(codec.encode_frame(codec.PING, 0, 1000 + k, b"hdr", b"p" * (k * 100)))
+
+    def client():
+        with socket.create_connection(srv.address) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            s.sendall(b"".join(wire))
+            time.sleep(0.5)  # the server fills the socket and queues
+            s.settimeout(30.0)
+            fb = codec.FrameBuffer()
+            out = []
+            i = 0
+            while len(out) < len(wire):
+                data = s.recv(1 + (i * 7919) % 65536)  # reads of uneven sizes
+                i += 1
+                if not data:
+                    raise ConnectionError("closed")
+                fb.feed(data)
+                while (f := fb.next()) is not None:
+                    out.append(f)
+            return out
+
+    frames = await threads.deferToThread(client)
+    by_id = {f.stream_id: f for f in frames}
+    assert len(by_id) == len(frames) == len(wire)
+    for k in range(len(asks)):
+        f = by_id[k + 1]
+        assert f.flags == codec.RESPONSE_LAST and f.payload == want[k], "reply %d differs" % (k + 1)
+    for k in range(4, len(asks), 5):
+        assert by_id[1000 + k].payload == b"p" * (k * 100)
+    assert srv.factory.metrics["fetch_sendfile_short"] > 0  # the socket did fill
 
 
 @pytest_twisted.ensureDeferred
@@ -375,7 +422,8 @@ async def test_sequential_reader_prefetch_keeps_it_off_the_read_pool(store, srv)
     done = threads.deferToThread(reader)
     await reactor_until(lambda: len(offsets) == 3, what="two replies")
     third = entry_positions(store, sid)[offsets[-1] // BIG][0]  # where the third FETCH's batches lie
-    await reactor_until(lambda: not wal.uncached(third, 1 << 20), what="the prefetched pages")
+    # the pages are in and their reads done (cachestat counts a page whose read is in flight)
+    await reactor_until(lambda: not wal.uncached(third, 1 << 20) and not wal.fetching, what="the prefetched pages")
     go_on.set()
     await done
     assert offsets[-1] == end and len(offsets) > 10

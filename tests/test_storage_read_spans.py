@@ -302,9 +302,38 @@ async def test_prefetch_brings_evicted_batches_back_into_the_page_cache(tmp_path
     start = BIG * 10  # batch 10
     assert st.wal.uncached(positions[10][0], 2 << 20)
     st.log.prefetch(sid, start, 2 << 20)  # 2 MiB of WAL from batch 10 on, across segments
-    await reactor_until(lambda: not st.wal.uncached(positions[10][0], 2 << 20), what="the prefetched pages")
+    # the pages are in and their reads done (cachestat counts a page whose read is in flight)
+    await reactor_until(lambda: not st.wal.uncached(positions[10][0], 2 << 20) and not st.wal.fetching,
+                        what="the prefetched pages")
     assert st.log.read_spans(sid, start, 1 << 20).called  # from the page cache, on this thread
     assert st.wal.uncached(positions[0][0], 4096)  # what lies before was not read
     assert st.wal.uncached(positions[-1][0], 4096)  # nor what lies well after
     st.log.prefetch(sid, st.log.stream(sid).next_offset, 1 << 20)  # at the end: nothing to do
+    await st.close()
+
+
+@needs_cachestat
+@pytest_twisted.ensureDeferred
+async def test_reads_of_pieces_still_being_prefetched_go_to_the_read_pool(tmp_path):
+    """cachestat counts a page whose read is in flight as cached, and a reactor sendfile of it
+    would wait for the disk: while a prefetched piece is being read in (Wal.fetch_in), cached
+    reads that touch it go to the read pool; once it is in, they are answered at once again."""
+    st = open_store(tmp_path, segment_bytes=64 << 20)
+    sid = (await st.log.create_stream()).stream_id
+    for i in range(12):
+        await st.log.append(sid, batch(BIG, 1000, i))
+    want = as_bytes(await st.log.read(sid, 0, 1 << 20))
+    positions = entry_positions(st, sid)
+    assert st.log.read_spans_now(sid, 0, 1 << 20) is not None  # all in the page cache
+    piece = (positions[6][0], 4096)  # a page inside the read
+    assert st.wal.mark_fetching([piece]) == [piece]
+    assert st.wal.mark_fetching([piece]) == []  # already being read: left to that task
+    assert st.log.read_spans_now(sid, 0, 1 << 20) is None
+    assert st.log.read_spans_now(sid, BIG * 8, 1 << 20) is not None  # a read clear of it
+    d = st.log.read_spans(sid, 0, 1 << 20)
+    assert not d.called  # to the read pool
+    assert as_bytes(await d) == want
+    await st.core.in_pool(st.wal.fetch_in, [piece])  # reads it in and unmarks it
+    assert st.wal.fetching == {}
+    assert st.log.read_spans(sid, 0, 1 << 20).called
     await st.close()

@@ -88,6 +88,33 @@ async def test_trim_seal_ranges(tmp_path):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_replica_run_is_stored_whole_or_not_at_all(tmp_path):
+    """``append_replica_run``: consecutive replica batches as one store operation (a cluster
+    replica's received message), read back byte for byte, kept across a reopen; a run that does
+    not start at the next offset or has a gap is refused whole, nothing of it assigned."""
+    st = open_store(tmp_path)
+    sid = (9 << 32) | 5
+    await st.log.create_replica_stream(sid, "10.0.0.1:7000", 1, 0)
+    run = [rb.with_base_offset(batch(2, 40, i), 2 * i) for i in range(5)]
+    crcs = [rb.read_header(b).crc if i % 2 else None for i, b in enumerate(run)]
+    views = [memoryview(b) for b in run]  # (a replica stores views of the received bytes)
+    assert await st.log.append_replica_run(sid, views, crcs) == 10
+    assert st.log.stream(sid).next_offset == 10
+    with pytest.raises(errors.ExpectationFailed):
+        await st.log.append_replica_run(sid, [rb.with_base_offset(batch(1), 11)], [None])
+    with pytest.raises(errors.ExpectationFailed):  # a gap inside the run
+        await st.log.append_replica_run(sid, [rb.with_base_offset(batch(1), 10), rb.with_base_offset(batch(1), 12)],
+                                        [None, None])
+    assert st.log.assigned_end(sid) == 10
+    assert await st.log.append_replica_run(sid, [rb.with_base_offset(batch(1), 10)], [None]) == 11
+    await st.close()
+    st = open_store(tmp_path)
+    got = await st.log.read(sid, 0, 1 << 20)
+    assert [bytes(g) for g in got] == run + [rb.with_base_offset(batch(1), 10)]
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_replica_stream_and_wait(tmp_path):
     st = open_store(tmp_path)
     sid = (9 << 32) | 4

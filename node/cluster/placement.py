@@ -113,6 +113,7 @@ class PlacementDriver:
         self._id_next = self._id_end = 0  # the reserved block of stream-id counters [next, end)
         self.listeners = []  # fn(rec) for every new record seen (the replicator's)
         self.fed_epochs = {}  # stream id -> newest epoch whose primary sent this node batches (replicator)
+        self._retention_trims = set()  # stream ids whose retention trim this node is handing on
 
     def key(self, sid) -> str:
         return self.prefix + "streams/%020d" % sid
@@ -124,10 +125,33 @@ class PlacementDriver:
         yield self._load()
         self._watch = self.client.watch_prefix(self.prefix + "streams/", self._revision + 1, self._events,
                                                on_reset=self._reset)
+        self.store.log.retention_handler = self._retention
 
     def stop(self):
+        if self.store.log.retention_handler == self._retention:
+            self.store.log.retention_handler = None
         if self._watch is not None:
             self._watch.stop()
+
+    def _retention(self, sid, point):
+        """The store's retention found batches of ``sid`` up to ``point`` past their age. A
+        replicated stream's retention is decided by one node, its primary (of the open range, else
+        of the last range), by the primary's clock, and handed on as a trim through the stream
+        record (``trim_stream``), which every replica follows: replicas never trim by their own
+        clocks, so they keep the same batches. True: handled here (or left to the primary)."""
+        rec = self.streams.get(sid)
+        if rec is None:
+            return False  # not a cluster stream (made before --cluster): the store's own retention
+        rng = open_range(rec) or (rec["ranges"][-1] if rec.get("ranges") else None)
+        primary = primary_of(rng) if rng else None
+        if primary is None or primary["id"] != self.node_id or sid in self._retention_trims:
+            return True
+        self._retention_trims.add(sid)
+        d = self.trim_stream(sid, point)
+        d.addErrback(lambda f: self.log.warn("stream {sid}: retention trim to {point} not handed on: {e}",
+                                             sid=sid, point=point, e=f.value))
+        d.addBoth(lambda _: self._retention_trims.discard(sid))
+        return True
 
     @defer.inlineCallbacks
     def _load(self):
@@ -335,8 +359,7 @@ class PlacementDriver:
         rng = open_range(rec)
         # a read is served by a replica of the open range (after a failover a node that held
         # an older range only may hold an unacknowledged tail past its seal)
-        serves = any(s["id"] == self.node_id for s in rng["servers"]) if rng else hosts(rec, self.node_id)
-        if read and serves:
+        if read and (any(s["id"] == self.node_id for s in rng["servers"]) if rng else hosts(rec, self.node_id)):
             if self._local(sid):
                 if offset is not None and rng is not None:
                     return self._catching_up(sid, rng, offset, wait)

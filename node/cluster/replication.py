@@ -98,6 +98,11 @@ class PrimaryStream:
         self.window = collections.OrderedDict()  # base -> (end, batch as the client sent it) of batches above the confirm offset
         self.confirm_queued = False
         self.sealed = False  # a replica refused this epoch's appends (1460): the range was sealed
+        # the placement driver's record this state was last checked against, and its number of
+        # ranges then (a record changed in place grows it): the same record needs no new check
+        self.rec = None
+        self.nranges = 0
+        self.live_of = None  # (the membership's member map, live replicas in it): see Replicator._live
 
 
 class Link:
@@ -129,6 +134,10 @@ class Replicator:
         # (stream id, base offset, batch) -> None, for each batch this replica stores (queued, in
         # log order): the key-value partitions apply confirmed batches from these bytes
         self.batch_listeners = []
+        # primary streams with local appends not yet durable: looked at once per group the store
+        # delivers (``_delivered``), not once per batch
+        self._local_waiting = set()
+        self._hooked_core = None
 
     @property
     def node_id(self):
@@ -194,13 +203,21 @@ class Replicator:
         done = defer.Deferred()
         st.pending[end] = (base, done)
         st.window[base] = (end, batch)
-        d_local.addCallbacks(self._local_durable, self._local_failed, callbackArgs=(st,), errbackArgs=(st, end))
+        d_local.addErrback(self._local_failed, st, end)
+        self._local_waiting.add(st)
+        core = self.store.core
+        if self._hooked_core is not core:  # (the node's store, once)
+            self._hooked_core = core
+            core.after_deliver.append(self._delivered)
+        parts = None
         for nid, ps in st.peers.items():
             if nid == self.node_id:
                 continue
             link = self._link(nid)
             if ps.sent == base and link.channel is not None:
-                link.channel.queue_batch(sid, st.epoch, batch, base)
+                if parts is None:
+                    parts = rcodec.batch_parts(batch, base)
+                link.channel.queue_parts(sid, st.epoch, parts)
                 ps.sent = end
         return done
 
@@ -209,11 +226,14 @@ class Replicator:
         rec = self.pd.streams.get(sid)
         if rec is None:
             return st
+        if st is not None and st.rec is rec and st.nranges == len(rec.get("ranges", ())):
+            return st  # (per APPEND: checked already against this very record)
         rng = placement.open_range(rec)
         primary = placement.primary_of(rng) if rng else None
         if primary is None or primary["id"] != self.node_id:
             return None
         if st is not None and st.epoch == rec.get("epoch", 0):
+            st.rec, st.nranges = rec, len(rec.get("ranges", ()))
             return st
         if rec.get("epoch", 0) < self.refused_epochs.get(sid, 0):
             # this node sealed that epoch (a seal of its own range: SEAL_RANGES, re-replication)
@@ -233,6 +253,7 @@ class Replicator:
         st.confirm = rng["start"]
         self.store.log.confirm(sid, st.confirm)
         self.primaries[sid] = st
+        st.rec, st.nranges = rec, len(rec.get("ranges", ()))
         for nid in st.peers:
             link = self._link(nid)
             if link.channel is not None:
@@ -246,6 +267,7 @@ class Replicator:
         st = self.primaries.pop(sid, None)
         if st is None:
             return
+        self._local_waiting.discard(st)
         st.sealed = True
         pending, st.pending = st.pending, collections.OrderedDict()
         for _end, (_base, d) in pending.items():
@@ -254,7 +276,12 @@ class Replicator:
     def _live(self, st):
         """Live replicas of the range ``st`` sequences, this node included."""
         live = self.membership.members if self.membership is not None else ()  # (per append: no copy)
-        return 1 + sum(1 for nid in st.peers if nid in live)
+        cached = st.live_of
+        if cached is not None and cached[0] is live:
+            return cached[1]  # (the membership replaces its map on every change)
+        n = 1 + sum(1 for nid in st.peers if nid in live)
+        st.live_of = (live, n)
+        return n
 
     def members_changed(self, _members):
         """Membership changed: a range left with fewer than ack_count live replicas fails the
@@ -291,12 +318,25 @@ class Replicator:
                 and self.pd.streams.get(sid) is rec:
             self._primary(sid)
 
-    def _local_durable(self, _base, st):
-        try:
-            st.local = max(st.local, self.store.log.durable_end(st.sid))
-        except store_errors.StreamNotFound:
+    def _delivered(self):
+        """The store delivered a group (after its operations' Deferreds): the primary streams
+        with local appends in flight learn their durable end, and answer what it covers (once
+        per group and stream, not once per batch)."""
+        waiting = self._local_waiting
+        if not waiting:
             return
-        self._advance(st)
+        log = self.store.log
+        for st in list(waiting):
+            try:
+                local = log.durable_end(st.sid)
+            except store_errors.StreamNotFound:
+                waiting.discard(st)
+                continue
+            if local >= st.assigned:
+                waiting.discard(st)
+            if local > st.local:
+                st.local = local
+                self._advance(st)
 
     def _local_failed(self, f, st, end):
         entry = st.pending.pop(end, None)
@@ -553,22 +593,18 @@ class Replicator:
         if epoch < max(self.refused_epochs.get(sid, 0), rec.get("epoch", 0) if rec else 0):
             channel.send(rcodec.ERROR, sid, SEALED, "epoch %d is stale" % epoch)
             return
-        last = None  # the Deferred of the last batch stored: the answer waits for it
+        # the batches it lacks, in order, stored as one run (one store operation, one answer)
+        run, crcs = [], []
+        assigned = log.assigned_end(sid)
         for batch in batches:
             base = int.from_bytes(batch[1:9], "big", signed=True)
-            assigned = log.assigned_end(sid)
             if base < assigned:
                 continue  # a copy of a batch it holds (resent after a reconnect): answered below
             if base > assigned:
                 channel.send(rcodec.GAP, sid, assigned)  # it misses batches: where to resend from
-                if last is None:
+                if not run:
                     return
                 break
-            # this node is a copy in the range of ``epoch`` even if its watch has not said so
-            # yet: the placement driver must not cut its copy to an older range's end meanwhile
-            fed = self.pd.fed_epochs
-            if fed.get(sid, -1) < epoch:
-                fed[sid] = epoch
             block_crc = checked_records_crc(batch)
             if block_crc is None:
                 # corrupted on the way (or a primary's bug): nothing of it is stored; the primary
@@ -577,19 +613,33 @@ class Replicator:
                               sid=sid, base=base)
                 channel.transport.loseConnection()
                 break
-            d = log.append_replica(sid, batch, None, block_crc)
-            if d.called and isinstance(d.result, Failure):
-                d.addErrback(lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
-                break
-            last = d
-            for listener in self.batch_listeners:
-                listener(sid, base, batch)
-        if last is None:
+            count = int.from_bytes(batch[9:13], "big", signed=True)
+            if count < 1:
+                break  # (the store refuses it: the run ends before it)
+            run.append(batch)
+            crcs.append(block_crc)
+            assigned = base + count
+        if not run:
             self._ack(channel, sid)
             return
-        # the store commits in log order: the last batch durable means every earlier one is
-        last.addCallbacks(lambda _: self._ack(channel, sid),
-                          lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
+        # this node is a copy in the range of ``epoch`` even if its watch has not said so yet: the
+        # placement driver must not cut its copy to an older range's end meanwhile
+        fed = self.pd.fed_epochs
+        if fed.get(sid, -1) < epoch:
+            fed[sid] = epoch
+        d = log.append_replica_run(sid, run, crcs)
+        if d.called and isinstance(d.result, Failure):
+            d.addErrback(lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
+            self._ack(channel, sid)  # (where it is: the primary resends from there)
+            return
+        if self.batch_listeners:
+            for batch in run:
+                base = int.from_bytes(batch[1:9], "big", signed=True)
+                for listener in self.batch_listeners:
+                    listener(sid, base, batch)
+        # the store commits in log order: the run durable means every earlier batch is
+        d.addCallbacks(lambda _: self._ack(channel, sid),
+                       lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
 
     # -- sealing (CONTRACT §9 Failover) ---------------------------------------------------------------
 

@@ -131,11 +131,18 @@ class ReplicaChannel(protocol.Protocol):
         """Send ``batch`` (of stream ``sid``, epoch ``epoch``) at the end of this reactor turn,
         with the stream's other batches of the turn, in one ``B`` message; with ``base``, as if
         its base offset were ``base`` (``codec.batch_parts``: the batch is not copied)."""
+        self.queue_parts(sid, epoch, codec.batch_parts(batch, base))
+
+    def queue_parts(self, sid, epoch, parts):
+        """``queue_batch`` of a batch given as ``codec.batch_parts`` gives it (the primary makes
+        them once for all of a batch's replicas)."""
         if self.lost:
             return
+        head, body = parts
+        size = len(head) + len(body)
         q = self._batches
-        if q is not None and (q[0] != sid or q[1] != epoch or q[4] + len(batch) > MAX_QUEUED):
-            full = q[4] + len(batch) > MAX_QUEUED
+        if q is not None and (q[0] != sid or q[1] != epoch or q[4] + size > MAX_QUEUED):
+            full = q[4] + size > MAX_QUEUED
             self._close_batches()
             if full:
                 self.flush()
@@ -145,11 +152,10 @@ class ReplicaChannel(protocol.Protocol):
             # [stream id, epoch, where its prefix goes in _out, batches, bytes of the batches' parts]
             self._batches = q = [sid, epoch, len(self._out), 0, 0]
             self._out.append(None)
-        head, body = codec.batch_parts(batch, base)
         self._out.append(head)
         self._out.append(body)
         q[3] += 1
-        q[4] += len(head) + len(body)
+        q[4] += size
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 

@@ -73,24 +73,31 @@ class ClusterRouter:
     def _route_now(self, proto, frame, deferred):
         if proto.lost:
             return True
-        if frame.opcode == codec.APPEND:
-            req = codec.request_of(frame, "AppendRequest")
-            sids = [i.stream_id for i in req.append_requests]
-        else:
-            req = codec.request_of(frame, "FetchRequest")
-            sids = [i.stream_id for i in req.fetch_requests]
         where = {}
         waits = []
-        read = frame.opcode == codec.FETCH
-        offsets = {}
-        if read:
+        if frame.opcode == codec.APPEND:
+            req = codec.request_of(frame, "AppendRequest")
+            infos = req.append_requests
+            if len(infos) == 1:
+                # the usual APPEND, one stream: no per-frame sets and maps on the way
+                sid = infos[0].stream_id
+                w = self.pd.route(sid, False, None, False)
+                if w is None and not deferred:
+                    return False  # served here, by the caller, at once
+                routes = ((sid, w),)
+            else:
+                routes = [(sid, self.pd.route(sid, False, None, False)) for sid in set(i.stream_id for i in infos)]
+        else:
+            req = codec.request_of(frame, "FetchRequest")
             # the lowest offset read of each stream: a replica still catching up sends a read
             # it does not hold to the primary (PlacementDriver.route)
+            offsets = {}
             for i in req.fetch_requests:
                 o = offsets.get(i.stream_id)
                 offsets[i.stream_id] = i.fetch_offset if o is None else min(o, i.fetch_offset)
-        for sid in set(sids):
-            w = self.pd.route(sid, read, offsets.get(sid), read and req.max_wait_ms > 0)
+            wait = req.max_wait_ms > 0
+            routes = [(sid, self.pd.route(sid, True, offset, wait)) for sid, offset in offsets.items()]
+        for sid, w in routes:
             if isinstance(w, defer.Deferred):
                 waits.append(w.addCallback(lambda a, sid=sid: where.__setitem__(sid, a)))
             else:

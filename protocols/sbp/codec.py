@@ -260,9 +260,10 @@ class UnsupportedHeaderFormat(FrameError):
 
 
 def encode_frame_parts(opcode, flags, stream_id, header=b"", payload_parts=(), header_format=HEADER_FORMAT_FLATBUFFERS,
-                       payload_crc=None) -> list:
+                       payload_crc=None, payload_len=None) -> list:
     """The frame as a list of ``bytes`` for ``transport.writeSequence`` (payload not copied).
-    ``payload_crc``: the payload's CRC when already known (e.g. from ``batches_crc``)."""
+    ``payload_crc``: the payload's CRC when already known (e.g. from ``batches_crc``), and with
+    it ``payload_len``, the parts' total length, when known."""
     plen = 0
     crc = 0
     if payload_crc is None:
@@ -270,8 +271,11 @@ def encode_frame_parts(opcode, flags, stream_id, header=b"", payload_parts=(), h
             plen += len(p)
             crc = crc32(p, crc)
     else:
-        for p in payload_parts:
-            plen += len(p)
+        if payload_len is not None:
+            plen = payload_len
+        else:
+            for p in payload_parts:
+                plen += len(p)
         crc = payload_crc if plen else 0
     hlen = len(header)
     length = 16 + hlen + plen

@@ -3,7 +3,7 @@ complete, and a read-ahead for sequential readers.
 
 One ``FetchHandler`` per connection holds the FETCHes in progress (``FetchOp``) and the
 connection's read-ahead. It reaches the connection only through its public surface (``out``,
-``sender``, ``read_batches``, ``lost``, ``closing``, ``begin``/``end`` of the in-flight budget,
+``sender``, ``read_batches``, ``read_now``, ``lost``, ``closing``, ``begin``/``end`` of the in-flight budget,
 ``throttle_time_ms``, ``maybe_idle``).
 
 Zero-copy: with a FileSender (plain TCP/UNIX connections) ``read_batches`` is ``log.read_spans``:
@@ -21,6 +21,7 @@ from protocols.sbp.append import RESULTS_PER_FRAME
 from protocols.sbp.codec import T
 from protocols.sbp.status import status_for_error, status_for_failure
 from storage import errors, record_batch
+from storage.crc import crc32_combine
 from storage.wal import FileSpan
 
 # A FETCH reply frame carries at most this much payload so header + payload stay within 16 MiB.
@@ -90,9 +91,13 @@ class FetchHandler:
         self.pf_bytes += nbytes
         if self.pf_bytes >= PREFETCH_STEP:
             self.pf_bytes = 0
-            steps = self.conn.factory.prefetch_steps
+            factory = self.conn.factory
+            steps = factory.prefetch_steps
             if steps:
-                self.conn.store.log.prefetch(sid, end, steps * PREFETCH_STEP)
+                pieces = self.conn.store.log.prefetch(sid, end, steps * PREFETCH_STEP)
+                metrics = factory.metrics
+                metrics["prefetch_checks"] += 1
+                metrics["prefetch_pieces"] += pieces
 
     def start_read_ahead(self, sid, offset, max_bytes):
         """After a single-stream FETCH ending at ``offset`` below the stream's tail (and once its
@@ -104,12 +109,21 @@ class FetchHandler:
         if max_bytes > READ_AHEAD_MAX or conn.lost or conn.closing:
             return
         try:
-            meta = conn.store.log.stream(sid)
+            trim, nxt = conn.store.log.read_bounds(sid)
         except errors.StoreError:
             return
-        if offset >= meta.next_offset or offset < meta.trim_offset:
+        if offset >= nxt or offset < trim:
             return
-        self.read_ahead = ReadAhead(self.read, sid, offset, max_bytes, meta.next_offset)
+        if conn.read_now is not None:
+            # from the page cache at once, on this thread: no Deferred
+            try:
+                batches = conn.read_now(sid, offset, max_bytes)
+            except errors.StoreError:
+                batches = None
+            if batches is not None:
+                self.read_ahead = ReadAhead.ready(sid, offset, max_bytes, nxt, batches)
+                return
+        self.read_ahead = ReadAhead(self.read, sid, offset, max_bytes, nxt)
 
     def read(self, sid, offset, max_bytes):
         """``conn.read_batches``, counting the reads not answered at once (fetch_pool_reads: with
@@ -118,6 +132,21 @@ class FetchHandler:
         if not d.called:
             self.conn.factory.metrics["fetch_pool_reads"] += 1
         return d
+
+    def read_now(self, sid, offset, max_bytes):
+        """What ``read_ahead_or_read`` would deliver, when it can be had at once on this thread
+        (the read-ahead, done and still valid, or ``conn.read_now``: the page cache): the batches;
+        None when the caller must take the Deferred path. StoreError as the read would fail."""
+        ra = self.read_ahead
+        if ra is not None and ra.key == (sid, offset, max_bytes):
+            if not ra.done:
+                return None  # its read is in the pool: the Deferred path waits for it
+            self.read_ahead = None
+            if ra.failure is None and (ra.nbytes >= max_bytes or self.conn.store.log.read_bounds(sid)[1] == ra.next_at_read):
+                self.conn.factory.metrics["read_ahead_hits"] += 1
+                return ra.batches
+        read_now = self.conn.read_now
+        return None if read_now is None else read_now(sid, offset, max_bytes)
 
     def read_ahead_or_read(self, sid, offset, max_bytes):
         """``store.log.read(sid, offset, max_bytes)`` (``read_spans`` with a FileSender), served from
@@ -135,7 +164,7 @@ class FetchHandler:
             if out.called:  # cancelled (the connection went away)
                 return
             try:
-                grown = conn.store.log.stream(sid).next_offset != ra.next_at_read
+                grown = conn.store.log.read_bounds(sid)[1] != ra.next_at_read
             except errors.StoreError as exc:
                 out.errback(exc)
                 return
@@ -165,6 +194,19 @@ class ReadAhead:
         except Exception as e:  # pragma: no cover (the store returns failed Deferreds)
             d = defer.fail(e)
         d.addCallbacks(self._got, self._failed)
+
+    @classmethod
+    def ready(cls, sid, offset, max_bytes, next_at_read, batches):
+        """A read-ahead answered at once (from the page cache)."""
+        ra = cls.__new__(cls)
+        ra.key = (sid, offset, max_bytes)
+        ra.next_at_read = next_at_read
+        ra.batches = batches
+        ra.nbytes = _nbytes(batches)
+        ra.failure = None
+        ra.done = True
+        ra._waiters = []
+        return ra
 
     def _got(self, batches):
         self.batches = batches
@@ -236,13 +278,13 @@ class FetchOp:
         """Start entry e; returns False if it is parked at the tail."""
         info = e.info
         try:
-            meta = self.log.stream(info.stream_id)
+            trim, nxt = self.log.read_bounds(info.stream_id)
         except errors.StoreError as exc:
             return self._complete(e, status_for_error(exc))
         off = info.fetch_offset
-        if off < meta.trim_offset or off > meta.next_offset:
-            return self._complete(e, codec.status(codec.OFFSET_OUT_OF_RANGE, "offset %d outside [%d, %d]" % (off, meta.trim_offset, meta.next_offset)))
-        if off < meta.next_offset:
+        if off < trim or off > nxt:
+            return self._complete(e, codec.status(codec.OFFSET_OUT_OF_RANGE, "offset %d outside [%d, %d]" % (off, trim, nxt)))
+        if off < nxt:
             self._read(e)
             return True
         if self.req.max_wait_ms <= 0 or self.conn.closing:
@@ -301,6 +343,14 @@ class FetchOp:
         max_bytes = min(max(info.batch_max_bytes, 1), FRAME_PAYLOAD_CAP)
         self.reserved += max_bytes
         conn.begin(max_bytes)
+        try:
+            now = self.fetcher.read_now(info.stream_id, info.fetch_offset, max_bytes)
+        except errors.StoreError:
+            now = None  # the Deferred path reports it
+        if now is not None:
+            # answered at once (the read-ahead or the page cache): no Deferred on the hot path
+            self._got_now(e, info, max_bytes, now)
+            return
         d = self.fetcher.read_ahead_or_read(info.stream_id, info.fetch_offset, max_bytes)
         e.wait = d
         ahead = []
@@ -341,6 +391,31 @@ class FetchOp:
 
         d.addCallbacks(got, failed)
         d.addBoth(release)
+
+    def _got_now(self, e, info, max_bytes, batches):
+        """``_read``'s got and release for batches had at once."""
+        taken = []
+        total = 0
+        limit = info.batch_max_bytes
+        for b in batches:
+            n = b.length if type(b) is FileSpan else len(b)
+            if taken and (total >= limit or total + n > FRAME_PAYLOAD_CAP):
+                break
+            taken.append(b)
+            total += n
+        e.batches = taken
+        e.nbytes = total
+        self._complete(e, codec.status() if taken else codec.status(codec.NO_NEW_RECORD, "no new record"))
+        ahead = None
+        if taken and len(self.entries) == 1:
+            last = record_batch.read_header(_head(taken[-1]))
+            ahead = last.base_offset + last.record_count
+            self.fetcher.prefetch(info.stream_id, info.fetch_offset, ahead, total)
+        self.reserved -= max_bytes
+        self._flush()
+        if ahead is not None:
+            self.fetcher.start_read_ahead(info.stream_id, ahead, max_bytes)
+        self.conn.end(max_bytes)
 
     def _complete(self, e, st):
         if e.done:
@@ -440,14 +515,18 @@ class FetchOp:
             spans = 0
             for b in parts:
                 if type(b) is FileSpan:
-                    crc = codec.batch_crc_from_header(b.header, b.length, crc)
+                    if b.crc is not None:  # worked out by the store's head check
+                        crc = crc32_combine(crc, b.crc, b.length)
+                    else:
+                        crc = codec.batch_crc_from_header(b.header, b.length, crc)
                     spans += b.length
                 else:
                     try:
                         crc = codec.batches_crc(b, 0, len(b), crc)
                     except ValueError:
                         crc = codec.crc32(b, crc)
-            frame_parts = codec.encode_frame_parts(codec.FETCH, flags, self.frame.stream_id, header, parts, payload_crc=crc)
+            frame_parts = codec.encode_frame_parts(codec.FETCH, flags, self.frame.stream_id, header, parts, payload_crc=crc,
+                                                   payload_len=sum(e.nbytes for e in group))
             if spans:
                 metrics["fetch_sendfile_bytes"] += spans
                 conn.sender.send(frame_parts)
@@ -458,6 +537,11 @@ class FetchOp:
         if last:
             conn.factory.observe_latency("sbp.fetch", time.perf_counter() - self.t0)
             self.fetcher.op_done(self)
+
+
+def _nbytes(batches):
+    """The bytes of a read's batches (FileSpans and bytes)."""
+    return sum([b.length if type(b) is FileSpan else len(b) for b in batches])
 
 
 def _head(batch):

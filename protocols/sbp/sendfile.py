@@ -25,6 +25,7 @@ waiting for the disk.
 
 import os
 import socket
+import time
 from collections import deque
 
 from twisted.logger import Logger
@@ -43,8 +44,9 @@ class FileSender:
     log = Logger()
 
     HIGH = 4 << 20  # queued bytes (file ranges included) above which on_backlog(True)
+    STALL_S = 0.005
 
-    def __init__(self, transport, on_backlog):
+    def __init__(self, transport, on_backlog, counts=None):
         self.transport = transport
         self._sock = transport.socket
         self._fileno = transport.socket.fileno()
@@ -54,19 +56,30 @@ class FileSender:
         self._on_backlog = on_backlog
         self._backlogged = False
         self._lose_when_drained = False
+        # counters added to (the server's metrics): sendfile calls, and those that could not send
+        # all they were asked (the socket's buffer full: the rest waits for a writability event)
+        self._counts = counts if counts is not None else {}
+        self._counts.setdefault("fetch_sendfile_calls", 0)
+        self._counts.setdefault("fetch_sendfile_short", 0)
+        # wall time in the passes that called sendfile, and those passes over STALL_S: a sendfile
+        # of cached pages takes microseconds; longer is the reactor waiting (for a page still
+        # being read from disk, or for a CPU on a busy machine)
+        self._counts.setdefault("fetch_send_wall_s", 0.0)
+        self._counts.setdefault("fetch_send_stalls", 0)
         self._orig_do_write = tcp_internals.take_over_writes(transport, self._do_write)
 
     @classmethod
-    def for_transport(cls, transport, on_backlog):
+    def for_transport(cls, transport, on_backlog, counts=None):
         """A FileSender for a plain TCP (or UNIX) socket transport, else None (TLS, test
-        transports): then replies are written as bytes."""
+        transports): then replies are written as bytes. ``counts``: a dict the sendfile counters
+        are added to."""
         if not tcp_internals.is_plain_tcp(transport):
             return None
         try:
             transport.socket.fileno()
         except Exception:
             return None
-        return cls(transport, on_backlog)
+        return cls(transport, on_backlog, counts)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -92,22 +105,35 @@ class FileSender:
     def send(self, parts):
         """Send ``parts`` (bytes and FileSpans) in order after everything written before."""
         q = self._queue
+        first = 0  # bytes of parts[0] already sent
+        full = False
+        if not q and not self._twisted_pending():
+            # nothing waits before them: straight to the socket, queueing only what it cannot take
+            done = self._send_now(parts)
+            if done is None:
+                self._abort()
+                return
+            parts, first = done
+            if not parts:
+                return
+            full = True  # the rest waits for the socket to be writable again
         small = []  # consecutive bytes parts go out in one send()
         for p in parts:
             if type(p) is FileSpan:
                 if small:
                     self._queue_bytes(small)
                     small = []
-                if p.length:
-                    q.append([p.file, p.offset, p.length])
-                    self.queued += p.length
+                if p.length > first:
+                    q.append([p.file, p.offset + first, p.length - first])
+                    self.queued += p.length - first
             elif p:
-                small.append(p)
+                small.append(memoryview(p)[first:] if first else p)
+            first = 0
         if small:
             self._queue_bytes(small)
         if not q:
             return
-        if not self._twisted_pending():
+        if not full and not self._twisted_pending():
             # the socket is probably writable now: send without waiting a reactor iteration
             if not self._drain():
                 self._abort()
@@ -115,6 +141,59 @@ class FileSender:
         if q:
             self.transport.startWriting()
         self._drained_check()
+
+    def _send_now(self, parts):
+        """Send ``parts`` from the first until the socket is full: ``(rest, k)``, the parts not
+        wholly sent (the first of them ``k`` bytes in), or None on a fatal error. Bytes parts
+        before a FileSpan go in one ``send()`` with MSG_MORE (a reply's prefix and header), the
+        last ones without it."""
+        sock = self._sock
+        out = self._fileno
+        n_parts = len(parts)
+        i = 0
+        calls = 0
+        t0 = time.perf_counter()
+        try:
+            while i < n_parts:
+                p = parts[i]
+                if type(p) is FileSpan:
+                    left = p.length
+                    if left:
+                        calls += 1
+                        n = os.sendfile(out, p.file.fd, p.offset, left)
+                        if n <= 0:
+                            # the file ends before the range the store named (truncated behind
+                            # our back): this frame cannot be completed
+                            self.log.error("WAL segment shorter than a FETCH reply's batch; closing the connection")
+                            return None
+                        self.sent_file_bytes += n
+                        if n < left:
+                            self._count(calls, 1, t0)  # the socket's buffer is full
+                            return parts[i:], n
+                    i += 1
+                    continue
+                j = i + 1  # the bytes parts up to the next FileSpan: one send()
+                while j < n_parts and type(parts[j]) is not FileSpan:
+                    j += 1
+                if j > i + 1:
+                    p = b"".join(parts[i:j])
+                    parts = parts[:i] + [p] + parts[j:]
+                    n_parts = len(parts)
+                    j = i + 1
+                if p:
+                    n = sock.send(p, _MSG_MORE if j < n_parts else 0)
+                    if n < len(p):
+                        self._count(calls, 0, t0)
+                        return parts[i:], n
+                i = j
+        except (BlockingIOError, InterruptedError):
+            self._count(calls, 1 if type(parts[i]) is FileSpan else 0, t0)
+            return parts[i:], 0
+        except OSError as e:
+            self.log.debug("send failed: {error}", error=e)
+            return None
+        self._count(calls, 0, t0)
+        return (), 0
 
     def _queue_bytes(self, parts):
         self._append_bytes(parts[0] if len(parts) == 1 else b"".join(parts))
@@ -167,11 +246,14 @@ class FileSender:
         q = self._queue
         sock = self._sock
         out = self._fileno
+        calls = 0
+        t0 = time.perf_counter()
         try:
             while q:
                 item = q[0]
                 if type(item) is list:
                     f, off, left = item
+                    calls += 1
                     n = os.sendfile(out, f.fd, off, left)
                     if n <= 0:
                         # the file ends before the range the store named (truncated behind our
@@ -183,6 +265,7 @@ class FileSender:
                     if n < left:
                         item[1] = off + n
                         item[2] = left - n
+                        self._count(calls, 1, t0)
                         return True  # the socket's buffer is full
                 else:
                     # MSG_MORE when more follows (a reply's prefix and header before its batches):
@@ -194,11 +277,25 @@ class FileSender:
                         return True
                 q.popleft()
         except (BlockingIOError, InterruptedError):
+            self._count(calls, 1 if calls and type(q[0]) is list else 0, t0)
             return True
         except OSError as e:
             self.log.debug("send failed: {error}", error=e)
             return False
+        if calls:
+            self._count(calls, 0, t0)
         return True
+
+    def _count(self, calls, short, t0):
+        if not calls:
+            return
+        counts = self._counts
+        counts["fetch_sendfile_calls"] += calls
+        counts["fetch_sendfile_short"] += short
+        wall = time.perf_counter() - t0
+        counts["fetch_send_wall_s"] += wall
+        if wall > self.STALL_S:
+            counts["fetch_send_stalls"] += 1
 
     def _abort(self):
         self.discard()

@@ -70,8 +70,10 @@ class SbpServerFactory(Factory):
         self.connections = set()
         self.shutting_down = False
         metrics = node.metrics.setdefault("sbp", {})
-        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "fetch_pool_reads", "errors"):
+        for k in ("connections", "appends", "append_records", "append_bytes", "fetches", "fetch_bytes", "fetch_sendfile_bytes", "read_ahead_hits", "fetch_pool_reads", "errors",
+                  "fetch_sendfile_calls", "fetch_sendfile_short", "fetch_send_stalls", "prefetch_checks", "prefetch_pieces"):
             metrics.setdefault(k, 0)
+        metrics.setdefault("fetch_send_wall_s", 0.0)
         self.metrics = metrics
         self.reported = node.metrics.setdefault("sbp_reported_metrics", {})
         # sbpnode_responses_total (node/metrics.py): replies by opcode << 16 | status code (int
@@ -125,7 +127,7 @@ class SbpServerProtocol(Protocol):
     """One connection: frames in, dispatch to APPEND / FETCH / admin, backpressure, GOAWAY.
 
     What the handlers (append.py, fetch.py, admin.py) use of it: ``out``, ``sender``,
-    ``read_batches``, ``lost``, ``closing``, ``begin``/``end``, ``warn``, ``throttle_time_ms``,
+    ``read_batches``, ``read_now``, ``lost``, ``closing``, ``begin``/``end``, ``warn``, ``throttle_time_ms``,
     ``maybe_idle``, ``store``, ``factory``, ``reactor``, ``log``."""
 
     log = Logger()
@@ -150,6 +152,7 @@ class SbpServerProtocol(Protocol):
         self.sender = None  # FileSender: replies with batches sent from the WAL files
         self.out = None  # where replies are written: the FileSender, or the transport
         self.read_batches = None  # store.log.read, or read_spans with a FileSender
+        self.read_now = None  # with a FileSender: store.log.read_spans_now (the page cache, no Deferred)
         self.appends = AppendHandler(self)
         self.fetches = FetchHandler(self)
         self.admin = factory.admin_class(self)
@@ -165,10 +168,11 @@ class SbpServerProtocol(Protocol):
         self.transport.registerProducer(self.gate, True)
         tcp_internals.set_read_size(self.transport, codec.READ_SIZE)
         if self.factory.zero_copy:
-            self.sender = FileSender.for_transport(self.transport, self._backlog)
+            self.sender = FileSender.for_transport(self.transport, self._backlog, self.factory.metrics)
         if self.sender is not None:
             self.out = self.sender
             self.read_batches = self.store.log.read_spans
+            self.read_now = self.store.log.read_spans_now
         else:
             self.out = self.transport
             self.read_batches = self.store.log.read if self.store is not None else None
