@@ -83,6 +83,9 @@ from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS
 
 BATCH_PREFIX = struct.Struct(">QQ")  # a T_BATCH entry's payload starts: stream_id, append_ms
 _BASE = struct.Struct(">q")
+# a T_BATCH entry's payload up to the batch's record_count: stream_id, append_ms, then the batch's
+# magic byte and its base_offset (written in on the way to the WAL)
+_HEAD = struct.Struct(">QQBq")
 _BASE_COUNT = struct.Struct(">qi")  # a record batch's base_offset and record_count (bytes 1..12)
 _BLOCK = HEADER_SIZE  # a record batch's records block starts here
 
@@ -358,9 +361,22 @@ class CommitCore:
             if self._wakes_held:
                 self._wake_pending = True
             else:
-                with self._cond:
-                    self._cond.notify()
+                self._wake_writer()
         return op.done
+
+    def _wake_writer(self):
+        with self._cond:
+            self._cond.notify()
+            # busy from now on, not once the woken writer has run: until it takes the GIL it
+            # could not say so itself (``writer_busy``), and a second notify would be wasted
+            self._writer_idle = False
+
+    @property
+    def writer_busy(self) -> bool:
+        """Reactor thread, a hint: the writer is at a group (or about to be) rather than waiting
+        for one. A caller about to give up the GIL for a while (a long CRC) keeps it instead while
+        the writer is busy, since the writer would take it and hold it up to the switch interval."""
+        return not self._writer_idle
 
     def hold_wakeups(self):
         """Reactor thread: until the matching ``release_wakeups()``, ``submit`` does not wake an
@@ -373,8 +389,7 @@ class CommitCore:
         self._wakes_held -= 1
         if not self._wakes_held and self._wake_pending:
             self._wake_pending = False
-            with self._cond:
-                self._cond.notify()
+            self._wake_writer()
 
     def transact(self, fn, nbytes=256) -> defer.Deferred:
         """``check_writable`` then ``submit(Transact(fn, nbytes))``, as a Deferred either way."""
@@ -593,9 +608,9 @@ class CommitCore:
                             parts = (BATCH_PREFIX.pack(sid, append_ms), view[:_BLOCK], view[_BLOCK:])
                     elif block_crc is None:
                         parts = (BATCH_PREFIX.pack(sid, append_ms), batch[:1], _BASE.pack(base), memoryview(batch)[9:])
-                    else:
+                    else:  # the SBP APPEND path: the entry's head in one piece, the records block as it came
                         view = memoryview(batch)
-                        parts = (BATCH_PREFIX.pack(sid, append_ms), view[:1], _BASE.pack(base), view[9:_BLOCK], view[_BLOCK:])
+                        parts = (_HEAD.pack(sid, append_ms, batch[0], base) + view[9:_BLOCK], view[_BLOCK:])
                     pos = wal.add(T_BATCH, parts, block_crc)
                     total = ENTRY_SIZE + 16 + len(batch)
                     index.put_batch_index(txn, dbs, INDEX_KEY.pack(sid, base),

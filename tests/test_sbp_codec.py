@@ -409,3 +409,8 @@ def test_hot_encoders_match_generic(th, sid, idx, base, ts):
     if th and sid and idx and base and ts:
         assert c.encode_append_response_one(th, sid, idx, base, ts) == c.encode_table(
             "AppendResponse", c.T.AppendResponse(th, ok, [c.T.AppendResult(sid, idx, base, ts, ok)]))
+    for frame_sid in (0, 1, idx & 0xFFFFFFFF):  # the whole ack frame, from its template (issue 24)
+        ack = c.append_ack_frame(frame_sid, th, sid, idx, base, ts)
+        assert ack == c.encode_frame(c.APPEND, c.RESPONSE_LAST, frame_sid, c.encode_append_response_one(th, sid, idx, base, ts))
+        f = c.decode(ack)
+        assert (f.opcode, f.flags, f.stream_id, f.payload) == (c.APPEND, 0x03, frame_sid, b"")

@@ -850,6 +850,28 @@ def encode_append_response_one(throttle_time_ms, stream_id, request_index, base_
     return _APPEND_ONE.render(throttle_time_ms, stream_id, request_index, base_offset, append_time_ms)
 
 
+# The whole reply frame to a one-batch APPEND (prefix, the header above, the CRC of the empty
+# payload: 0), rendered in one pass: the reply every pipelined APPEND gets (issue 24).
+_APPEND_ACK = bytes(encode_frame(APPEND, RESPONSE_LAST, 0, _APPEND_ONE.buf))
+_APPEND_ACK_SLOTS = [(PREFIX_SIZE + pos, st) for pos, st in _APPEND_ONE.slots]
+_U32_BE = struct.Struct(">I")
+_ACK_SID_AT = 4 + 1 + 2 + 1  # the prefix's stream_id: after frame_length, magic, opcode, flags
+
+
+def append_ack_frame(frame_stream_id, throttle_time_ms, stream_id, request_index, base_offset, append_time_ms) -> bytes:
+    """``encode_frame(APPEND, RESPONSE_LAST, frame_stream_id, encode_append_response_one(...))``,
+    byte for byte, from one template."""
+    out = bytearray(_APPEND_ACK)
+    _U32_BE.pack_into(out, _ACK_SID_AT, frame_stream_id)
+    (p0, s0), (p1, s1), (p2, s2), (p3, s3), (p4, s4) = _APPEND_ACK_SLOTS
+    s0.pack_into(out, p0, throttle_time_ms)
+    s1.pack_into(out, p1, stream_id)
+    s2.pack_into(out, p2, request_index)
+    s3.pack_into(out, p3, base_offset)
+    s4.pack_into(out, p4, append_time_ms)
+    return bytes(out)
+
+
 def encode_fetch_response_one(throttle_time_ms, stream_id, request_index, batch_length) -> bytes:
     """FetchResponse with one successful FetchResult (the hot path)."""
     return _FETCH_ONE.render(throttle_time_ms, stream_id, request_index, batch_length)
