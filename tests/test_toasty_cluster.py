@@ -5,6 +5,7 @@ The tests share one cluster and run in file order; the kill test comes last (it 
 
 import hashlib
 import threading
+import time
 from contextlib import closing
 
 import pytest
@@ -257,7 +258,16 @@ def test_unreferenced_chunks_are_released_cluster_wide(cluster):
     """Every holder keeps a local reference per chunk the tree lists it for, and drops it when no
     file does (the store's sweep then reclaims the chunk after its grace period)."""
     _, _, nodes = cluster
-    before = [toasty_status(n)["pinned"] for n in nodes]
+
+    def settled():
+        # the module's earlier tests may still be releasing or re-replicating chunks: take the
+        # counts once they hold still for a second with nothing under-replicated
+        first = [toasty_status(n) for n in nodes]
+        time.sleep(1.0)
+        again = [toasty_status(n) for n in nodes]
+        steady = [a["pinned"] for a in first] == [b["pinned"] for b in again]
+        return steady and all(b["under_replicated"] == 0 for b in again) and [b["pinned"] for b in again]
+    before = wait_for(settled, timeout=60, what="every holder's references settled")
 
     def pinned_are(extra):
         return all(toasty_status(n)["pinned"] == b0 + extra for n, b0 in zip(nodes, before))
