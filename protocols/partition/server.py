@@ -31,7 +31,7 @@ from twisted.python.failure import Failure
 from protocols import tcp_internals
 from protocols.direct_send import send_now
 from protocols.framing import Framer
-from protocols.partition import codec
+from protocols.partition import codec, frame_scan
 from protocols.read_gate import BUDGET, CLOSING, ReadGate
 from protocols.partition.codec import (
     CREATE_CURSOR,
@@ -402,6 +402,13 @@ class KvServerProtocol(Protocol):
                 # Fast paths for the hot commands (same rules as the codec, no request object).
                 # A run goes on in place over the whole frames after this one in the same read.
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
+                scan = frame_scan.scan_run
+                if scan is not None and (cmd == SET or cmd == GET):
+                    after = self._scanned_run(scan, buf, pos, cmd)
+                    if after != pos:
+                        if after > end:
+                            frames.skip_to(after)
+                        continue
                 if cmd == GET and klen and 28 + klen <= total:
                     after = self._get_run(buf, pos, len(buf), total, cid, klen)
                     if after > end:
@@ -452,6 +459,12 @@ class KvServerProtocol(Protocol):
             if cmd != GET or not klen or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
                 break
         self._handled += len(keys) - 1
+        self._answer_gets(keys, cids, t0)
+        return pos
+
+    def _answer_gets(self, keys, cids, t0):
+        """The replies of a run of GETs (``keys``, non-empty, and their client ids): one store read
+        (and the pending table); straight out, or into one slot behind the writes still waiting."""
         slots = self._slots
         out = [] if slots else self._out
         try:
@@ -485,7 +498,32 @@ class KvServerProtocol(Protocol):
         if slots:
             slots.append([b"".join(out), len(cids)])
             self._waiting += len(cids)
-        return pos
+
+    def _scanned_run(self, scan, buf, pos, cmd):
+        """The run of whole GETs or SETs (``cmd``) at ``pos`` found by the compiled scan
+        (``frame_scan``) and taken as one batch: the keys (and values) sliced with one ``map``
+        each, the GETs answered with one store read, the SETs entered in this pass's write run in
+        one step. Returns the position after the run, or ``pos`` when the scan took fewer than two
+        messages (the Python loops then take it: a ``SET k; GET k`` pipeline goes on there)."""
+        if cmd == GET:
+            t0 = time.perf_counter()
+            run = scan(buf, pos, len(buf), GET, 1 << 30, 1 << 62)
+            if run is None or len(run[0]) < 2:
+                return pos
+            cids, kstarts, kends, _vs, _ve, after = run
+            self._handled += len(cids) - 1
+            self._answer_gets(list(map(buf.__getitem__, map(slice, kstarts, kends))), cids, t0)
+            return after
+        run = scan(buf, pos, len(buf), SET, self.max_pending - self._waiting,
+                   self.max_inflight_bytes - self._inflight_bytes)
+        if run is None or len(run[0]) < 2:
+            return pos
+        cids, kstarts, kends, vstarts, vends, after = run
+        self._handled += len(cids) - 1
+        getitem = buf.__getitem__
+        self._add_writes(cids, list(map(getitem, map(slice, kstarts, kends))),
+                         list(map(getitem, map(slice, vstarts, vends))), sum(vends) - sum(vstarts), 0)
+        return after
 
     def _write_run(self, buf, pos, n):
         """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
@@ -611,7 +649,11 @@ class KvServerProtocol(Protocol):
             return
         self._run = None
         try:
-            d = self._write_many(zip(run.keys, run.values))
+            write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
+            if write_sets is not None:
+                d = write_sets(run.keys, run.values)  # SETs alone: no step per SET (storage/kv.py)
+            else:
+                d = self._write_many(zip(run.keys, run.values))
         except Exception:
             d = defer.fail()
         d.addBoth(self._run_done, run, time.perf_counter())
@@ -929,4 +971,14 @@ def build_factory(node):
     factory = KvServerFactory(node.store.kv, metrics, node.store)
     factory.observe_latency = getattr(node, "observe_latency", _ignore_latency)
     node.on_shutdown(factory.when_idle)
+    load_frame_scan(node)
     return factory
+
+
+def load_frame_scan(node):
+    """Load the compiled frame scan (``frame_scan``) off the reactor; the node writes its ready
+    file once it has (so no client meets the reactor stalled behind numba's import)."""
+    if hasattr(node, "before_ready"):
+        node.before_ready(frame_scan.start_loading(node.reactor), "compiled kv frame scan")
+    else:
+        frame_scan.start_loading()
