@@ -61,6 +61,7 @@ files, on ``task.Clock``, deterministically.
 import collections
 import errno
 import os
+import select
 import struct
 import threading
 import time
@@ -298,6 +299,8 @@ class CommitCore:
         self._writer_idle = False
         self._wakes_held = 0  # reactor thread: hold_wakeups() depth
         self._wake_pending = False  # reactor thread: a submit found the writer idle while held
+        self._pass_hold = False  # reactor thread: hold_wakeups_for_pass() holds until the next pass
+        self._writer = None
         self._queued_bytes = 0  # reactor thread
         self._drain_waiters = []  # reactor thread
         self._rtxn = None  # reactor thread: the reused read snapshot
@@ -312,6 +315,10 @@ class CommitCore:
         if policy.mode == "interval":
             self.presync = PreSync(wal, packs, policy.interval_ms / 1000.0)
             self.presync.start()
+        # the writer sleeps in poll() on this eventfd; submit writes it (_wake_writer)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_poll = select.poll()
+        self._wake_poll.register(self._wake_fd, select.POLLIN)
         self._writer = threading.Thread(target=self._run_writer, name="storage-writer", daemon=True)
         self._writer.start()
 
@@ -336,9 +343,16 @@ class CommitCore:
             if self._wakes_held:
                 self._wake_pending = True
             else:
-                with self._cond:
-                    self._cond.notify()
+                self._wake_writer()
         return op.done
+
+    def _wake_writer(self):
+        """Wake the writer waiting in ``_take``: one ``eventfd`` write, with the GIL let go for the
+        syscall (``os.eventfd_write``). A ``Condition.notify`` made the same futex wake-up holding
+        the GIL: the woken writer, often run at once on the waker's core, found the GIL taken, slept
+        again, and the reactor waited for its core back (17-21% of the reactor's GIL-holding samples
+        under a SET load, docs/benchmarks.md)."""
+        os.eventfd_write(self._wake_fd, 1)
 
     def hold_wakeups(self):
         """Reactor thread: until the matching ``release_wakeups()``, ``submit`` does not wake an
@@ -351,8 +365,23 @@ class CommitCore:
         self._wakes_held -= 1
         if not self._wakes_held and self._wake_pending:
             self._wake_pending = False
-            with self._cond:
-                self._cond.notify()
+            self._wake_writer()
+
+    def hold_wakeups_for_pass(self):
+        """Reactor thread: hold wake-ups (``hold_wakeups``) until the reactor's next pass begins,
+        i.e. until it has finished this one (the rest of the reads it is handling, the replies they
+        send) and is about to wait in epoll, where it lets go of the GIL. A writer woken in the
+        middle of a pass wakes only to wait for the GIL the reactor still holds (a second sleep
+        and wake-up per group); woken here it finds the GIL free."""
+        if self._pass_hold or self._writer is None:
+            return
+        self._pass_hold = True
+        self._wakes_held += 1
+        self.reactor.callLater(0, self._end_pass_hold)
+
+    def _end_pass_hold(self):
+        self._pass_hold = False
+        self.release_wakeups()
 
     def transact(self, fn, nbytes=256) -> defer.Deferred:
         """``check_writable`` then ``submit(Transact(fn, nbytes))``, as a Deferred either way."""
@@ -385,14 +414,19 @@ class CommitCore:
     # -- the writer thread ------------------------------------------------------------------------
 
     def _take(self, timeout):
-        with self._cond:
+        if not self._queue:
+            # set before re-checking: a submitter that appended before this finds the queue
+            # non-empty here; one that appends after sees the flag and writes the eventfd, whose
+            # count stays until read, so no wake-up is lost (a stale one only makes a pass for nothing)
+            self._writer_idle = True
             if not self._queue:
-                # set under the lock before re-checking: a submitter that sees it notifies after
-                # our wait() released the lock, so no wake-up is lost
-                self._writer_idle = True
-                if not self._queue:
-                    self._cond.wait(timeout)
-                self._writer_idle = False
+                self._wake_poll.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+            self._writer_idle = False
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+        with self._cond:
             group, size = [], 0
             q = self._queue
             while q and (not group or size + q[0].nbytes <= MAX_GROUP_BYTES):
@@ -794,13 +828,14 @@ class CommitCore:
         self.closed = True
         stop = _Stop()
         self._queue.append(stop)
-        with self._cond:
-            self._cond.notify()
+        if self._writer is not None:
+            self._wake_writer()
         done = defer.Deferred()
 
         def finish(_):
             if self._writer is not None:
                 self._writer.join()
+                os.close(self._wake_fd)
             if self.presync is not None:
                 self.presync.stop()
             for fn in self.on_close:

@@ -336,19 +336,23 @@ class KeyValue:
         d.addBoth(self._landed, run, nbytes, plain)
         return d
 
-    def write_sets(self, keys, values):
-        """``write_many(zip(keys, values))`` for a run of puts alone (two lists of one length):
-        the same answer (one True per put). When every key is ``bytes`` of 1..KEY_KEEP bytes and
-        every value ``bytes`` of at most 16 MiB (a key-value server's run of SETs; checked here in
-        C-level passes, else this is ``write_many``) there is no Python step per put: the stored
-        values are made with one ``map``, the run's memtable entry with one ``dict``, and the WAL
-        gets the run as one ``OP_PUTS`` op (two lists) instead of an op per put."""
+    def write_sets(self, keys, values, value_bytes=None):
+        """``write_many(zip(keys, values))`` for a run of puts alone (two lists of one length; keys
+        ``bytes``): the same answer, one True per put. When every key has 1..KEY_KEEP bytes and
+        every value at most 16 MiB (a key-value server's run of SETs; checked here in two C-level
+        passes, else this is ``write_many``) there is no Python step per put: the stored values are
+        made with one ``map``, the run's memtable entry with one ``dict``, and the WAL gets the run
+        as one ``OP_PUTS`` op (two lists) instead of an op per put. ``value_bytes``: the values'
+        total length, from a caller that checked each is at most 16 MiB."""
         n = len(keys)
-        if not n or not (_only_bytes(keys) and _only_bytes(values) and min(map(len, keys)) > 0
-                         and max(map(len, keys)) <= KEY_KEEP and max(map(len, values)) <= MAX_VALUE):
+        lengths = list(map(len, keys))
+        if not n or min(lengths) < 1 or max(lengths) > KEY_KEEP or (
+                value_bytes is None and max(map(len, values)) > MAX_VALUE):
             return self.write_many(zip(keys, values))
+        if value_bytes is None:
+            value_bytes = sum(map(len, values))
         stored = list(map(b"\x00".__add__, values))
-        nbytes = sum(map(len, keys)) + sum(map(len, values)) + ENTRY_OVERHEAD * n
+        nbytes = sum(lengths) + value_bytes + ENTRY_OVERHEAD * n
         try:
             if self._active.nbytes + self.flushing_bytes + nbytes > HARD_BYTES:
                 self.flush()

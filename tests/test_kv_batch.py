@@ -108,7 +108,7 @@ def test_the_compiled_path_takes_the_runs(tmp_path, scan_mode, monkeypatch):
     monkeypatch.setattr(frame_scan, "scan_run", lambda *a: calls.append(a[3]) or COMPILED(*a))
     sets = []
     real = store.kv.write_sets
-    store.kv.write_sets = lambda keys, values: sets.append(len(keys)) or real(keys, values)
+    store.kv.write_sets = lambda keys, values, nbytes=None: sets.append(len(keys)) or real(keys, values, nbytes)
     data = b"".join(c.encode_set(i, b"key%d" % i, b"v") for i in range(50))
     data += b"".join(c.encode_get(100 + i, b"key%d" % i) for i in range(50))
     proto, tr = connect(store)

@@ -52,9 +52,9 @@ def record_runs(store):
         runs.append([(bytes(k), None if v is None else bytes(v)) for k, v in ops])
         return real(ops)
 
-    def write_sets(keys, values):
+    def write_sets(keys, values, value_bytes=None):
         runs.append([(bytes(k), bytes(v)) for k, v in zip(keys, values)])
-        return real_sets(keys, values)
+        return real_sets(keys, values, value_bytes)
 
     store.kv.write_many = write_many
     store.kv.write_sets = write_sets

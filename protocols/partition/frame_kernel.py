@@ -16,13 +16,13 @@ _MAX_MESSAGE = 32 * 1024 * 1024  # CONTRACT §4
 def scan_run(b, pos, n, cmd, max_items, max_value_bytes, out):  # pragma: no cover - compiled
     """From ``b[pos:n]``, the longest run (at most ``max_items``, and stopping once the values
     taken reach ``max_value_bytes``) of whole, well-formed messages of ``cmd`` (GET or SET) with a
-    key of 1..KEY_KEEP bytes; a SET's value at most 16 MiB, inside total_len. ``out[i]`` gets
-    (client_id, key start, key end, value start, value end) of message i (a GET's value span is
-    empty, at its key's end).
+    key of 1..KEY_KEEP bytes; a SET's value at most 16 MiB, inside total_len. Column i of ``out``
+    (5 rows) gets (client_id, key start, key end, value start, value end) of message i (a GET's
+    value span is empty, at its key's end).
     Returns (count, position after the run). Any other message (or a cut one) ends the run."""
     i = 0
     vbytes = 0
-    while i < max_items and n - pos >= 28 and vbytes < max_value_bytes:
+    while i < max_items and i < out.shape[1] and n - pos >= 28 and vbytes < max_value_bytes:
         if b[pos] | b[pos + 1] | b[pos + 2] | b[pos + 3]:
             break  # total_len of 4 GiB or more: the general path refuses it
         total = (b[pos + 4] << 24) | (b[pos + 5] << 16) | (b[pos + 6] << 8) | b[pos + 7]
@@ -49,11 +49,11 @@ def scan_run(b, pos, n, cmd, max_items, max_value_bytes, out):  # pragma: no cov
             vstart = vend = kend
         hi = (b[pos + 8] << 24) | (b[pos + 9] << 16) | (b[pos + 10] << 8) | b[pos + 11]
         lo = (b[pos + 12] << 24) | (b[pos + 13] << 16) | (b[pos + 14] << 8) | b[pos + 15]
-        out[i, 0] = (hi << 32) | lo  # out is uint64: the u64 client_id's bits as they are
-        out[i, 1] = pos + 28
-        out[i, 2] = kend
-        out[i, 3] = vstart
-        out[i, 4] = vend
+        out[0, i] = (hi << 32) | lo  # out is uint64: the u64 client_id's bits as they are
+        out[1, i] = pos + 28
+        out[2, i] = kend
+        out[3, i] = vstart
+        out[4, i] = vend
         i += 1
         pos = end
     return i, pos

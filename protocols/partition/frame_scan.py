@@ -87,14 +87,14 @@ def load():
 
         kernel = mod.scan_run
         frombuffer, u8 = np.frombuffer, np.uint8
-        out = np.zeros((MAX_RUN, 5), np.uint64)  # reactor thread only, once loaded
+        out = np.zeros((5, MAX_RUN), np.uint64)  # reactor thread only, once loaded
         kernel(frombuffer(b"\x00" * 28, u8), 0, 28, 3, MAX_RUN, 1, out)  # compile (or load) now
 
         def scan(buf, pos, n, cmd, max_items, max_value_bytes):
             count, end = kernel(frombuffer(buf, u8), pos, n, cmd, min(max_items, MAX_RUN), max_value_bytes, out)
             if not count:
                 return None
-            cids, kstarts, kends, vstarts, vends = out[:count].T.tolist()
+            cids, kstarts, kends, vstarts, vends = out[:, :count].tolist()
             return cids, kstarts, kends, vstarts, vends, end
 
         scan_run = scan

@@ -271,6 +271,7 @@ class KvServerProtocol(Protocol):
     def __init__(self, kv, metrics=None, store=None):
         self.kv = kv
         self.store = store  # for its congestion signal (None: not checked)
+        self._hold_wakeups = getattr(getattr(store, "core", None), "hold_wakeups_for_pass", None)
         self.metrics = metrics if metrics is not None else {}
         self.responses = self.metrics.setdefault("responses", {})
         self._frames = Framer(self.layout())
@@ -501,7 +502,7 @@ class KvServerProtocol(Protocol):
 
     def _scanned_run(self, scan, buf, pos, cmd):
         """The run of whole GETs or SETs (``cmd``) at ``pos`` found by the compiled scan
-        (``frame_scan``) and taken as one batch: the keys (and values) sliced with one ``map``
+        (``frame_scan``) and taken as one batch: the keys (and values) sliced in one comprehension
         each, the GETs answered with one store read, the SETs entered in this pass's write run in
         one step. Returns the position after the run, or ``pos`` when the scan took fewer than two
         messages (the Python loops then take it: a ``SET k; GET k`` pipeline goes on there)."""
@@ -512,7 +513,7 @@ class KvServerProtocol(Protocol):
                 return pos
             cids, kstarts, kends, _vs, _ve, after = run
             self._handled += len(cids) - 1
-            self._answer_gets(list(map(buf.__getitem__, map(slice, kstarts, kends))), cids, t0)
+            self._answer_gets([buf[a:b] for a, b in zip(kstarts, kends)], cids, t0)
             return after
         run = scan(buf, pos, len(buf), SET, self.max_pending - self._waiting,
                    self.max_inflight_bytes - self._inflight_bytes)
@@ -520,9 +521,8 @@ class KvServerProtocol(Protocol):
             return pos
         cids, kstarts, kends, vstarts, vends, after = run
         self._handled += len(cids) - 1
-        getitem = buf.__getitem__
-        self._add_writes(cids, list(map(getitem, map(slice, kstarts, kends))),
-                         list(map(getitem, map(slice, vstarts, vends))), sum(vends) - sum(vstarts), 0)
+        self._add_writes(cids, [buf[a:b] for a, b in zip(kstarts, kends)],
+                         [buf[a:b] for a, b in zip(vstarts, vends)], sum(vends) - sum(vstarts), 0)
         return after
 
     def _write_run(self, buf, pos, n):
@@ -648,10 +648,13 @@ class KvServerProtocol(Protocol):
         if run is None:
             return
         self._run = None
+        hold = self._hold_wakeups
+        if hold is not None:
+            hold()  # the writer is woken for this run once the reactor's pass is over (storage/commit.py)
         try:
             write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
             if write_sets is not None:
-                d = write_sets(run.keys, run.values)  # SETs alone: no step per SET (storage/kv.py)
+                d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
             else:
                 d = self._write_many(zip(run.keys, run.values))
         except Exception:
