@@ -98,13 +98,6 @@ def drive(proto, tr, requests, reply_len, depth, chunk):
 @defer.inlineCallbacks
 def run(args):
     tmp = tempfile.mkdtemp(prefix="kv-cpu-")
-    try:  # as the node does before its ready file (protocols/partition/frame_scan.py)
-        from protocols.partition import frame_scan
-    except ImportError:  # a build without it
-        pass
-    else:
-        frame_scan.load()
-        print("frame scan:", frame_scan.state, flush=True)
     store = Store.open(tmp, fsync=args.fsync, reactor=reactor, node_id=1, retention_check_s=0)
     try:
         factory = KvServerFactory(store.kv, store=store)

@@ -9,7 +9,7 @@ set through either listener is seen through the other.
 
 from protocols.framing import Framer
 from protocols.partition import client_framing, codec
-from protocols.partition.server import KvServerFactory, KvServerProtocol, load_frame_scan
+from protocols.partition.server import KvServerFactory, KvServerProtocol
 
 
 class KvClientServerProtocol(KvServerProtocol):
@@ -64,5 +64,4 @@ def build_factory(node):
     if observe is not None:
         factory.observe_latency = observe
     node.on_shutdown(factory.when_idle)
-    load_frame_scan(node)
     return factory

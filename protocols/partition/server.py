@@ -31,7 +31,7 @@ from twisted.python.failure import Failure
 from protocols import tcp_internals
 from protocols.direct_send import send_now
 from protocols.framing import Framer
-from protocols.partition import codec, frame_scan
+from protocols.partition import codec
 from protocols.read_gate import BUDGET, CLOSING, ReadGate
 from protocols.partition.codec import (
     CREATE_CURSOR,
@@ -403,13 +403,6 @@ class KvServerProtocol(Protocol):
                 # Fast paths for the hot commands (same rules as the codec, no request object).
                 # A run goes on in place over the whole frames after this one in the same read.
                 _t, cid, _n, cmd, klen = _HEADER_KEYLEN(buf, pos)
-                scan = frame_scan.scan_run
-                if scan is not None and (cmd == SET or cmd == GET):
-                    after = self._scanned_run(scan, buf, pos, cmd)
-                    if after != pos:
-                        if after > end:
-                            frames.skip_to(after)
-                        continue
                 if cmd == GET and klen and 28 + klen <= total:
                     after = self._get_run(buf, pos, len(buf), total, cid, klen)
                     if after > end:
@@ -499,31 +492,6 @@ class KvServerProtocol(Protocol):
         if slots:
             slots.append([b"".join(out), len(cids)])
             self._waiting += len(cids)
-
-    def _scanned_run(self, scan, buf, pos, cmd):
-        """The run of whole GETs or SETs (``cmd``) at ``pos`` found by the compiled scan
-        (``frame_scan``) and taken as one batch: the keys (and values) sliced in one comprehension
-        each, the GETs answered with one store read, the SETs entered in this pass's write run in
-        one step. Returns the position after the run, or ``pos`` when the scan took fewer than two
-        messages (the Python loops then take it: a ``SET k; GET k`` pipeline goes on there)."""
-        if cmd == GET:
-            t0 = time.perf_counter()
-            run = scan(buf, pos, len(buf), GET, 1 << 30, 1 << 62)
-            if run is None or len(run[0]) < 2:
-                return pos
-            cids, kstarts, kends, _vs, _ve, after = run
-            self._handled += len(cids) - 1
-            self._answer_gets([buf[a:b] for a, b in zip(kstarts, kends)], cids, t0)
-            return after
-        run = scan(buf, pos, len(buf), SET, self.max_pending - self._waiting,
-                   self.max_inflight_bytes - self._inflight_bytes)
-        if run is None or len(run[0]) < 2:
-            return pos
-        cids, kstarts, kends, vstarts, vends, after = run
-        self._handled += len(cids) - 1
-        self._add_writes(cids, [buf[a:b] for a, b in zip(kstarts, kends)],
-                         [buf[a:b] for a, b in zip(vstarts, vends)], sum(vends) - sum(vstarts), 0)
-        return after
 
     def _write_run(self, buf, pos, n):
         """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
@@ -974,14 +942,4 @@ def build_factory(node):
     factory = KvServerFactory(node.store.kv, metrics, node.store)
     factory.observe_latency = getattr(node, "observe_latency", _ignore_latency)
     node.on_shutdown(factory.when_idle)
-    load_frame_scan(node)
     return factory
-
-
-def load_frame_scan(node):
-    """Load the compiled frame scan (``frame_scan``) off the reactor; the node writes its ready
-    file once it has (so no client meets the reactor stalled behind numba's import)."""
-    if hasattr(node, "before_ready"):
-        node.before_ready(frame_scan.start_loading(node.reactor), "compiled kv frame scan")
-    else:
-        frame_scan.start_loading()
