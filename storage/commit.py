@@ -299,7 +299,6 @@ class CommitCore:
         self._writer_idle = False
         self._wakes_held = 0  # reactor thread: hold_wakeups() depth
         self._wake_pending = False  # reactor thread: a submit found the writer idle while held
-        self._pass_hold = False  # reactor thread: hold_wakeups_for_pass() holds until the next pass
         self._writer = None
         self._queued_bytes = 0  # reactor thread
         self._drain_waiters = []  # reactor thread
@@ -366,22 +365,6 @@ class CommitCore:
         if not self._wakes_held and self._wake_pending:
             self._wake_pending = False
             self._wake_writer()
-
-    def hold_wakeups_for_pass(self):
-        """Reactor thread: hold wake-ups (``hold_wakeups``) until the reactor's next pass begins,
-        i.e. until it has finished this one (the rest of the reads it is handling, the replies they
-        send) and is about to wait in epoll, where it lets go of the GIL. A writer woken in the
-        middle of a pass wakes only to wait for the GIL the reactor still holds (a second sleep
-        and wake-up per group); woken here it finds the GIL free."""
-        if self._pass_hold or self._writer is None:
-            return
-        self._pass_hold = True
-        self._wakes_held += 1
-        self.reactor.callLater(0, self._end_pass_hold)
-
-    def _end_pass_hold(self):
-        self._pass_hold = False
-        self.release_wakeups()
 
     def transact(self, fn, nbytes=256) -> defer.Deferred:
         """``check_writable`` then ``submit(Transact(fn, nbytes))``, as a Deferred either way."""

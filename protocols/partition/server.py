@@ -271,7 +271,6 @@ class KvServerProtocol(Protocol):
     def __init__(self, kv, metrics=None, store=None):
         self.kv = kv
         self.store = store  # for its congestion signal (None: not checked)
-        self._hold_wakeups = getattr(getattr(store, "core", None), "hold_wakeups_for_pass", None)
         self.metrics = metrics if metrics is not None else {}
         self.responses = self.metrics.setdefault("responses", {})
         self._frames = Framer(self.layout())
@@ -616,9 +615,6 @@ class KvServerProtocol(Protocol):
         if run is None:
             return
         self._run = None
-        hold = self._hold_wakeups
-        if hold is not None:
-            hold()  # the writer is woken for this run once the reactor's pass is over (storage/commit.py)
         try:
             write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
             if write_sets is not None:
