@@ -63,6 +63,7 @@ files, on ``task.Clock``, deterministically.
 import collections
 import errno
 import os
+import select
 import struct
 import threading
 import time
@@ -323,6 +324,7 @@ class CommitCore:
         self._writer_idle = False
         self._wakes_held = 0  # reactor thread: hold_wakeups() depth
         self._wake_pending = False  # reactor thread: a submit found the writer idle while held
+        self._writer = None
         self._queued_bytes = 0  # reactor thread
         self._drain_waiters = []  # reactor thread
         self._rtxn = None  # reactor thread: the reused read snapshot
@@ -337,6 +339,10 @@ class CommitCore:
         if policy.mode == "interval":
             self.presync = PreSync(wal, packs, policy.interval_ms / 1000.0)
             self.presync.start()
+        # the writer sleeps in poll() on this eventfd; submit writes it (_wake_writer)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_poll = select.poll()
+        self._wake_poll.register(self._wake_fd, select.POLLIN)
         self._writer = threading.Thread(target=self._run_writer, name="storage-writer", daemon=True)
         self._writer.start()
 
@@ -365,11 +371,17 @@ class CommitCore:
         return op.done
 
     def _wake_writer(self):
-        with self._cond:
-            self._cond.notify()
-            # busy from now on, not once the woken writer has run: until it takes the GIL it
-            # could not say so itself (``writer_busy``), and a second notify would be wasted
-            self._writer_idle = False
+        """Wake the writer waiting in ``_take``: one ``eventfd`` write, with the GIL let go for the
+        syscall (``os.eventfd_write``). A ``Condition.notify`` made the same futex wake-up holding
+        the GIL: the woken writer, often run at once on the waker's core, found the GIL taken, slept
+        again, and the reactor waited for its core back (17-21% of the reactor's GIL-holding samples
+        under a SET load, docs/benchmarks.md)."""
+        # busy from now on, not once the woken writer has run: until it takes the GIL it could not
+        # say so itself (``writer_busy``), and a second wake-up would be wasted. (The writer sets
+        # the flag before its last look at the queue, and the eventfd's count stays until read, so
+        # clearing it here loses no wake-up.)
+        self._writer_idle = False
+        os.eventfd_write(self._wake_fd, 1)
 
     @property
     def writer_busy(self) -> bool:
@@ -422,14 +434,19 @@ class CommitCore:
     # -- the writer thread ------------------------------------------------------------------------
 
     def _take(self, timeout):
-        with self._cond:
+        if not self._queue:
+            # set before re-checking: a submitter that appended before this finds the queue
+            # non-empty here; one that appends after sees the flag and writes the eventfd, whose
+            # count stays until read, so no wake-up is lost (a stale one only makes a pass for nothing)
+            self._writer_idle = True
             if not self._queue:
-                # set under the lock before re-checking: a submitter that sees it notifies after
-                # our wait() released the lock, so no wake-up is lost
-                self._writer_idle = True
-                if not self._queue:
-                    self._cond.wait(timeout)
-                self._writer_idle = False
+                self._wake_poll.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+            self._writer_idle = False
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+        with self._cond:
             group, size = [], 0
             q = self._queue
             while q and (not group or size + q[0].nbytes <= MAX_GROUP_BYTES):
@@ -856,13 +873,14 @@ class CommitCore:
         self.closed = True
         stop = _Stop()
         self._queue.append(stop)
-        with self._cond:
-            self._cond.notify()
+        if self._writer is not None:
+            self._wake_writer()
         done = defer.Deferred()
 
         def finish(_):
             if self._writer is not None:
                 self._writer.join()
+                os.close(self._wake_fd)
             if self.presync is not None:
                 self.presync.stop()
             for fn in self.on_close:

@@ -17,6 +17,9 @@ DB_NAMES = [b"sys", b"streams", b"index", b"kv", b"meta", b"chunks", b"chunkseq"
             b"seglive"]
 
 OP_PUT, OP_DEL, OP_DELRANGE = 0, 1, 2
+# [OP_PUTS, db, keys, values]: one put per (key, value) of the two lists, in order (a key-value
+# write run logged as two lists: msgpack packs them without a list per put, storage/kv.py)
+OP_PUTS = 3
 
 CHECKPOINT = b"wal_checkpoint"
 STREAM_COUNTER = b"stream_n"
@@ -53,6 +56,8 @@ def apply_ops(txn, dbs, ops, live=None):
         db = dbs[dbn]
         if code == OP_PUT:
             txn.put(key, op[3], db=db)
+        elif code == OP_PUTS:
+            txn.cursor(db=db).putmulti(zip(key, op[3]))
         elif code == OP_DEL:
             old = txn.pop(key, db=db)
             if old is not None and dbn == INDEX and live is not None:

@@ -40,17 +40,24 @@ def contents(store):
 
 
 def record_runs(store):
-    """Observe (not replace) ``store.kv.write_many``: each call is appended to the returned list as
-    [(key, value or None)] and then goes on to the real facade."""
+    """Observe (not replace) ``store.kv.write_many`` and ``write_sets`` (a run of SETs alone): each
+    call is appended to the returned list as [(key, value or None)] and then goes on to the real
+    facade."""
     runs = []
     real = store.kv.write_many
+    real_sets = store.kv.write_sets
 
     def write_many(ops):
         ops = list(ops)  # the server passes an iterator
         runs.append([(bytes(k), None if v is None else bytes(v)) for k, v in ops])
         return real(ops)
 
+    def write_sets(keys, values, value_bytes=None):
+        runs.append([(bytes(k), bytes(v)) for k, v in zip(keys, values)])
+        return real_sets(keys, values, value_bytes)
+
     store.kv.write_many = write_many
+    store.kv.write_sets = write_sets
     return runs
 
 

@@ -49,6 +49,14 @@ class MemtableMachine(RuleBasedStateMachine):
                 self.model[k] = v
         assert wait(self.store.kv.write_many(ops)) == want
 
+    @rule(ops=st.lists(st.tuples(keys, st.binary(max_size=4)), min_size=1, max_size=6))
+    def set_run(self, ops):
+        """A run of SETs alone as the key-value server issues it (``write_sets``: one OP_PUTS WAL
+        op, or ``write_many`` for keys past LMDB's limit); a key twice in a run ends at its last."""
+        for k, v in ops:
+            self.model[k] = v
+        assert wait(self.store.kv.write_sets([k for k, _ in ops], [v for _, v in ops])) == [True] * len(ops)
+
     @rule(k=keys, v=st.binary(max_size=4), k2=keys)
     def writes_while_a_merge_runs(self, k, v, k2):
         """A merge queued between two un-acked writes: the one before it may or may not be in the

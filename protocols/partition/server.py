@@ -452,6 +452,12 @@ class KvServerProtocol(Protocol):
             if cmd != GET or not klen or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
                 break
         self._handled += len(keys) - 1
+        self._answer_gets(keys, cids, t0)
+        return pos
+
+    def _answer_gets(self, keys, cids, t0):
+        """The replies of a run of GETs (``keys``, non-empty, and their client ids): one store read
+        (and the pending table); straight out, or into one slot behind the writes still waiting."""
         slots = self._slots
         out = [] if slots else self._out
         try:
@@ -485,7 +491,6 @@ class KvServerProtocol(Protocol):
         if slots:
             slots.append([b"".join(out), len(cids)])
             self._waiting += len(cids)
-        return pos
 
     def _write_run(self, buf, pos, n):
         """Take the run of complete, well-formed SETs and REMOVEs with non-empty keys starting at
@@ -611,7 +616,11 @@ class KvServerProtocol(Protocol):
             return
         self._run = None
         try:
-            d = self._write_many(zip(run.keys, run.values))
+            write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
+            if write_sets is not None:
+                d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
+            else:
+                d = self._write_many(zip(run.keys, run.values))
         except Exception:
             d = defer.fail()
         d.addBoth(self._run_done, run, time.perf_counter())

@@ -6,7 +6,8 @@ usage: python -m tests.storage_helpers.kv_crash_child STORE_DIR SEED [verify]
 At start it reports the store's state of every key (``S key_hex value_hex`` or ``S key_hex -``,
 from ``get_many`` and a full ``scan_forward``, which must agree), so the parent checks what
 survived the previous kill; with ``verify`` it stops there. Then it keeps ``INFLIGHT`` runs of
-writes in flight (``write_many``, as the key-value server issues them), each key in at most one
+writes in flight (``write_many``, or ``write_sets`` for half the runs of SETs alone, as the
+key-value server issues them), each key in at most one
 run at a time, so a key's state after a kill is its last acknowledged write or the one in flight.
 Before a run is submitted it prints ``I`` and the run's ops; once durable, ``A`` and the run's
 number. A REMOVE's answer (did the key exist) is checked against the acknowledged state here
@@ -74,7 +75,10 @@ def main(path, seed, verify=False):
         counter["run"] += 1
         run = counter["run"]
         report("I %d %s" % (run, " ".join("%s:%s" % (k.hex(), "-" if v is None else v.hex()) for k, v in ops)))
-        d = kv.write_many(ops)
+        if all(v is not None for _, v in ops) and rnd.random() < 0.5:
+            d = kv.write_sets([k for k, _ in ops], [v for _, v in ops])  # the server's run of SETs alone
+        else:
+            d = kv.write_many(ops)
 
         def acked(results):
             for (key, value), result in zip(ops, results):
