@@ -15,12 +15,9 @@ compiled check only says yes to the exact shape; for anything else it says no an
 check, which has the last word, decides.
 """
 
-import threading
-
-from twisted.internet import defer
 from twisted.logger import Logger
 
-from storage.jit import import_compiled
+from storage.jit import BackgroundLoad, import_compiled
 
 log = Logger()
 
@@ -31,49 +28,17 @@ records_block_ok = None
 # the node's status (sbpctl status: append_check).
 state = "msgpack"
 
-_lock = threading.Lock()
-_started = False
-_done = False
-_waiters = []  # (reactor, Deferred) told when the loading thread has finished
-
 
 def start_loading(reactor=None):
     """Load the compiled check on a thread (once per process). With a reactor, returns a Deferred
     that fires (with ``state``) on that reactor's thread once loading has finished, whatever the
     outcome; None without one."""
-    global _started, state
-    d = None
-    with _lock:
-        if reactor is not None:
-            d = defer.Deferred()
-            if _done:
-                reactor.callFromThread(_tell, d, state)
-            else:
-                _waiters.append((reactor, d))
-        if _started:
-            return d
-        _started = True
-        state = "loading"
-    threading.Thread(target=_load_and_tell, name="block-check", daemon=True).start()
-    return d
+    return _loader.start(reactor)
 
 
-def _load_and_tell():
-    global _done
-    try:
-        load()
-    finally:
-        with _lock:
-            _done = True
-            waiters = _waiters[:]
-            del _waiters[:]
-        for reactor, d in waiters:
-            reactor.callFromThread(_tell, d, state)
-
-
-def _tell(d, result):
-    if not d.called:  # a caller may have given up waiting (cancelled it)
-        d.callback(result)
+def _loading():
+    global state
+    state = "loading"
 
 
 def load():
@@ -100,3 +65,6 @@ def load():
     except Exception as e:  # a broken numba/llvmlite install must not stop the node
         state = "msgpack"
         log.warn("APPEND validation stays with msgpack: compiled check failed to load: {error!r}", error=e)
+
+
+_loader = BackgroundLoad("block-check", load, _loading, lambda: state)

@@ -22,7 +22,7 @@ import hashlib
 import threading
 import time
 
-from storage.jit import import_compiled
+from storage.jit import BackgroundLoad, import_compiled
 
 MIN_LANES = 6  # fewer chunks of one length than this: hashlib (the kernel computes >= 8 lanes)
 LANES = 32  # chunks per kernel pass (storage/sha256_kernel.LANES)
@@ -35,10 +35,6 @@ why = None
 
 _kernel = None  # (addresses, length, out) -> None, once loaded and checked
 _np = None
-_lock = threading.Lock()
-_started = False
-_loaded = threading.Event()
-_waiters = []  # (reactor, Deferred) told when loading has finished
 
 
 def enabled() -> bool:
@@ -83,33 +79,17 @@ def start_loading(reactor=None):
     returns a Deferred fired (with ``state``) on that reactor's thread once loading has finished,
     whatever the outcome (a node holds its ready file for it: the loading thread holds the GIL for
     most of a second); None without one."""
-    global _started, state
-    d = None
-    with _lock:
-        if reactor is not None:
-            from twisted.internet import defer
-
-            d = defer.Deferred()
-            if _loaded.is_set():
-                reactor.callFromThread(_tell, d)
-            else:
-                _waiters.append((reactor, d))
-        if _started:
-            return d
-        _started = True
-        state = "loading"
-    threading.Thread(target=_load, name="sha256-kernel", daemon=True).start()
-    return d
-
-
-def _tell(d):
-    if not d.called:
-        d.callback(state)
+    return _loader.start(reactor)
 
 
 def wait_loaded(timeout=None) -> bool:
     """For benchmarks and tests: block until loading has finished (whatever the outcome)."""
-    return _loaded.wait(timeout)
+    return _loader.wait(timeout)
+
+
+def _loading():
+    global state
+    state = "loading"
 
 
 def _cpu_flags():
@@ -171,13 +151,9 @@ def _load():
         state, why = "multi-buffer", None
     except Exception as e:  # a broken numba/llvmlite install must not stop anything
         state, why = "hashlib", "the kernel failed to load: %r" % (e,)
-    finally:
-        with _lock:
-            _loaded.set()
-            waiters = _waiters[:]
-            del _waiters[:]
-        for reactor, d in waiters:
-            reactor.callFromThread(_tell, d)
+
+
+_loader = BackgroundLoad("sha256-kernel", _load, _loading, lambda: state)
 
 
 class Gatherer:
