@@ -66,8 +66,7 @@ from twisted.python.failure import Failure
 
 from node.cluster import etcd, kv_log, placement
 from protocols.partition import codec
-from protocols import framing
-from protocols.partition.client import KvClientProtocol, KvError, KvProtocolError, interpret
+from protocols.partition.client import KvClientProtocol, KvError, KvProtocolError
 from protocols.partition.server import BEGIN, END, SCAN_REPLY_BUDGET, scan_page
 from storage import errors as store_errors
 from storage import record_batch
@@ -201,52 +200,36 @@ class PeerProtocol(KvClientProtocol):
             else:
                 d.callback(run[2])
 
+    peer = "kv peer"
+
     def dataReceived(self, data):
         self.progress = self.clock.seconds()
-        frames = self._frames
-        frames.feed(data)
-        pending = self._pending
-        try:
-            for buf, pos, end in frames.spans():
-                if not pending:
-                    raise KvProtocolError("reply without a request")
-                cid, cmd, d = pending.popleft()
-                if int.from_bytes(buf[pos + 8:pos + 16], "big") != cid:
-                    raise KvProtocolError("reply for client_id %d, expected %d" % (
-                        int.from_bytes(buf[pos + 8:pos + 16], "big"), cid))
-                if cmd is _RUN:
-                    run, i, remove = d
-                    status = int.from_bytes(buf[pos + 24:pos + 26], "big")
-                    if status == codec.OK or (remove and status == codec.DATA_NOT_FOUND):
-                        self._run_answered(run, i, status == codec.OK, None)
-                    elif status == codec.ERR:
-                        code = int.from_bytes(buf[pos + 26:pos + 28], "big") if end - pos >= codec.ERR_LEN else None
-                        self._run_answered(run, i, None, KvError(code))
-                    elif status == codec.INVALID_COMMAND:
-                        self._run_answered(run, i, None, KvError(None, status))
-                    else:
-                        raise KvProtocolError("unexpected %s reply to a write" % codec.COMMAND_NAMES.get(status, status))
-                    continue
-                if cmd is _RELAY:
-                    client_id, done, ctx = d
-                    status = int.from_bytes(buf[pos + 24:pos + 26], "big")
-                    if status == codec.ERR and end - pos >= codec.ERR_LEN and \
-                            int.from_bytes(buf[pos + 26:pos + 28], "big") == codec.E_PARTITION_DIED:
-                        done(None, None, ctx)
-                    else:
-                        done(b"".join((buf[pos:pos + 8], client_id, buf[pos + 16:end])), status, ctx)
-                    continue
-                reply = codec.decode_reply(buf, cmd, pos)
-                try:
-                    result = interpret(reply, cmd)
-                except KvError as e:
-                    d.errback(e)
-                else:
-                    d.callback(result)
-        except (KvProtocolError, codec.ReplyError, framing.FrameRefused) as e:
-            self.log.warn("kv peer sent a bad reply ({error}); closing", error=str(e))
-            frames.clear()
-            self.transport.abortConnection()
+        super().dataReceived(data)
+
+    def _answer(self, buf, pos, end, cid, cmd, d):
+        if cmd is not _RUN and cmd is not _RELAY:
+            return super()._answer(buf, pos, end, cid, cmd, d)
+        if int.from_bytes(buf[pos + 8:pos + 16], "big") != cid:
+            raise KvProtocolError("reply for client_id %d, expected %d" % (int.from_bytes(buf[pos + 8:pos + 16], "big"), cid))
+        status = int.from_bytes(buf[pos + 24:pos + 26], "big")
+        if cmd is _RUN:
+            run, i, remove = d
+            if status == codec.OK or (remove and status == codec.DATA_NOT_FOUND):
+                self._run_answered(run, i, status == codec.OK, None)
+            elif status == codec.ERR:
+                code = int.from_bytes(buf[pos + 26:pos + 28], "big") if end - pos >= codec.ERR_LEN else None
+                self._run_answered(run, i, None, KvError(code))
+            elif status == codec.INVALID_COMMAND:
+                self._run_answered(run, i, None, KvError(None, status))
+            else:
+                raise KvProtocolError("unexpected %s reply to a write" % codec.COMMAND_NAMES.get(status, status))
+            return
+        client_id, done, ctx = d
+        if status == codec.ERR and end - pos >= codec.ERR_LEN and \
+                int.from_bytes(buf[pos + 26:pos + 28], "big") == codec.E_PARTITION_DIED:
+            done(None, None, ctx)
+        else:
+            done(b"".join((buf[pos:pos + 8], client_id, buf[pos + 16:end])), status, ctx)
 
     def connectionLost(self, reason=None):
         relayed = [entry for entry in self._pending if entry[1] is _RELAY]

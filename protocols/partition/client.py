@@ -123,27 +123,33 @@ class KvClientProtocol(Protocol):
         self.transport.write(encode(cid))
         return d
 
+    peer = "kv server"  # who sent a bad reply, in the log
+
     def dataReceived(self, data):
         frames = self._frames
         frames.feed(data)
         try:
-            for buf, pos, _end in frames.spans():
+            for buf, pos, end in frames.spans():
                 if not self._pending:
                     raise KvProtocolError("reply without a request")
                 cid, cmd, d = self._pending.popleft()
-                reply = codec.decode_reply(buf, cmd, pos)
-                if reply.client_id != cid:
-                    raise KvProtocolError("reply for client_id %d, expected %d" % (reply.client_id, cid))
-                try:
-                    result = interpret(reply, cmd)
-                except KvError as e:
-                    d.errback(e)
-                else:
-                    d.callback(result)
+                self._answer(buf, pos, end, cid, cmd, d)
         except (KvProtocolError, codec.ReplyError, framing.FrameRefused) as e:
-            self.log.warn("kv server sent a bad reply ({error}); closing", error=str(e))
+            self.log.warn("{peer} sent a bad reply ({error}); closing", peer=self.peer, error=str(e))
             frames.clear()
             self.transport.abortConnection()
+
+    def _answer(self, buf, pos, end, cid, cmd, d):
+        """The reply frame ``buf[pos:end]`` to the request (``cid``, ``cmd``) waiting on ``d``."""
+        reply = codec.decode_reply(buf, cmd, pos)
+        if reply.client_id != cid:
+            raise KvProtocolError("reply for client_id %d, expected %d" % (reply.client_id, cid))
+        try:
+            result = interpret(reply, cmd)
+        except KvError as e:
+            d.errback(e)
+        else:
+            d.callback(result)
 
     def get(self, key: bytes):
         return self._request(GET, lambda cid: codec.encode_get(cid, key))
