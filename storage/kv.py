@@ -321,10 +321,7 @@ class KeyValue:
                 add_result(True)
                 run[key] = stored
                 nbytes += klen + vlen + ENTRY_OVERHEAD
-            if self._active.nbytes + self.flushing_bytes + nbytes > HARD_BYTES:
-                self.flush()
-                raise errors.StoreBusy("the key-value memtable is full; a merge into LMDB is running")
-            self._core.check_writable(nbytes)
+            self._check_room(nbytes)
         except errors.StoreError:
             return defer.fail()
         self._runs.append(run)
@@ -335,6 +332,14 @@ class KeyValue:
         d = self._core.submit(Direct(apply, nbytes, memtable=True))
         d.addBoth(self._landed, run, nbytes, plain)
         return d
+
+    def _check_room(self, nbytes):
+        """Raise StoreBusy while the memtables are over HARD_BYTES (starting a merge), or what
+        ``check_writable`` raises (read-only, disk full, queue full)."""
+        if self._active.nbytes + self.flushing_bytes + nbytes > HARD_BYTES:
+            self.flush()
+            raise errors.StoreBusy("the key-value memtable is full; a merge into LMDB is running")
+        self._core.check_writable(nbytes)
 
     def write_sets(self, keys, values, value_bytes=None):
         """``write_many(zip(keys, values))`` for a run of puts alone (two lists of one length; keys
@@ -354,10 +359,7 @@ class KeyValue:
         stored = list(map(b"\x00".__add__, values))
         nbytes = sum(lengths) + value_bytes + ENTRY_OVERHEAD * n
         try:
-            if self._active.nbytes + self.flushing_bytes + nbytes > HARD_BYTES:
-                self.flush()
-                raise errors.StoreBusy("the key-value memtable is full; a merge into LMDB is running")
-            self._core.check_writable(nbytes)
+            self._check_room(nbytes)
         except errors.StoreError:
             return defer.fail()
         run = dict(zip(keys, stored))
