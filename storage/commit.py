@@ -87,7 +87,7 @@ _BASE = struct.Struct(">q")
 # a T_BATCH entry's payload up to the batch's record_count: stream_id, append_ms, then the batch's
 # magic byte and its base_offset (written in on the way to the WAL)
 _HEAD = struct.Struct(">QQBq")
-_BASE_COUNT = struct.Struct(">qi")  # a record batch's base_offset and record_count (bytes 1..12)
+BATCH_BASE_COUNT = struct.Struct(">qi")  # a record batch's base_offset and record_count (bytes 1..12)
 _BLOCK = HEADER_SIZE  # a record batch's records block starts here
 
 MAX_GROUP_BYTES = 16 << 20
@@ -639,7 +639,7 @@ class CommitCore:
                     append_ms = now_ms()
                     prefix = BATCH_PREFIX.pack(sid, append_ms)
                     for batch, block_crc in zip(op.batches, op.block_crcs):
-                        base, count = _BASE_COUNT.unpack_from(batch, 1)
+                        base, count = BATCH_BASE_COUNT.unpack_from(batch, 1)
                         if block_crc is None:
                             parts = (prefix, batch)
                         else:

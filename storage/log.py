@@ -6,7 +6,6 @@ once the batch is durable, in log order.
 """
 
 import os
-import struct
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -16,12 +15,11 @@ from twisted.logger import Logger
 
 from storage import errors, index
 from storage import wal as wal_module
-from storage.commit import AppendBatch, AppendRun, now_ms
+from storage.commit import BATCH_BASE_COUNT, AppendBatch, AppendRun, now_ms
 from storage.index import INDEX_KEY, INDEX_VAL, U64
 from storage.wal import T_BATCH
 
 _MAX_OFFSET = (1 << 63) - 1
-_BASE_COUNT = struct.Struct(">qi")  # a record batch's base_offset and record_count (bytes 1..12)
 _DIRECT_READ = 16 << 10
 CLEAN_BELOW = 0.25  # re-append a segment's live batches when they fill less than this share of it
 
@@ -94,6 +92,22 @@ class StreamState:
                           self.next_offset, [self.range_meta(r) for r in self.ranges], self.origin,
                           dict(self.attrs), self.created_ms)
 
+
+
+def _replica_count(batch, base, assigned):
+    """The record count of a replica batch to be stored at ``assigned``, the stream's next offset:
+    at ``base`` (a cluster primary's sequenced batch), else at its own base offset (bytes 1..8).
+    Raises InvalidRequest or ExpectationFailed as ``append_replica`` answers them."""
+    if len(batch) < 29:
+        raise errors.InvalidRequest("a record batch is at least 29 bytes")
+    at, count = BATCH_BASE_COUNT.unpack_from(batch, 1)
+    if base is not None:
+        at = base
+    if at != assigned:
+        raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (at, assigned))
+    if count < 1:
+        raise errors.InvalidRequest("record_count must be >= 1")
+    return count
 
 
 class RecordLog:
@@ -279,14 +293,8 @@ class RecordLog:
         try:
             s = self._get(sid)
             core.check_writable(len(batch))
-            if len(batch) < 29:
-                raise errors.InvalidRequest("a record batch is at least 29 bytes")
-            at = int.from_bytes(batch[1:9], "big", signed=True) if base is None else base
-            count = int.from_bytes(batch[9:13], "big", signed=True)
-            if at != s.assigned:
-                raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (at, s.assigned))
-            if count < 1:
-                raise errors.InvalidRequest("record_count must be >= 1")
+            at = s.assigned
+            count = _replica_count(batch, base, at)
         except errors.StoreError:
             return defer.fail()
         s.assigned = at + count
@@ -305,16 +313,8 @@ class RecordLog:
             at = start = s.assigned
             nbytes = 0
             for batch in batches:
-                n = len(batch)
-                if n < 29:
-                    raise errors.InvalidRequest("a record batch is at least 29 bytes")
-                base, count = _BASE_COUNT.unpack_from(batch, 1)
-                if base != at:
-                    raise errors.ExpectationFailed("replica batch base %d != next offset %d" % (base, at))
-                if count < 1:
-                    raise errors.InvalidRequest("record_count must be >= 1")
-                at = base + count
-                nbytes += n
+                at += _replica_count(batch, None, at)
+                nbytes += len(batch)
             core.check_writable(nbytes)
         except errors.StoreError:
             return defer.fail()
