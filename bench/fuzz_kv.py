@@ -2,23 +2,28 @@
 
     python bench/fuzz_kv.py [--seconds 60] [--seed N]
 
-Feeds the server protocol (over a StringTransport, with an in-memory store double) mutated
-streams of valid requests and pure garbage, split at random points, and checks after each case:
-no exception escaped, everything written parses as whole replies, every reply's client_id was
-sent by a request, and a connection left open with no half-received message still answers a fresh GET correctly.
+Feeds the server protocol (over a StringTransport, on the real store: LMDB, WAL and memtable in a
+temporary directory, written by the inline writer of tests/storage_helpers/inline.py, as the kv
+protocol tests do) mutated streams of valid requests and pure garbage, split at random points, and
+checks after each case: no exception escaped, everything written parses as whole replies, and a
+connection left open with no half-received message still answers a fresh SET and GET correctly.
 """
 
 import argparse
 import os
 import random
+import shutil
 import struct
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from protocols.partition import codec as c  # noqa: E402
-from tests.test_kv_protocol import MemoryKv, connect  # noqa: E402
+from tests.storage_helpers.inline import close, open_inline  # noqa: E402
+from tests.test_kv_protocol import connect  # noqa: E402
+from twisted.internet import task  # noqa: E402
 
 
 def valid_request(rnd, cid):
@@ -58,9 +63,8 @@ def mutate(rnd, data):
     return bytes(data)
 
 
-def one_case(rnd):
-    kv = MemoryKv()
-    proto, tr = connect(kv)
+def one_case(rnd, store):
+    proto, tr = connect(store)
     stream = b"".join(valid_request(rnd, rnd.randrange(1000)) for _ in range(rnd.randint(1, 30)))
     if rnd.random() < 0.2:
         stream = os.urandom(rnd.randint(1, 300))
@@ -77,12 +81,13 @@ def one_case(rnd):
         assert 26 <= total <= len(out) - p, (total, p, len(out))
         p += total
     if not tr.disconnecting and not proto._closing:
-        if len(proto._buf) == proto._pos and not proto._slots and not proto._blocked:
+        if proto._frames.buffered() == 0 and not proto._slots and not proto._pending and proto._run is None:
             # nothing half-received: the connection must still be in sync
             tr.clear()
-            kv._apply_put(b"probe", b"ok")
-            proto.dataReceived(c.encode_get(424242, b"probe"))
-            assert tr.value() == c.encode_get_reply(424242, b"probe", b"ok"), tr.value()
+            value = os.urandom(8)
+            proto.dataReceived(c.encode_set(424241, b"probe", value) + c.encode_get(424242, b"probe"))
+            want = c.encode_status(424241, c.OK) + c.encode_get_reply(424242, b"probe", value)
+            assert tr.value() == want, (tr.value(), want)
         return "open"
     return "closed"
 
@@ -97,9 +102,15 @@ def main():
     deadline = time.monotonic() + args.seconds
     counts = {"open": 0, "closed": 0}
     n = 0
-    while time.monotonic() < deadline:
-        counts[one_case(rnd)] += 1
-        n += 1
+    tmp = tempfile.mkdtemp(prefix="fuzz_kv.")
+    store = open_inline(os.path.join(tmp, "store"), task.Clock())
+    try:
+        while time.monotonic() < deadline:
+            counts[one_case(rnd, store)] += 1
+            n += 1
+    finally:
+        close(store)
+        shutil.rmtree(tmp, ignore_errors=True)
     print("fuzz_kv: seed %d, %d cases, %d left open, %d closed by the server, no failures" % (seed, n, counts["open"], counts["closed"]))
 
 
