@@ -213,6 +213,16 @@ class KeyValue:
             return None if stored is None else _stored_value(stored)
         return self._lmdb_get(self._core.snapshot().get, key)
 
+    def point_reader(self):
+        """``(active, flushing, get, db)`` for a caller that looks up many keys in one reactor turn
+        with no write landing in between (the key-value server's run of GETs): the memtables'
+        dicts (None when empty; key -> stored value, or None for a remove) and the snapshot's
+        ``get`` and LMDB table for keys of at most KEY_KEEP bytes, read newest first as ``get``
+        does (``_stored_value`` of a memtable entry; ``stored[1:]`` of LMDB's). Longer keys: ``get``."""
+        active = self._active.entries
+        flushing = self._flushing.entries if self._flushing is not None else None
+        return (active or None), (flushing or None), self._core.snapshot().get, self._db
+
     def get_many(self, keys):
         """[value or None] for each key (any bytes-like object), from one snapshot."""
         get = self._core.snapshot().get

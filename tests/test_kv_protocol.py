@@ -557,6 +557,12 @@ def test_store_read_failure_is_err0_for_each_get(store):
         def get_many(self, keys):
             raise OSError("disk on fire")
 
+        def point_reader(self):  # the idle connection's GETs (server._answer_read_gets)
+            def get(key, default=None, db=None):
+                raise OSError("disk on fire")
+
+            return None, None, get, None
+
     proto, tr = connect(store, FailingKv(store.core))
     proto.dataReceived(c.encode_get(1, b"a") + c.encode_get(2, b"b"))
     r = replies(tr, [c.GET, c.GET])
