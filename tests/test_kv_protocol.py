@@ -552,6 +552,65 @@ def test_runs_of_gets_in_one_read(store, step):
     ]
 
 
+def _idle_read_store(store):
+    """A store whose keys lie in every place a GET looks: LMDB (merged), the memtable being merged
+    (held in the commit queue), the active memtable; removes over each; keys over KEY_KEEP bytes.
+    Returns the expected {key: value or None} and the keys to ask for (missing ones too)."""
+    long_a, long_b = b"L" * 500, b"M" * 441
+    expected = {}
+
+    def write(ops):
+        d = store.kv.write_many(ops)
+        complete(store, None)
+        assert d.called
+        for k, v in ops:
+            expected[k] = v
+
+    write([(b"lmdb%d" % i, b"v%d" % i) for i in range(20)] + [(long_a, b"long a"), (b"gone1", b"x")])
+    assert store.kv.flush().called
+    write([(b"frozen%d" % i, b"f%d" % i) for i in range(10)] + [(b"lmdb3", b"new3"), (b"gone1", None),
+                                                                 (long_b, b"long b"), (b"gone2", b"y")])
+    hold(store)
+    d = store.kv.write_many([(b"active%d" % i, b"a%d" % i) for i in range(5)]
+                            + [(b"lmdb4", b"new4"), (b"frozen2", b"new f2"), (b"gone2", None), (long_a, b"long a2")])
+    merging = store.kv.flush()  # queued behind that run: the frozen memtable stays in front of LMDB
+    assert not merging.called and store.kv.flushing_bytes
+    complete(store)  # the run only (into the new active memtable): the merge stays queued
+    assert d.called and not merging.called and store.kv.flushing_bytes
+    expected.update({b"active%d" % i: b"a%d" % i for i in range(5)})
+    expected.update({b"lmdb4": b"new4", b"frozen2": b"new f2", b"gone2": None, long_a: b"long a2"})
+    asked = sorted(expected) + [b"missing", b"\x00", b"\xff" * 3, b"L" * 499]
+    return expected, asked
+
+
+@pytest.mark.parametrize("step", [None, 1, 2, 13, 29, 100])
+def test_idle_read_of_gets_matches_one_at_a_time(store, step):
+    """A read of whole GETs on an idle connection (answered straight from the read) gives the
+    same replies as the GETs sent one at a time, whatever the split: LMDB, the merging and the
+    active memtable, removes, long keys, missing keys."""
+    expected, asked = _idle_read_store(store)
+    wire = [c.encode_get(i, k) for i, k in enumerate(asked)]
+    one_by_one = []
+    proto, tr = connect(store)
+    for w in wire:
+        proto.dataReceived(w)
+        one_by_one += replies(tr, [c.GET])
+    assert [x.items[0][1] if x.items else None for x in one_by_one] == [expected.get(k) for k in asked]
+    proto, tr = connect(store)
+    feed(proto, b"".join(wire), step)
+    assert replies(tr, [c.GET] * len(asked)) == one_by_one
+    # a malformed frame and a write in the middle: the GETs after them go the general way
+    bad = struct.pack(">QQQHH", 31, 900, 1, 2, 5) + b"abc"  # key runs past total_len: ERR 3
+    mixed = b"".join(wire[:7]) + bad + c.encode_set(901, b"lmdb0", b"set") + b"".join(wire[7:])
+    feed(proto, mixed, step)
+    complete(store, None)  # the SET (and the merge still queued)
+    r = replies(tr, [c.GET] * 7 + [c.GET, c.SET] + [c.GET] * (len(asked) - 7))
+    assert r[:7] == one_by_one[:7]
+    assert (r[7].client_id, r[7].cmd, r[8].client_id, r[8].cmd) == (900, c.ERR, 901, c.OK)
+    want = [b"set" if k == b"lmdb0" else expected.get(k) for k in asked[7:]]
+    assert [x.items[0][1] if x.items else None for x in r[9:]] == want
+
+
 def test_store_read_failure_is_err0_for_each_get(store):
     class FailingKv(KeyValue):
         def get_many(self, keys):
