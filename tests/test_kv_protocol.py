@@ -609,6 +609,21 @@ def test_idle_read_of_gets_matches_one_at_a_time(store, step):
     assert (r[7].client_id, r[7].cmd, r[8].client_id, r[8].cmd) == (900, c.ERR, 901, c.OK)
     want = [b"set" if k == b"lmdb0" else expected.get(k) for k in asked[7:]]
     assert [x.items[0][1] if x.items else None for x in r[9:]] == want
+    # a read that starts with writes (taken straight from the read too): one store write for all
+    # of the read's writes, its GETs see them, the malformed frame gets ERR 3 in its place
+    runs = record_runs(store)
+    writes = c.encode_set(902, b"lmdb1", b"w1") + c.encode_remove(903, b"active0") + c.encode_set(904, b"n", b"w")
+    after = c.encode_get(905, b"lmdb1") + c.encode_get(906, b"active0") + bad + c.encode_remove(907, b"n")
+    feed(proto, writes + b"".join(wire) + after, step)
+    complete(store, None)
+    r = replies(tr, [c.SET, c.REMOVE, c.SET] + [c.GET] * len(asked) + [c.GET, c.GET, c.GET, c.REMOVE])
+    assert [x.cmd for x in r[:3]] == [c.OK] * 3
+    model = dict(expected)
+    model[b"lmdb0"], model[b"lmdb1"], model[b"active0"], model[b"n"] = b"set", b"w1", None, b"w"
+    assert [x.items[0][1] if x.items else None for x in r[3 : 3 + len(asked)]] == [model.get(k) for k in asked]
+    assert [x.items[0][1] if x.items else x.cmd for x in r[-4:]] == [b"w1", c.DATA_NOT_FOUND, c.ERR, c.OK]
+    if step is None:
+        assert len(runs) == 1 and [k for k, _ in runs[0]] == [b"lmdb1", b"active0", b"n", b"n"]
 
 
 def test_store_read_failure_is_err0_for_each_get(store):
