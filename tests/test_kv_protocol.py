@@ -19,7 +19,7 @@ from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 
 from protocols.partition import codec as c
-from protocols.partition.server import KvServerFactory
+from protocols.partition.server import KvServerFactory, KvServerProtocol
 from storage.kv import KeyValue
 from tests.storage_helpers.inline import close, complete, congest, hold, open_inline, pending
 
@@ -624,6 +624,83 @@ def test_idle_read_of_gets_matches_one_at_a_time(store, step):
     assert [x.items[0][1] if x.items else x.cmd for x in r[-4:]] == [b"w1", c.DATA_NOT_FOUND, c.ERR, c.OK]
     if step is None:
         assert len(runs) == 1 and [k for k, _ in runs[0]] == [b"lmdb1", b"active0", b"n", b"n"]
+
+
+class _GeneralPathOnly(KvServerProtocol):
+    """The server without the read fast paths (every read through the framer and ``_process``)."""
+
+    def dataReceived(self, data):
+        if self._closing or self._lost:
+            return
+        self.metrics["bytes_in"] = self.metrics.get("bytes_in", 0) + len(data)
+        self._frames.feed(data)
+        self._process()
+
+
+def _random_request(rnd, cid):
+    key = bytes(rnd.randrange(256) for _ in range(rnd.choice([0, 1, 1, 2, 3, 8, 441])))
+    if key and rnd.random() < 0.5:
+        key = key[:1]  # few distinct keys: GETs find the writes
+    kind = rnd.randrange(10)
+    if kind < 4:
+        return c.encode_get(cid, key)
+    if kind < 7:
+        return c.encode_set(cid, key, bytes(rnd.randrange(256) for _ in range(rnd.choice([0, 1, 5, 100]))))
+    if kind < 8:
+        return c.encode_remove(cid, key)
+    if kind < 9:  # malformed: a key length past the message, or a total_len that lies
+        b = bytearray(c.encode_get(cid, key) if rnd.random() < 0.5 else c.encode_set(cid, key, b"v"))
+        if len(b) > 26 and rnd.random() < 0.7:
+            struct.pack_into(">H", b, 26, rnd.randrange(0, 600))
+        else:
+            struct.pack_into(">Q", b, 0, rnd.choice([len(b) - 1, len(b) + 1, 27, 26, 8]))
+        return bytes(b)
+    if rnd.random() < 0.5:
+        return c.encode_create_cursor(cid, b"c")
+    return c.encode_scan(c.GET_FF, cid, 5, b"c", b"", b"")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed):
+    """Differential: random streams of GETs, SETs, REMOVEs (long keys, empty keys), malformed
+    messages and scans, split at random points, with the writer held or not and merges started
+    in between, give byte for byte the replies (and the close) of the server without the read
+    fast paths, each over its own real store."""
+    import random
+
+    rnd = random.Random(seed)
+    for case in range(40):
+        stores, conns = [], []
+        for i, cls in enumerate((KvServerProtocol, _GeneralPathOnly)):
+            s = open_inline(tmp_path / ("%d-%d-%d" % (seed, case, i)), task.Clock())
+            proto = cls(s.kv, {}, s)
+            proto.factory = KvServerFactory(s.kv, store=s)
+            tr = StringTransport()
+            proto.makeConnection(tr)
+            stores.append(s)
+            conns.append((proto, tr))
+        held = rnd.random() < 0.5
+        for s in stores:
+            hold(s, held)
+        for _ in range(rnd.randint(1, 6)):
+            stream = b"".join(_random_request(rnd, rnd.randrange(1 << 16)) for _ in range(rnd.randint(1, 40)))
+            cuts = sorted(rnd.sample(range(1, len(stream)), min(len(stream) - 1, rnd.randint(0, 5))))
+            if rnd.random() < 0.3:
+                for s in stores:
+                    s.kv.flush()
+            for a, b in zip([0] + cuts, cuts + [len(stream)]):
+                for proto, _ in conns:
+                    proto.dataReceived(stream[a:b])
+                if held and rnd.random() < 0.3:
+                    for s in stores:
+                        complete(s, None)
+        for s in stores:
+            complete(s, None)
+        (fast, fast_tr), (general, general_tr) = conns
+        assert fast_tr.value() == general_tr.value(), (seed, case)
+        assert fast_tr.disconnecting == general_tr.disconnecting, (seed, case)
+        for s in stores:
+            close(s)
 
 
 def test_store_read_failure_is_err0_for_each_get(store):
