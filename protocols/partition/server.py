@@ -8,7 +8,10 @@ owns a slot in an ordered queue and the head of the queue is written as soon as 
 The hot commands skip the codec's request objects: a run of consecutive GETs in one read is one
 ``store.kv.get_many``, and a run of consecutive SETs/REMOVEs is one ``store.kv.write_many`` (one
 group commit, one Deferred, one slot for the whole run). Everything written in one pass over the
-buffer leaves in one ``send``.
+buffer leaves in one ``send``. A read that starts with whole writes, or with whole GETs while the
+connection has nothing waiting, skips the framer and the general loop for that run
+(``_writes_from_read``, ``_gets_from_read``: one loop per read of GETs, looking each up through
+``store.kv.point_reader``).
 
 Per-connection sequential consistency without waiting for the disk (issue 19): the writes of one
 processing pass (every SET/REMOVE of the bytes read, whatever GETs lie between them) are one
