@@ -118,19 +118,25 @@ _SORT_DTYPES = {1: ">u1", 2: ">u2", 4: ">u4", 8: ">u8"}
 SORT_FIXED_MAX = 64  # longer keys (or keys of several lengths) sort with Python's sorted()
 
 
-def sorted_keys(keys):
-    """``sorted(keys)`` (distinct ``bytes``) as a list. When every key has the same length (at most
+def sorted_items(entries):
+    """``(keys, values)``: the keys of the dict ``entries`` (distinct ``bytes``) in ascending order,
+    and their values in the same order. When every key has the same length (at most
     SORT_FIXED_MAX) the order is computed by numpy's argsort over the keys joined into one buffer:
     ~0.4 against ~0.6-1.0 us per key for 160k 8-byte keys (Python compares bytes objects through
-    rich comparison, one call per comparison, with the GIL held throughout)."""
-    keys = list(keys)
+    rich comparison, one call per comparison, with the GIL held throughout); keys and values are
+    then taken in that order from the dict's own iteration (a dict's keys and values iterate in the
+    same order) with one object-array take each: 0.49 against 0.78 us per key for sorting plus a
+    lookup per key in a 160k-key dict (random probes), measured alone."""
+    keys = list(entries)
     if len(keys) < 2:
-        return keys
+        return keys, list(entries.values())
     first = len(keys[0])
     if first > SORT_FIXED_MAX or len(set(map(len, keys))) != 1:
-        return sorted(keys)
+        keys = sorted(keys)
+        return keys, list(map(entries.__getitem__, keys))
     order = numpy.frombuffer(b"".join(keys), dtype=_SORT_DTYPES.get(first, "S%d" % first)).argsort()
-    return numpy.array(keys, dtype=object)[order].tolist()
+    values = numpy.fromiter(entries.values(), dtype=object, count=len(keys))[order].tolist()
+    return numpy.fromiter(keys, dtype=object, count=len(keys))[order].tolist(), values
 
 
 def _only_bytes(items):
@@ -212,6 +218,16 @@ class KeyValue:
         if stored is not _MISSING:
             return None if stored is None else _stored_value(stored)
         return self._lmdb_get(self._core.snapshot().get, key)
+
+    def point_reader(self):
+        """``(active, flushing, get, db)`` for a caller that looks up many keys in one reactor turn
+        with no write landing in between (the key-value server's run of GETs): the memtables'
+        dicts (None when empty; key -> stored value, or None for a remove) and the snapshot's
+        ``get`` and LMDB table for keys of at most KEY_KEEP bytes, read newest first as ``get``
+        does (``_stored_value`` of a memtable entry; ``stored[1:]`` of LMDB's). Longer keys: ``get``."""
+        active = self._active.entries
+        flushing = self._flushing.entries if self._flushing is not None else None
+        return (active or None), (flushing or None), self._core.snapshot().get, self._db
 
     def get_many(self, keys):
         """[value or None] for each key (any bytes-like object), from one snapshot."""
@@ -563,13 +579,14 @@ class _Merge:
     object rather than closures calling each other: those made a reference cycle holding the
     frozen memtable (tens of MiB) until Python's cyclic GC ran."""
 
-    __slots__ = ("kv", "frozen", "floor_at_freeze", "keys", "at")
+    __slots__ = ("kv", "frozen", "floor_at_freeze", "keys", "values", "at")
 
     def __init__(self, kv, frozen, floor_at_freeze):
         self.kv = kv
         self.frozen = frozen
         self.floor_at_freeze = floor_at_freeze
         self.keys = None  # sorted, by the writer thread in the first chunk
+        self.values = None  # the frozen memtable's values in that order
         self.at = 0
 
     def submit(self):
@@ -586,10 +603,11 @@ class _Merge:
         C-level passes: a Python loop per key here held the GIL against the reactor."""
         keys = self.keys
         if keys is None:
-            keys = self.keys = sorted_keys(self.frozen.entries)
+            keys, self.values = sorted_items(self.frozen.entries)
+            self.keys = keys
         at = self.at
         chunk = keys[at : at + MERGE_CHUNK_KEYS]
-        stored = list(map(self.frozen.entries.__getitem__, chunk))
+        stored = self.values[at : at + MERGE_CHUNK_KEYS]
         plain = self.frozen.plain
         if not plain and None in stored:
             sizes = list(itertools.accumulate(len(v) if v is not None else 0 for v in stored))
@@ -621,11 +639,11 @@ class _Merge:
         kv.merge_txns += 1
         core = kv._core
         if last or core.closed or core.failed is not None:
-            self.keys = None
+            self.keys = self.values = None
             kv._merged()
         else:
             self.submit()
 
     def failed(self, failure):
-        self.keys = None
+        self.keys = self.values = None
         self.kv._merged()  # the store is poisoned; its callers see that

@@ -19,7 +19,7 @@ from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 
 from protocols.partition import codec as c
-from protocols.partition.server import KvServerFactory
+from protocols.partition.server import KvServerFactory, KvServerProtocol
 from storage.kv import KeyValue
 from tests.storage_helpers.inline import close, complete, congest, hold, open_inline, pending
 
@@ -552,10 +552,167 @@ def test_runs_of_gets_in_one_read(store, step):
     ]
 
 
+def _idle_read_store(store):
+    """A store whose keys lie in every place a GET looks: LMDB (merged), the memtable being merged
+    (held in the commit queue), the active memtable; removes over each; keys over KEY_KEEP bytes.
+    Returns the expected {key: value or None} and the keys to ask for (missing ones too)."""
+    long_a, long_b = b"L" * 500, b"M" * 441
+    expected = {}
+
+    def write(ops):
+        d = store.kv.write_many(ops)
+        complete(store, None)
+        assert d.called
+        for k, v in ops:
+            expected[k] = v
+
+    write([(b"lmdb%d" % i, b"v%d" % i) for i in range(20)] + [(long_a, b"long a"), (b"gone1", b"x")])
+    assert store.kv.flush().called
+    write([(b"frozen%d" % i, b"f%d" % i) for i in range(10)] + [(b"lmdb3", b"new3"), (b"gone1", None),
+                                                                 (long_b, b"long b"), (b"gone2", b"y")])
+    hold(store)
+    d = store.kv.write_many([(b"active%d" % i, b"a%d" % i) for i in range(5)]
+                            + [(b"lmdb4", b"new4"), (b"frozen2", b"new f2"), (b"gone2", None), (long_a, b"long a2")])
+    merging = store.kv.flush()  # queued behind that run: the frozen memtable stays in front of LMDB
+    assert not merging.called and store.kv.flushing_bytes
+    complete(store)  # the run only (into the new active memtable): the merge stays queued
+    assert d.called and not merging.called and store.kv.flushing_bytes
+    expected.update({b"active%d" % i: b"a%d" % i for i in range(5)})
+    expected.update({b"lmdb4": b"new4", b"frozen2": b"new f2", b"gone2": None, long_a: b"long a2"})
+    asked = sorted(expected) + [b"missing", b"\x00", b"\xff" * 3, b"L" * 499]
+    return expected, asked
+
+
+@pytest.mark.parametrize("step", [None, 1, 2, 13, 29, 100])
+def test_idle_read_of_gets_matches_one_at_a_time(store, step):
+    """A read of whole GETs on an idle connection (answered straight from the read) gives the
+    same replies as the GETs sent one at a time, whatever the split: LMDB, the merging and the
+    active memtable, removes, long keys, missing keys."""
+    expected, asked = _idle_read_store(store)
+    wire = [c.encode_get(i, k) for i, k in enumerate(asked)]
+    one_by_one = []
+    proto, tr = connect(store)
+    for w in wire:
+        proto.dataReceived(w)
+        one_by_one += replies(tr, [c.GET])
+    assert [x.items[0][1] if x.items else None for x in one_by_one] == [expected.get(k) for k in asked]
+    proto, tr = connect(store)
+    feed(proto, b"".join(wire), step)
+    assert replies(tr, [c.GET] * len(asked)) == one_by_one
+    # a malformed frame and a write in the middle: the GETs after them go the general way
+    bad = struct.pack(">QQQHH", 31, 900, 1, 2, 5) + b"abc"  # key runs past total_len: ERR 3
+    mixed = b"".join(wire[:7]) + bad + c.encode_set(901, b"lmdb0", b"set") + b"".join(wire[7:])
+    feed(proto, mixed, step)
+    complete(store, None)  # the SET (and the merge still queued)
+    r = replies(tr, [c.GET] * 7 + [c.GET, c.SET] + [c.GET] * (len(asked) - 7))
+    assert r[:7] == one_by_one[:7]
+    assert (r[7].client_id, r[7].cmd, r[8].client_id, r[8].cmd) == (900, c.ERR, 901, c.OK)
+    want = [b"set" if k == b"lmdb0" else expected.get(k) for k in asked[7:]]
+    assert [x.items[0][1] if x.items else None for x in r[9:]] == want
+    # a read that starts with writes (taken straight from the read too): one store write for all
+    # of the read's writes, its GETs see them, the malformed frame gets ERR 3 in its place
+    runs = record_runs(store)
+    writes = c.encode_set(902, b"lmdb1", b"w1") + c.encode_remove(903, b"active0") + c.encode_set(904, b"n", b"w")
+    after = c.encode_get(905, b"lmdb1") + c.encode_get(906, b"active0") + bad + c.encode_remove(907, b"n")
+    feed(proto, writes + b"".join(wire) + after, step)
+    complete(store, None)
+    r = replies(tr, [c.SET, c.REMOVE, c.SET] + [c.GET] * len(asked) + [c.GET, c.GET, c.GET, c.REMOVE])
+    assert [x.cmd for x in r[:3]] == [c.OK] * 3
+    model = dict(expected)
+    model[b"lmdb0"], model[b"lmdb1"], model[b"active0"], model[b"n"] = b"set", b"w1", None, b"w"
+    assert [x.items[0][1] if x.items else None for x in r[3 : 3 + len(asked)]] == [model.get(k) for k in asked]
+    assert [x.items[0][1] if x.items else x.cmd for x in r[-4:]] == [b"w1", c.DATA_NOT_FOUND, c.ERR, c.OK]
+    if step is None:
+        assert len(runs) == 1 and [k for k, _ in runs[0]] == [b"lmdb1", b"active0", b"n", b"n"]
+
+
+class _GeneralPathOnly(KvServerProtocol):
+    """The server without the read fast paths (every read through the framer and ``_process``)."""
+
+    def dataReceived(self, data):
+        if self._closing or self._lost:
+            return
+        self.metrics["bytes_in"] = self.metrics.get("bytes_in", 0) + len(data)
+        self._frames.feed(data)
+        self._process()
+
+
+def _random_request(rnd, cid):
+    key = bytes(rnd.randrange(256) for _ in range(rnd.choice([0, 1, 1, 2, 3, 8, 441])))
+    if key and rnd.random() < 0.5:
+        key = key[:1]  # few distinct keys: GETs find the writes
+    kind = rnd.randrange(10)
+    if kind < 4:
+        return c.encode_get(cid, key)
+    if kind < 7:
+        return c.encode_set(cid, key, bytes(rnd.randrange(256) for _ in range(rnd.choice([0, 1, 5, 100]))))
+    if kind < 8:
+        return c.encode_remove(cid, key)
+    if kind < 9:  # malformed: a key length past the message, or a total_len that lies
+        b = bytearray(c.encode_get(cid, key) if rnd.random() < 0.5 else c.encode_set(cid, key, b"v"))
+        if len(b) > 26 and rnd.random() < 0.7:
+            struct.pack_into(">H", b, 26, rnd.randrange(0, 600))
+        else:
+            struct.pack_into(">Q", b, 0, rnd.choice([len(b) - 1, len(b) + 1, 27, 26, 8]))
+        return bytes(b)
+    if rnd.random() < 0.5:
+        return c.encode_create_cursor(cid, b"c")
+    return c.encode_scan(c.GET_FF, cid, 5, b"c", b"", b"")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed):
+    """Differential: random streams of GETs, SETs, REMOVEs (long keys, empty keys), malformed
+    messages and scans, split at random points, with the writer held or not and merges started
+    in between, give byte for byte the replies (and the close) of the server without the read
+    fast paths, each over its own real store."""
+    import random
+
+    rnd = random.Random(seed)
+    for case in range(40):
+        stores, conns = [], []
+        for i, cls in enumerate((KvServerProtocol, _GeneralPathOnly)):
+            s = open_inline(tmp_path / ("%d-%d-%d" % (seed, case, i)), task.Clock())
+            proto = cls(s.kv, {}, s)
+            proto.factory = KvServerFactory(s.kv, store=s)
+            tr = StringTransport()
+            proto.makeConnection(tr)
+            stores.append(s)
+            conns.append((proto, tr))
+        held = rnd.random() < 0.5
+        for s in stores:
+            hold(s, held)
+        for _ in range(rnd.randint(1, 6)):
+            stream = b"".join(_random_request(rnd, rnd.randrange(1 << 16)) for _ in range(rnd.randint(1, 40)))
+            cuts = sorted(rnd.sample(range(1, len(stream)), min(len(stream) - 1, rnd.randint(0, 5))))
+            if rnd.random() < 0.3:
+                for s in stores:
+                    s.kv.flush()
+            for a, b in zip([0] + cuts, cuts + [len(stream)]):
+                for proto, _ in conns:
+                    proto.dataReceived(stream[a:b])
+                if held and rnd.random() < 0.3:
+                    for s in stores:
+                        complete(s, None)
+        for s in stores:
+            complete(s, None)
+        (fast, fast_tr), (general, general_tr) = conns
+        assert fast_tr.value() == general_tr.value(), (seed, case)
+        assert fast_tr.disconnecting == general_tr.disconnecting, (seed, case)
+        for s in stores:
+            close(s)
+
+
 def test_store_read_failure_is_err0_for_each_get(store):
     class FailingKv(KeyValue):
         def get_many(self, keys):
             raise OSError("disk on fire")
+
+        def point_reader(self):  # the idle connection's GETs (server._answer_read_gets)
+            def get(key, default=None, db=None):
+                raise OSError("disk on fire")
+
+            return None, None, get, None
 
     proto, tr = connect(store, FailingKv(store.core))
     proto.dataReceived(c.encode_get(1, b"a") + c.encode_get(2, b"b"))

@@ -204,13 +204,16 @@ def test_a_merge_started_inside_a_group_delivery_keeps_the_floor_below_the_rest_
     st.integers(1, 70).flatmap(lambda n: st.sets(st.binary(min_size=n, max_size=n), max_size=60)),
     st.sets(keys, max_size=40),
 ))
-def test_sorted_keys_is_bytes_order(ks):
+def test_sorted_items_is_bytes_order(ks):
     """The merge's numpy sort (keys of one length: unsigned integers or fixed-width strings, with
-    zero bytes anywhere) and its fallback (several lengths, or over 64 bytes) give sorted()."""
-    from storage.kv import sorted_keys
+    zero bytes anywhere) and its fallback (several lengths, or over 64 bytes) give sorted(), and
+    each value stays with its key."""
+    from storage.kv import sorted_items
 
-    assert sorted_keys(ks) == sorted(ks)
-    assert sorted_keys(dict.fromkeys(ks)) == sorted(ks)
+    entries = {k: (None if i % 3 == 0 else b"v%d" % i) for i, k in enumerate(ks)}
+    keys, values = sorted_items(entries)
+    assert keys == sorted(ks)
+    assert values == [entries[k] for k in keys]
 
 
 @pytest.mark.parametrize("mixed", ["plain", "removes", "long keys"])
