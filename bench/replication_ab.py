@@ -157,10 +157,10 @@ def main():
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             servers.append(p)
         for tree, p in zip(trees, servers):
-            line = p.stdout.readline()
-            if not line:
+            first = p.stdout.readline()
+            if not first:
                 raise RuntimeError("the cluster of %s did not start (exit code %s)" % (tree, p.wait()))
-            descs.append(json.loads(line))
+            descs.append(json.loads(first))
         for d in descs:
             run_once(d, 200, args.window)  # warm-up
         results = {n: [] for n in names}

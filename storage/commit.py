@@ -311,6 +311,11 @@ class CommitCore:
         self.on_batch_durable = None  # (stream_id, base_offset, record_count), in log order
         self.on_close = []  # callables run once the writer stopped, before the files close
         self.after_deliver = []  # callables run once per delivered group, after its operations' Deferreds
+        # callables run when the outermost hold_wakeups ends, right after the writer is woken (the
+        # replicator sends the read's batches to the replicas then, not at the end of the reactor
+        # turn: the replicas' group commits start sooner, and the send's system call, made without
+        # the GIL, overlaps the woken writer's start)
+        self.after_wake = []
         self._checkpoint = checkpoint  # writer thread
         # Writer thread: the WAL position of the oldest entry holding kv memtable writes not yet
         # merged into LMDB (None: none); the checkpoint never passes it. Set by the first such
@@ -399,9 +404,16 @@ class CommitCore:
 
     def release_wakeups(self):
         self._wakes_held -= 1
-        if not self._wakes_held and self._wake_pending:
+        if self._wakes_held:
+            return
+        if self._wake_pending:
             self._wake_pending = False
             self._wake_writer()
+        for fn in self.after_wake:
+            try:
+                fn()
+            except Exception:
+                self.logger.failure("store wake-up hook failed")
 
     def transact(self, fn, nbytes=256) -> defer.Deferred:
         """``check_writable`` then ``submit(Transact(fn, nbytes))``, as a Deferred either way."""
