@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,7 @@ def main():
                 pass
         for p in servers:
             p.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)  # three stores per tree: gigabytes after a few runs
 
 
 if __name__ == "__main__":
