@@ -9,7 +9,7 @@ import pytest_twisted
 
 from protocols.sbp import codec
 from protocols.sbp.codec import T
-from storage import record_batch
+from storage import errors, record_batch
 from tests.storage_helpers.inline import complete, hold
 from tests.test_sbp_server import Conn, clock, create, node, store  # noqa: F401 (fixtures)
 
@@ -203,3 +203,39 @@ async def test_a_run_wakes_a_parked_fetch(node):
     (r,) = codec.decode_header(frames[-1]).fetch_responses
     assert r.status.code == codec.OK
     assert [record_batch.read_header(x).base_offset for x in record_batch.split(b"".join(f.payload for f in frames))][0] == 0
+
+
+def fired(d):
+    """What an (inline store's) Deferred fired with: its result, or its failure's exception type."""
+    got = []
+    d.addCallbacks(got.append, lambda f: got.append(type(f.value)))
+    assert got, "the inline store answers at once"
+    return got[0]
+
+
+def test_append_many_checks_each_batch_as_append_does(store):
+    """``RecordLog.append_many``: per batch the verdict ``append`` gives it one at a time, offsets
+    assigned in order; the refused ones take no offset and are left out of the one operation."""
+    log = store.log
+    a = fired(log.create_stream()).stream_id
+    b = fired(log.create_stream()).stream_id
+    replica = 0x0000_0009_0000_0001
+    fired(log.create_replica_stream(replica, 9, 1, 0))
+    zero = bytearray(small(b"0"))
+    zero[9:13] = (0).to_bytes(4, "big")  # record_count 0
+    cases = [(a, small(b"a", 2)), (MISSING, small(b"m")), (b, small(b"b", 3)), (a, b"\x22" * 10),
+             (replica, small(b"r")), (a, bytes(zero)), (a, small(b"c"))]
+    hold(store)
+    d, outcome = log.append_many([sid for sid, _ in cases], [x for _, x in cases], [None] * len(cases))
+    assert store.core.queued() == 1
+    assert [x for x in outcome if type(x) is int] == [0, 0, 2]  # a: 0 (2 records), b: 0, a: 2
+    assert log.durable_end(a) == 0
+    complete(store, None)
+    assert fired(d) is None
+    assert log.durable_end(a) == 3 and log.durable_end(b) == 3
+    # one at a time, on fresh streams, append gives the same verdicts
+    hold(store, False)
+    rename = {a: fired(log.create_stream()).stream_id, b: fired(log.create_stream()).stream_id}
+    one_by_one = [fired(log.append(rename.get(sid, sid), x)) for sid, x in cases]
+    assert one_by_one == [x if type(x) is int else type(x) for x in outcome]
+    assert one_by_one[1] is errors.StreamNotFound and one_by_one[4] is errors.ReadOnlyStream
