@@ -270,7 +270,13 @@ class AppendHandler:
             for frame_sid, sid, request_index, payload, _, _, now_ms, _, base in run:
                 acks.append((frame_sid, conn.throttle_time_ms(left), sid, request_index, base, now_ms))
                 left -= len(payload)
-            conn.out.write(codec.append_ack_frames(acks))
+            acks = codec.append_ack_frames(acks)
+            if conn.sender is not None:
+                # straight to the socket when nothing is queued before them (FileSender.send), not
+                # at the reactor's next writability pass: the client sends the next window sooner
+                conn.sender.send([acks])
+            else:
+                conn.out.write(acks)
         conn.end(nbytes)
         observe = conn.factory.observe_latency
         t1 = time.perf_counter()
