@@ -6,6 +6,8 @@ to ``CommitCore.submit`` on the reactor thread:
 - ``AppendBatch``: a record batch for a stream; the offset was assigned by the log at call time.
 - ``AppendRun``: consecutive replica batches of one stream as one operation (each stored as an
   ``AppendBatch`` would be; one Deferred for the run).
+- ``AppendBatches``: several batches, of any streams, whose offsets the log assigned at call time,
+  as one operation (each stored as an ``AppendBatch`` would be; one Deferred for them all).
 - ``Transact``: ``fn(RawTxn)`` run inside the group's LMDB transaction (a nested one: a raising
   ``fn`` writes nothing); every raw write it makes is recorded for the WAL.
 - ``Direct``: ``fn(txn)`` run on the group's transaction itself (no nesting, no RawTxn), returning
@@ -200,6 +202,24 @@ class AppendRun(Operation):
         self.block_crcs = block_crcs
         self.base_offset = base_offset  # where the run starts
         self.record_count = record_count  # records of the whole run
+
+
+class AppendBatches(Operation):
+    """``AppendBatch`` of several batches at once (``stream_ids``, ``batches``, ``base_offsets``,
+    ``record_counts``, ``block_crcs``: one entry per batch, in log order, each stream's offsets
+    assigned by the caller): the same WAL entries and index as one ``AppendBatch`` each, in the
+    same group, but one operation and one Deferred for them all (an SBP connection queues the
+    one-batch APPENDs of one socket read with it, issue 24). Fires with None."""
+
+    __slots__ = ("stream_ids", "batches", "base_offsets", "record_counts", "block_crcs")
+
+    def __init__(self, stream_ids, batches, base_offsets, record_counts, block_crcs, nbytes):
+        super().__init__(nbytes + 64 * len(batches))
+        self.stream_ids = stream_ids
+        self.batches = batches
+        self.base_offsets = base_offsets
+        self.record_counts = record_counts
+        self.block_crcs = block_crcs
 
 
 class Transact(Operation):
@@ -646,6 +666,21 @@ class CommitCore:
                                           INDEX_VAL.pack(pos, total, op.record_count, append_ms), live, pos, total,
                                           wal.active)
                     op.ok, op.value = True, base
+                elif kind is AppendBatches:
+                    append_ms = now_ms()
+                    for sid, batch, base, count, block_crc in zip(op.stream_ids, op.batches, op.base_offsets,
+                                                                  op.record_counts, op.block_crcs):
+                        if block_crc is None:
+                            parts = (BATCH_PREFIX.pack(sid, append_ms), batch[:1], _BASE.pack(base), memoryview(batch)[9:])
+                        else:  # as AppendBatch's SBP path: the entry's head in one piece, the block as it came
+                            view = memoryview(batch)
+                            parts = (_HEAD.pack(sid, append_ms, batch[0], base) + view[9:_BLOCK], view[_BLOCK:])
+                        pos = wal.add(T_BATCH, parts, block_crc)
+                        total = ENTRY_SIZE + 16 + len(batch)
+                        index.put_batch_index(txn, dbs, INDEX_KEY.pack(sid, base),
+                                              INDEX_VAL.pack(pos, total, count, append_ms), live, pos, total,
+                                              wal.active)
+                    op.ok = True
                 elif kind is AppendRun:
                     sid = op.stream_id
                     append_ms = now_ms()
@@ -732,6 +767,10 @@ class CommitCore:
                     if kind is AppendBatch:
                         if batch_durable is not None:
                             batch_durable(op.stream_id, op.value, op.record_count)
+                    elif kind is AppendBatches:
+                        if batch_durable is not None:
+                            for sid, base, count in zip(op.stream_ids, op.base_offsets, op.record_counts):
+                                batch_durable(sid, base, count)
                     elif kind is AppendRun:
                         if batch_durable is not None:
                             batch_durable(op.stream_id, op.base_offset, op.record_count)

@@ -6,6 +6,7 @@ once the batch is durable, in log order.
 """
 
 import os
+import struct
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -15,7 +16,7 @@ from twisted.logger import Logger
 
 from storage import errors, index
 from storage import wal as wal_module
-from storage.commit import BATCH_BASE_COUNT, AppendBatch, AppendRun, now_ms
+from storage.commit import BATCH_BASE_COUNT, AppendBatch, AppendBatches, AppendRun, now_ms
 from storage.index import INDEX_KEY, INDEX_VAL, U64
 from storage.wal import T_BATCH
 
@@ -92,6 +93,9 @@ class StreamState:
                           self.next_offset, [self.range_meta(r) for r in self.ranges], self.origin,
                           dict(self.attrs), self.created_ms)
 
+
+
+_COUNT = struct.Struct(">i")  # a record batch's record_count (bytes 9..12)
 
 
 def _replica_count(batch, base, assigned):
@@ -283,6 +287,50 @@ class RecordLog:
         base = s.assigned
         s.assigned = base + count
         return core.submit(AppendBatch(sid, batch, base, count, block_crc))
+
+    def append_many(self, sids, batches, block_crcs):
+        """``append`` of several batches (``sids[k]``, ``batches[k]``, ``block_crcs[k]``) at once, in
+        order: each is checked and gets its stream's next offset exactly as ``append`` would give
+        them one after another, and the accepted ones are queued as one commit-core operation
+        (``AppendBatches``), durable (and acknowledged) together. Returns (a Deferred firing once
+        they are durable, None if none was accepted; per batch its base offset, or the
+        ``StoreError`` that refused it). Bytes and views of bytes are kept, not copied."""
+        core = self._core
+        streams = self._streams
+        outcome = []
+        keep_sids, keep_batches, keep_bases, keep_counts, keep_crcs = [], [], [], [], []
+        queued = 0
+        for sid, batch, block_crc in zip(sids, batches, block_crcs):
+            if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+                batch = bytes(batch)  # the caller's buffer may change once we return (bytes cannot)
+            try:
+                s = streams.get(sid)
+                if s is None:
+                    s = self._get(sid)  # raises StreamNotFound
+                if s.origin is not None:
+                    raise errors.ReadOnlyStream(s.origin)
+                n = len(batch)
+                core.check_writable(queued + n)
+                if n < 29:
+                    raise errors.InvalidRequest("a record batch is at least 29 bytes")
+                count = _COUNT.unpack_from(batch, 9)[0]
+                if count < 1:
+                    raise errors.InvalidRequest("record_count must be >= 1")
+            except errors.StoreError as e:
+                outcome.append(e)
+                continue
+            base = s.assigned
+            s.assigned = base + count
+            queued += n
+            outcome.append(base)
+            keep_sids.append(sid)
+            keep_batches.append(batch)
+            keep_bases.append(base)
+            keep_counts.append(count)
+            keep_crcs.append(block_crc)
+        if not keep_sids:
+            return None, outcome
+        return core.submit(AppendBatches(keep_sids, keep_batches, keep_bases, keep_counts, keep_crcs, queued)), outcome
 
     def append_replica(self, sid, batch, base=None, block_crc=None):
         """Swarm follower, cluster replica: store the batch as is; its base_offset must be the

@@ -399,6 +399,15 @@ class FrameBuffer(framing.Framer):
             return None
         return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc, self.view_payload)
 
+    def next_span(self):
+        """``next`` in two steps: the next whole frame's span ``(buf, start, end)`` (None if
+        incomplete; FrameLengthError as ``next``), which a reader may take in place..."""
+        return _framer_next(self)
+
+    def parse(self, span) -> Frame:
+        """...or decode as ``next`` would have (the same FrameErrors)."""
+        return parse_frame(span[0], span[1], span[2], self.known_opcodes, self.defer_crc, self.view_payload)
+
 
 # -- FlatBuffers headers ---------------------------------------------------------------------------
 
@@ -717,6 +726,35 @@ def request_of(frame, name: str):
     return req
 
 
+# Headers of one-entry APPENDs already decoded: header bytes -> (stream_id, request_index,
+# batch_length). A pipelining client sends the same header over and over (same stream, same
+# batch size); the table is a pure function of its bytes, so a header seen before is not decoded
+# again (reactor thread only; emptied when full).
+_APPEND_ONE_SEEN = {}
+_APPEND_ONE_SEEN_MAX = 4096
+
+
+def append_one(header: bytes):
+    """(stream_id, request_index, batch_length) of an AppendRequest header (bytes) holding exactly
+    one entry, as ``decode_table`` decodes it; None for any other header (more entries, or one
+    ``decode_table`` refuses)."""
+    got = _APPEND_ONE_SEEN.get(header)
+    if got is not None:
+        return got
+    try:
+        infos = decode_table("AppendRequest", header).append_requests
+    except Exception:
+        return None
+    if not infos or len(infos) != 1:
+        return None
+    info = infos[0]
+    got = (info.stream_id, info.request_index, info.batch_length)
+    if len(_APPEND_ONE_SEEN) >= _APPEND_ONE_SEEN_MAX:
+        _APPEND_ONE_SEEN.clear()
+    _APPEND_ONE_SEEN[header] = got
+    return got
+
+
 def decode_table(name: str, buf):
     """Decode a root table of type ``name`` (raises HeaderDecodeError on anything malformed)."""
     if name not in SCHEMA:
@@ -869,6 +907,45 @@ def append_ack_frame(frame_stream_id, throttle_time_ms, stream_id, request_index
     s2.pack_into(out, p2, request_index)
     s3.pack_into(out, p3, base_offset)
     s4.pack_into(out, p4, append_time_ms)
+    return bytes(out)
+
+
+def _merged_slots(slots):
+    """The template's (position, Struct) slots, in the order of ``append_ack_frame``'s values,
+    merged where they lie back to back into one Struct each: [(position, Struct, value indexes)]."""
+    order = sorted(range(len(slots)), key=lambda k: slots[k][0])
+    merged = []
+    for k in order:
+        pos, st = slots[k]
+        if merged and merged[-1][0] + struct.calcsize(merged[-1][1]) == pos:
+            at, fmt, idx = merged[-1]
+            merged[-1] = (at, fmt + st.format[1:], idx + (k,))
+        else:
+            merged.append((pos, st.format, (k,)))
+    return [(at, struct.Struct(fmt), idx) for at, fmt, idx in merged]
+
+
+_ACK_SIZE = len(_APPEND_ACK)
+# throttle_time_ms; the AppendResult's append time and base_offset, then its request_index and
+# stream_id, each pair back to back in the template: three packs per ack instead of five
+(_ACK_T_AT, _ACK_T, _), (_ACK_TB_AT, _ACK_TB, _ACK_TB_IDX), (_ACK_IS_AT, _ACK_IS, _ACK_IS_IDX) = _merged_slots(_APPEND_ACK_SLOTS)
+if (_ACK_TB_IDX, _ACK_IS_IDX) != ((4, 3), (2, 1)):
+    raise AssertionError("the APPEND ack template's layout changed: %r" % (_merged_slots(_APPEND_ACK_SLOTS),))
+
+
+def append_ack_frames(acks) -> bytes:
+    """``b"".join(append_ack_frame(*ack) for ack in acks)``, byte for byte, rendered into one
+    buffer: the replies to a run of one-batch APPENDs, written with one transport write."""
+    out = bytearray(_APPEND_ACK * len(acks))
+    pack_sid, pack_t, pack_tb, pack_is = _U32_BE.pack_into, _ACK_T.pack_into, _ACK_TB.pack_into, _ACK_IS.pack_into
+    sid_at, t_at, tb_at, is_at = _ACK_SID_AT, _ACK_T_AT, _ACK_TB_AT, _ACK_IS_AT
+    at = 0
+    for frame_stream_id, throttle_time_ms, stream_id, request_index, base_offset, append_time_ms in acks:
+        pack_sid(out, at + sid_at, frame_stream_id)
+        pack_t(out, at + t_at, throttle_time_ms)
+        pack_tb(out, at + tb_at, append_time_ms, base_offset)
+        pack_is(out, at + is_at, request_index, stream_id)
+        at += _ACK_SIZE
     return bytes(out)
 
 

@@ -206,11 +206,23 @@ class SbpServerProtocol(Protocol):
         else:
             self.transport.loseConnection()
 
-    def throttle_time_ms(self):
+    def throttle_time_ms(self, inflight=None):
+        """The throttle_time_ms of a reply now (``inflight``: with that many bytes in flight instead)."""
         budget = self.factory.inflight_budget
-        if self._inflight_bytes * 2 <= budget:
+        if inflight is None:
+            inflight = self._inflight_bytes
+        if inflight * 2 <= budget:
             return 0
-        return min(1000, int(100 * self._inflight_bytes / budget))
+        return min(1000, int(100 * inflight / budget))
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of APPEND payload and FETCH reads begun and not yet answered."""
+        return self._inflight_bytes
+
+    def over_budget(self, nbytes) -> bool:
+        """Would ``begin(nbytes)`` take the connection past its in-flight budget (and stop reading)?"""
+        return self._inflight_bytes + nbytes > self.factory.inflight_budget
 
     def begin(self, nbytes=0):
         """A request (holding ``nbytes`` of the in-flight budget) is in progress."""
@@ -285,9 +297,12 @@ class SbpServerProtocol(Protocol):
         try:
             self._process_frames()
         finally:
-            self._processing = False
-            if core is not None:
-                core.release_wakeups()
+            try:
+                self.appends.flush()  # the read's run of APPENDs, before the writer is woken
+            finally:
+                self._processing = False
+                if core is not None:
+                    core.release_wakeups()
         if self._inflight_ops and not self.lost:
             # APPENDs in flight and the store's write queue long: stop reading until it drains
             self.gate.watch_store(self.store)
@@ -295,18 +310,30 @@ class SbpServerProtocol(Protocol):
     def _process_frames(self):
         frames = self.frames
         gate = self.gate
+        # one-batch APPENDs are taken into the handler's run in place (append.py), the rest parsed
+        take = self.appends.take if self.appends.runs else None
         while not self.lost and not self.closing:
             if not gate.reading:
                 return
             try:
-                frame = frames.next()
+                if take is None:
+                    frame = frames.next()
+                else:
+                    span = frames.next_span()
+                    if span is None:
+                        return
+                    if take(*span):
+                        continue
+                    frame = frames.parse(span)
             except codec.FrameLengthError as e:
+                self.appends.flush()
                 self.warn("frame refused, closing: {error}", e)
                 self.out.write(codec.goaway_frame())
                 self._lose()
                 self.lost = True
                 return
             except codec.FrameError as e:
+                self.appends.flush()  # replies sent at once leave in frame order
                 if e.action == "discard":
                     self.warn("frame discarded: {error}", e)
                 else:
@@ -320,12 +347,16 @@ class SbpServerProtocol(Protocol):
                 # Unsolicited responses (we never send requests) are ignored.
                 continue
             try:
+                if frame.opcode != codec.APPEND:
+                    self.appends.flush()  # the APPENDs before it go to the store first
                 self._dispatch(frame)
             except codec.HeaderDecodeError as e:
+                self.appends.flush()
                 self.warn("bad extended header: {error}", e)
                 self.count_reply(frame.opcode, codec.INVALID_REQUEST)
                 self.out.write(codec.system_error_frame(frame.opcode, frame.stream_id, codec.INVALID_REQUEST, str(e)))
             except Exception as e:  # a bug must not take the connection down
+                self.appends.flush()
                 self.log.failure("SBP request 0x{opcode:04x} failed", opcode=frame.opcode)
                 self.factory.metrics["errors"] += 1
                 self.count_reply(frame.opcode, codec.UNKNOWN)

@@ -1,7 +1,8 @@
 """Crash-test child: appends with fsync always and reports every ack on stdout, until killed.
 
-Besides appends it puts kv pairs (``K key``), chunks (``C addr``), metadata transactions
-(``M key``), trims (``T sid point``), seals (``S sid end_offset``) and runs segment collection.
+Besides appends (one by one, and runs of several through ``append_many``) it puts kv pairs
+(``K key``), chunks (``C addr``), metadata transactions (``M key``), trims (``T sid point``), seals
+(``S sid end_offset``) and runs segment collection.
 
 usage: python -m tests.storage_helpers.crash_child STORE_DIR SEED, or through ``serve()``: a fork
 server that imports everything once and forks one child per line ``STORE_DIR SEED FIFO`` read on
@@ -15,6 +16,7 @@ child at a random moment and checks the store after reopening.
 
 import random
 import sys
+import zlib
 
 import os
 import signal
@@ -23,6 +25,7 @@ from storage import Store
 from storage import record_batch as rb
 
 INFLIGHT = 6
+RUN_INDEX = 1 << 30  # batch numbers of the appends made as runs (``append_many``)
 
 
 def expected_batch(seed: int, i: int) -> bytes:
@@ -97,6 +100,23 @@ def main(path, seed, out=None):
             sid = streams[(i // 100) % 2]
             store.log.seal_range(sid, store.log.stream(sid).ranges[-1].range_index).addCallback(
                 lambda r: (report("S %d %d" % (sid, r[0].end_offset)), pump()))
+        elif kind in (5, 15):
+            # a run (RecordLog.append_many, as the SBP server hands over the APPENDs of a read):
+            # batches of both streams and a refused one among them, one commit-core operation
+            idx = [RUN_INDEX + 4 * i + j for j in range(3)]
+            batches = [expected_batch(seed, idx[0]), expected_batch(seed, idx[1]), b"\x22" * 5, expected_batch(seed, idx[2])]
+            sids = [sid, streams[(i + 1) % 2], sid, sid]
+            crcs = [zlib.crc32(memoryview(batches[0])[rb.HEADER_SIZE:]), None, None,
+                    zlib.crc32(memoryview(batches[3])[rb.HEADER_SIZE:])]
+            d, outcome = store.log.append_many(sids, batches, crcs)
+            assert isinstance(outcome[2], Exception), "a batch shorter than its header is refused"
+
+            def acked(_, outcome=outcome, sids=sids):
+                for s_, base, k in zip((sids[0], sids[1], sids[3]), (outcome[0], outcome[1], outcome[3]), idx):
+                    report("B %d %d %d" % (s_, base, k))
+                pump()
+
+            d.addCallback(acked)
         else:
             b = expected_batch(seed, i)
             store.log.append(sid, b).addCallback(lambda base: (report("B %d %d %d" % (sid, base, i)), pump()))
