@@ -849,6 +849,38 @@ def settle_writeback(limit_mb=64, timeout=15.0):
     return time.monotonic() - t0
 
 
+def redis_info(port, section):
+    """``INFO section`` of the Redis on ``port``, as a dict of strings."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(redis_cmd(b"INFO", section))
+        data = b""
+        while b"\r\n" not in data:
+            data += s.recv(1 << 16)
+        head, _, body = data.partition(b"\r\n")
+        n = int(head[1:])  # a bulk string: $<length>
+        while len(body) < n:
+            data = s.recv(1 << 16)
+            if not data:
+                break
+            body += data
+    return dict(line.split(":", 1) for line in body[:n].decode().split("\r\n") if ":" in line)
+
+
+def settle_redis_rewrite(port, timeout=120.0):
+    """Wait (at most ``timeout`` s) until Redis has no AOF rewrite running or scheduled; returns the
+    seconds waited. With its default ``auto-aof-rewrite-percentage 100`` Redis rewrites its AOF
+    in a forked child each time the file doubles (64 MiB, 128 MiB, ... with 1 GB appended per
+    round), and the last rewrite of a round's appends, a child writing the whole data set, ran on
+    into the phase after, whichever side that was: the same reason the write-back is settled."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        info = redis_info(port, b"persistence")
+        if info.get("aof_rewrite_in_progress") == "0" and info.get("aof_rewrite_scheduled") == "0":
+            break
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 def pipelined(base, args):
     """Issue 24's method: one node (``--fsync interval:1000``) and one Redis (``everysec``) side by
     side; ``--rounds`` rounds, each appending ``--records`` records to a fresh stream / key on each
@@ -879,7 +911,9 @@ def pipelined(base, args):
             for what in ("append", "read"):
                 for side in order:
                     name = side + "_" + what
-                    settle_writeback()  # both sides start with the disk's deferred work done
+                    # both sides start with Redis's AOF rewrite and the disk's deferred work done
+                    rewrite_wait = settle_redis_rewrite(redis.port)
+                    settle_writeback()
                     load = os.getloadavg()[0]
                     prof = os.path.join(args.py_spy, "round%d.%s" % (i + 1, name)) if args.py_spy else None
                     before = c.status()["metrics"].get("sbp", {}) if name == "sbp_read" else None
@@ -898,6 +932,7 @@ def pipelined(base, args):
                             "fetch_sendfile_calls", "fetch_sendfile_short", "fetch_send_stalls", "fetch_send_wall_s",
                             "prefetch_checks", "prefetch_pieces")}
                     r["load"] = load
+                    r["rewrite_wait"] = rewrite_wait
                     r["rate"] = r["records"] / r["seconds"]
                     rows[name].append(r)
                     lat = [x * 1000 for x in r["latencies"]]
@@ -910,7 +945,9 @@ def pipelined(base, args):
                           + ("  (server main thread runnable, waiting for a CPU: %.0f us/request)" % (
                               r["main_thread_cpu_wait"] / r["requests"] * 1e6))
                           + ("  (%d replies before an earlier one)" % r["reordered"] if r.get("reordered") else "")
-                          + ("  (%d reads from the read pool)" % r["pool_reads"] if "pool_reads" in r else ""))
+                          + ("  (%d reads from the read pool)" % r["pool_reads"] if "pool_reads" in r else "")
+                          + ("  (started after %.1f s waiting for Redis's AOF rewrite)" % r["rewrite_wait"]
+                             if r["rewrite_wait"] >= 0.1 else ""))
                     if "node_counts" in r:
                         # what the node did per FETCH this round (issue 24: what makes a round slow)
                         k, n = r["node_counts"], r["requests"]
