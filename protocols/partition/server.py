@@ -571,19 +571,29 @@ class KvServerProtocol(Protocol):
                     break
                 cids.append(c)
                 p += t
-            self._store_error(cids[0], e)
-            self._count(GET, ERR_STATUS + E_UNKNOWN, len(cids))
-            out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
+            self._gets_failed(cids, e, out)
             self._handled += len(cids) - 1
             return p
         self._handled += found + missing - 1
+        self._gets_answered(found, missing, t0)
+        return pos
+
+    def _gets_failed(self, cids, e, out):
+        """A run of GETs (``cids``) whose store read raised ``e``: logged, counted, and ERR 0 for
+        each, appended to ``out``."""
+        self._store_error(cids[0], e)
+        self._count(GET, ERR_STATUS + E_UNKNOWN, len(cids))
+        out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
+
+    def _gets_answered(self, found, missing, t0=None):
+        """Count a run's GET replies by status; one latency observation since ``t0`` (if given)."""
         responses = self.responses
         if found:
             responses[_GET_OK] = responses.get(_GET_OK, 0) + found
         if missing:
             responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
-        self.observe_latency("kv.get", time.perf_counter() - t0)
-        return pos
+        if t0 is not None:
+            self.observe_latency("kv.get", time.perf_counter() - t0)
 
     def _get_run(self, buf, pos, n, total, cid, klen):
         """Answer the run of complete GETs starting at ``pos`` (the first already checked) with one
@@ -617,9 +627,7 @@ class KvServerProtocol(Protocol):
         try:
             values = self._get_many(keys)
         except Exception as e:
-            self._store_error(cids[0], e)
-            self._count(GET, ERR_STATUS + E_UNKNOWN, len(cids))
-            out.extend(codec.encode_error(c, E_UNKNOWN) for c in cids)
+            self._gets_failed(cids, e, out)
         else:
             heads = _GET_REPLY_HEADS
             append = out.append
@@ -637,11 +645,7 @@ class KvServerProtocol(Protocol):
                 # the reply up to the value in one pack: header, u16 key_len, key, u32 value_len
                 append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
                 append(value)
-            responses = self.responses
-            responses[_GET_OK] = responses.get(_GET_OK, 0) + len(keys) - missing
-            if missing:
-                responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
-            self.observe_latency("kv.get", time.perf_counter() - t0)
+            self._gets_answered(len(keys) - missing, missing, t0)
         if slots:
             slots.append([b"".join(out), len(cids)])
             self._waiting += len(cids)
@@ -717,10 +721,7 @@ class KvServerProtocol(Protocol):
             self._handled += len(items) - 1
             self._add_writes(items, keys, values, nbytes, removes, batch)
             if found or missing:
-                responses = self.responses
-                responses[_GET_OK] = responses.get(_GET_OK, 0) + found
-                if missing:
-                    responses[_GET_NOT_FOUND] = responses.get(_GET_NOT_FOUND, 0) + missing
+                self._gets_answered(found, missing)
         return pos
 
     def _add_writes(self, items, keys, values, nbytes, removes, batch=None):
