@@ -72,6 +72,7 @@ class S2Api:
         self.index = None  # (basin, name) -> stream id of S2-named streams; see _names()
         self.creating = set()
         self.sessions = set()
+        self._sessions_gone = []  # Deferreds of shutdown(): fired once no read session is left
         self.metrics = node.metrics.setdefault("s2", {"requests": 0, "appended_records": 0, "read_records": 0})
         self.statuses = node.metrics.setdefault("s2_responses", {})  # "route status" -> responses
         self.tokens = AccessTokens(self.store, self.token)
@@ -1042,10 +1043,23 @@ class S2Api:
             await session.run()
         finally:
             self.sessions.discard(session)
+            if not self.sessions and self._sessions_gone:
+                waiters, self._sessions_gone = self._sessions_gone, []
+                for d in waiters:
+                    d.callback(None)
 
     def shutdown(self):
+        """End every read session with its ``server_draining`` frame; a Deferred that fires once
+        they have all written it (a session waiting on a store read ends when that read returns),
+        so the node's shutdown hooks (bounded by ``--shutdown-timeout``) wait for it before the
+        connections close."""
         for s in list(self.sessions):
             s.stop(draining=True)
+        if not self.sessions:
+            return defer.succeed(None)
+        d = defer.Deferred()
+        self._sessions_gone.append(d)
+        return d
 
 
 _BASIN_HOST = re.compile(r"^([a-z0-9][a-z0-9-]{6,46}[a-z0-9])\.b\.")

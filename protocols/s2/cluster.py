@@ -143,8 +143,9 @@ class ClusterS2Api(S2Api):
         self.epochs = {}  # stream id -> the epoch its S2 state was loaded under (this node as primary)
 
     def shutdown(self):
-        super().shutdown()
+        ended = super().shutdown()
         self.forwarder.close()
+        return ended
 
     # -- dispatch: a token issued on another node a moment ago ----------------------------------
 

@@ -6,6 +6,7 @@ knowledge", as s2-sdk sends it; also after TLS+ALPN ``h2``) hands the connection
 ``http_tls_cert``/``http_tls_key`` configured the listener speaks TLS with ALPN h2 and http/1.1.
 """
 
+from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -174,6 +175,7 @@ class SniffingProtocol(Protocol):
         self.factory = factory
         self.buf = b""
         self.inner = None
+        self._lost = []  # Deferreds of close_if_idle, fired by connectionLost
 
     def connectionMade(self):
         tcp_internals.set_no_delay(self.transport)
@@ -200,10 +202,24 @@ class SniffingProtocol(Protocol):
         self.factory.connections.discard(self)
         if self.inner is not None:
             self.inner.connectionLost(reason)
+        lost, self._lost = self._lost, []
+        for d in lost:
+            d.callback(None)
 
     def goaway(self):
         if isinstance(self.inner, H2ServerProtocol):
             self.inner.goaway()
+
+    def close_if_idle(self):
+        """At shutdown, after GOAWAY: an HTTP/2 connection with no stream left open is closed
+        (``loseConnection`` first writes out what is buffered, such as a session's last frame);
+        a Deferred that fires once it is gone, or None if it stays (a request still running)."""
+        if not isinstance(self.inner, H2ServerProtocol) or self.inner.streams:
+            return None
+        d = defer.Deferred()
+        self._lost.append(d)
+        self.transport.loseConnection()
+        return d
 
 
 class S2Factory(Factory):
@@ -224,9 +240,19 @@ class S2Factory(Factory):
         self.api.ensure_default_basin().addErrback(lambda f: self.log.failure("creating the default basin failed", f))
 
     def shutdown(self):
-        self.api.shutdown()
+        """The node's shutdown hook: read sessions end with their ``server_draining`` frame and
+        every HTTP/2 connection gets GOAWAY; once the sessions have written their last frames,
+        the connections left with nothing open are closed, their buffered bytes written first
+        (the hook is bounded by ``--shutdown-timeout``; without the wait, a session's last
+        frame could still be in a transport's buffer when the process ended)."""
+        ended = self.api.shutdown()
         for c in list(self.connections):
             c.goaway()
+        return ended.addCallback(lambda _: self._close_idle())
+
+    def _close_idle(self):
+        gone = [d for d in (c.close_if_idle() for c in list(self.connections)) if d is not None]
+        return defer.DeferredList(gone) if gone else None
 
 
 def _tls_wrap(factory, cert_path, key_path):

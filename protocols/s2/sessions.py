@@ -53,7 +53,8 @@ class ReadSession:
     def stop(self, draining=False):
         """Client gone, or (draining) the node is shutting down: end the session."""
         self.stopped = True
-        self.draining = draining
+        # (a connection closing after the node's shutdown began does not take the drain back)
+        self.draining = self.draining or draining
         if self.waiting is not None and not self.waiting.called:
             self.waiting.callback(False)
         fn = self.responder.on_drain
