@@ -264,29 +264,36 @@ class RecordLog:
 
     # -- appends --------------------------------------------------------------------------------
 
+    def _accepted(self, sid, batch, queued=0, expect_offset=None):
+        """An append's checks: (the stream's state, ``batch`` as bytes or a view of bytes, its
+        record count), or a StoreError (no such stream, a read-only stream, the store full with
+        ``queued`` bytes already taken, a short batch, ``expect_offset`` not the next offset, a
+        record count below 1)."""
+        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+            batch = bytes(batch)  # the caller's buffer may change once we return (bytes cannot)
+        s = self._get(sid)
+        if s.origin is not None:
+            raise errors.ReadOnlyStream(s.origin)
+        self._core.check_writable(queued + len(batch))
+        if len(batch) < 29:
+            raise errors.InvalidRequest("a record batch is at least 29 bytes")
+        if expect_offset is not None and expect_offset != s.assigned:
+            raise errors.ExpectationFailed("next offset is %d, not %d" % (s.assigned, expect_offset))
+        count = _COUNT.unpack_from(batch, 9)[0]
+        if count < 1:
+            raise errors.InvalidRequest("record_count must be >= 1")
+        return s, batch, count
+
     def append(self, sid, batch, expect_offset=None, block_crc=None):
         """Assign the next offset now; fire with it once the batch is durable. ``block_crc``: the
         CRC-32 of the batch's records block, if the caller checked it (the WAL reuses it)."""
-        core = self._core
-        if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
-            batch = bytes(batch)  # the caller's buffer may change once we return (bytes cannot)
         try:
-            s = self._get(sid)
-            if s.origin is not None:
-                raise errors.ReadOnlyStream(s.origin)
-            core.check_writable(len(batch))
-            if len(batch) < 29:
-                raise errors.InvalidRequest("a record batch is at least 29 bytes")
-            if expect_offset is not None and expect_offset != s.assigned:
-                raise errors.ExpectationFailed("next offset is %d, not %d" % (s.assigned, expect_offset))
-            count = int.from_bytes(batch[9:13], "big", signed=True)
-            if count < 1:
-                raise errors.InvalidRequest("record_count must be >= 1")
+            s, batch, count = self._accepted(sid, batch, 0, expect_offset)
         except errors.StoreError:
             return defer.fail()
         base = s.assigned
         s.assigned = base + count
-        return core.submit(AppendBatch(sid, batch, base, count, block_crc))
+        return self._core.submit(AppendBatch(sid, batch, base, count, block_crc))
 
     def append_many(self, sids, batches, block_crcs):
         """``append`` of several batches (``sids[k]``, ``batches[k]``, ``block_crcs[k]``) at once, in
@@ -295,33 +302,19 @@ class RecordLog:
         (``AppendBatches``), durable (and acknowledged) together. Returns (a Deferred firing once
         they are durable, None if none was accepted; per batch its base offset, or the
         ``StoreError`` that refused it). Bytes and views of bytes are kept, not copied."""
-        core = self._core
-        streams = self._streams
+        accepted = self._accepted
         outcome = []
         keep_sids, keep_batches, keep_bases, keep_counts, keep_crcs = [], [], [], [], []
         queued = 0
         for sid, batch, block_crc in zip(sids, batches, block_crcs):
-            if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
-                batch = bytes(batch)  # the caller's buffer may change once we return (bytes cannot)
             try:
-                s = streams.get(sid)
-                if s is None:
-                    s = self._get(sid)  # raises StreamNotFound
-                if s.origin is not None:
-                    raise errors.ReadOnlyStream(s.origin)
-                n = len(batch)
-                core.check_writable(queued + n)
-                if n < 29:
-                    raise errors.InvalidRequest("a record batch is at least 29 bytes")
-                count = _COUNT.unpack_from(batch, 9)[0]
-                if count < 1:
-                    raise errors.InvalidRequest("record_count must be >= 1")
+                s, batch, count = accepted(sid, batch, queued)
             except errors.StoreError as e:
                 outcome.append(e)
                 continue
             base = s.assigned
             s.assigned = base + count
-            queued += n
+            queued += len(batch)
             outcome.append(base)
             keep_sids.append(sid)
             keep_batches.append(batch)
@@ -330,7 +323,7 @@ class RecordLog:
             keep_crcs.append(block_crc)
         if not keep_sids:
             return None, outcome
-        return core.submit(AppendBatches(keep_sids, keep_batches, keep_bases, keep_counts, keep_crcs, queued)), outcome
+        return self._core.submit(AppendBatches(keep_sids, keep_batches, keep_bases, keep_counts, keep_crcs, queued)), outcome
 
     def append_replica(self, sid, batch, base=None, block_crc=None):
         """Swarm follower, cluster replica: store the batch as is; its base_offset must be the

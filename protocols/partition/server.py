@@ -383,10 +383,7 @@ class KvServerProtocol(Protocol):
             if pos:
                 self.metrics["requests"] = self.metrics.get("requests", 0) + self._handled
         except Exception:
-            self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
-            self._closing = True
-            self._out.clear()
-            self.transport.abortConnection()
+            self._drop_on_bug()
             self._issue_run()  # as _process: whatever the run took is still written
             return n
         finally:
@@ -417,10 +414,7 @@ class KvServerProtocol(Protocol):
             else:
                 pos = self._answer_read_gets(data, n, total, cid, klen, reader)
         except Exception:
-            self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
-            self._closing = True
-            self._out.clear()
-            self.transport.abortConnection()
+            self._drop_on_bug()
             return n
         finally:
             self._busy = False
@@ -429,6 +423,14 @@ class KvServerProtocol(Protocol):
         self._send_out()
         return pos
 
+    def _drop_on_bug(self):
+        """In an ``except`` of a bug (never an exception out of dataReceived): log it with its
+        traceback, write nothing more, and drop the connection."""
+        self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
+        self._closing = True
+        self._out.clear()
+        self.transport.abortConnection()
+
     def _process(self):
         if self._busy:
             return
@@ -436,11 +438,7 @@ class KvServerProtocol(Protocol):
         try:
             self._process_frames()
         except Exception:
-            # Never let a bug turn into an exception out of dataReceived: drop the connection.
-            self.log.failure("kv connection from {peer} failed; closing", peer=self.peer)
-            self._closing = True
-            self._out.clear()
-            self.transport.abortConnection()
+            self._drop_on_bug()
             return
         finally:
             self._issue_run()

@@ -277,18 +277,19 @@ class AppendHandler:
                 conn.sender.send([acks])
             else:
                 conn.out.write(acks)
-        conn.end(nbytes)
-        observe = conn.factory.observe_latency
-        t1 = time.perf_counter()
-        for entry in run:
-            observe("sbp.append", t1 - entry[7])
+        self._run_ended(run, nbytes)
 
     def _run_failed(self, failure, run, nbytes):
         st = status_for_failure(failure, self.log, "APPEND")
         for frame_sid, sid, request_index, _, _, _, now_ms, _, _ in run:
             self._send(frame_sid, [T.AppendResult(sid, request_index, 0, now_ms, st)])
-        self.conn.end(nbytes)
-        observe = self.conn.factory.observe_latency
+        self._run_ended(run, nbytes)
+
+    def _run_ended(self, run, nbytes):
+        """A run answered: its bytes back to the in-flight budget, one latency observation per APPEND."""
+        conn = self.conn
+        conn.end(nbytes)
+        observe = conn.factory.observe_latency
         t1 = time.perf_counter()
         for entry in run:
             observe("sbp.append", t1 - entry[7])
