@@ -159,6 +159,32 @@ class ReplicaChannel(protocol.Protocol):
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 
+    def queue_run(self, sid, epoch, parts, size):
+        """``queue_parts`` of consecutive batches of one stream (``parts``, as ``codec.batch_parts``
+        gives each; ``size``: their bytes), with one call: the primary's run of one read."""
+        if self.lost:
+            return
+        q = self._batches
+        if size > MAX_QUEUED or (q is not None and q[4] + size > MAX_QUEUED):
+            for p in parts:
+                self.queue_parts(sid, epoch, p)
+            return
+        if q is not None and (q[0] != sid or q[1] != epoch):
+            self._close_batches()
+            q = None
+        if q is None:
+            self._last = None
+            self._batches = q = [sid, epoch, len(self._out), 0, 0]
+            self._out.append(None)
+        out = self._out
+        for head, body in parts:
+            out.append(head)
+            out.append(body)
+        q[3] += len(parts)
+        q[4] += size
+        if self._flush_call is None:
+            self._flush_call = self.reactor.callLater(0, self._flush_now)
+
     def _close_batches(self):
         q, self._batches = self._batches, None
         if q is not None:
