@@ -242,6 +242,17 @@ class Replicator:
         held here, so every earlier offset is too). Returns (a Deferred firing once every
         accepted batch is acknowledged, None if none was; per batch its base offset or the
         ``StoreError`` that refused it), as ``log.append_many`` does."""
+        core = self.store.core
+        # the batches queued to the replicas leave when the outermost hold ends (``_send_early``,
+        # an after_wake hook): the SBP server's read holds it; a caller outside one (a frame that
+        # waited on etcd) gets this hold's end, so the channels need no timer of their own
+        core.hold_wakeups()
+        try:
+            return self._append_many(core, sids, batches, block_crcs)
+        finally:
+            core.release_wakeups()
+
+    def _append_many(self, core, sids, batches, block_crcs):
         log = self.store.log
         n = len(sids)
         outcome = [None] * n
@@ -308,7 +319,6 @@ class Replicator:
             return None, outcome
         if not runs:
             return d_local, outcome
-        core = self.store.core
         if self._hooked_core is not core:  # (the node's store, once)
             self._hooked_core = core
             core.after_deliver.append(self._delivered)
@@ -323,7 +333,7 @@ class Replicator:
             waits.append(done)
             self._local_waiting.add(st)
             if st.confirm_call is not None:
-                self._send_confirm(st)  # (before the batches: both leave in the same send)
+                self._send_confirm(st, True)  # (before the batches: both leave in the same send)
             parts = None
             for nid, ps in st.peers.items():
                 if nid == me:
@@ -333,7 +343,7 @@ class Replicator:
                     if parts is None:
                         parts = [rcodec.batch_parts(batch, base) for base, batch in items]
                         size = sum(len(h) + len(b) for h, b in parts)
-                    link.channel.queue_run(sid, st.epoch, parts, size)
+                    link.channel.queue_run(sid, st.epoch, parts, size, flushed=True)
                     self._to_flush.add(link.channel)
                     ps.sent = st.assigned
         d_local.addErrback(self._run_local_failed, ends, plain)
@@ -511,14 +521,21 @@ class Replicator:
                 break
             del st.window[base]
 
-    def _send_confirm(self, st):
+    def _send_confirm(self, st, flushed=False):
+        """The stream's confirm offset to its replicas (``flushed``: the caller has them sent
+        before the reactor turn ends, through ``_to_flush``)."""
         call, st.confirm_call = st.confirm_call, None
         if call is not None and call.active():
             call.cancel()
+        payload = None
         for nid in st.peers:
             link = self.links.get(nid)
             if link is not None and link.channel is not None:
-                link.channel.send(rcodec.CONFIRM, st.sid, st.confirm)
+                if payload is None:
+                    payload = rcodec.encode(rcodec.CONFIRM, st.sid, st.confirm)  # (once for every replica)
+                link.channel.send_encoded(payload, flushed)
+                if flushed:
+                    self._to_flush.add(link.channel)
 
     # -- links to the replicas ----------------------------------------------------------------------
 

@@ -105,11 +105,17 @@ class ReplicaChannel(protocol.Protocol):
         """Send a message at the end of this reactor turn, after everything given before it."""
         if self.lost:
             return
+        self.send_encoded(codec.encode(*fields))
+
+    def send_encoded(self, payload, flushed=False):
+        """``send`` of a message encoded already (``codec.encode``: one encoding for several
+        peers); ``flushed`` as for ``queue_run``."""
+        if self.lost:
+            return
         self._close_batches()
-        payload = codec.encode(*fields)
         self._out.append(_LEN.pack(len(payload)) + payload)
         self._last = None
-        if self._flush_call is None:
+        if self._flush_call is None and not flushed:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 
     def send_latest(self, *fields):
@@ -159,9 +165,10 @@ class ReplicaChannel(protocol.Protocol):
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 
-    def queue_run(self, sid, epoch, parts, size):
+    def queue_run(self, sid, epoch, parts, size, flushed=False):
         """``queue_parts`` of consecutive batches of one stream (``parts``, as ``codec.batch_parts``
-        gives each; ``size``: their bytes), with one call: the primary's run of one read."""
+        gives each; ``size``: their bytes), with one call: the primary's run of one read.
+        ``flushed``: the caller calls ``flush`` itself before the reactor turn ends (no timer)."""
         if self.lost:
             return
         q = self._batches
@@ -182,7 +189,7 @@ class ReplicaChannel(protocol.Protocol):
             out.append(body)
         q[3] += len(parts)
         q[4] += size
-        if self._flush_call is None:
+        if self._flush_call is None and not flushed:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 
     def _close_batches(self):
