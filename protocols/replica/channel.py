@@ -247,7 +247,7 @@ class ReplicaChannel(protocol.Protocol):
         q = self._unsent
         sock = self.transport.socket
         while q:
-            parts = list(islice(q, 0, _MAX_PARTS))
+            parts = list(islice(q, 0, _MAX_PARTS)) if len(q) > _MAX_PARTS else list(q)
             try:
                 n = sock.sendmsg(parts)
             except (BlockingIOError, InterruptedError):
@@ -256,6 +256,9 @@ class ReplicaChannel(protocol.Protocol):
                 self.log.debug("replica channel send failed: {error}", error=e)
                 q.clear()
                 return False
+            if len(parts) == len(q) and n == sum(map(len, parts)):
+                q.clear()  # (the usual case: all of it taken)
+                return True
             for p in parts:
                 size = len(p)
                 if n >= size:
