@@ -291,8 +291,10 @@ class Replicator:
             d_local, out = log.append_many([sids[k] for k in keep], [batches[k] for k in keep], [block_crcs[k] for k in keep])
         else:
             d_local, out = log.append_many(sids, batches, block_crcs)
+        if d_local is not None and d_local.called and isinstance(d_local.result, Failure):
+            return d_local, outcome  # refused by the store (failed): nothing sequenced, nothing sent
         # the replicated streams' accepted batches, in order: stream id -> [PrimaryStream, first
-        # base, [(base, end, batch)]]
+        # base, [(base, batch)]]
         runs = {}
         plain = False  # batches of streams not replicated here among the accepted
         for k, x in zip(keep, out):

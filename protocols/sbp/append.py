@@ -42,7 +42,10 @@ class AppendHandler:
     and once durable their acks are rendered together and written at once. Each APPEND keeps its
     own reply and status: one the store refuses is answered at the flush (as ``log.append``'s
     failed Deferred answers it at once), one that fails a check is answered after the run before
-    it has been flushed, so replies that leave at once leave in frame order, as before."""
+    it has been flushed, so replies that leave at once leave in frame order, as before. In a
+    cluster the run goes to the replicator (``Replicator.append_many``: sequenced, stored and
+    replicated as one unit) and holds only APPENDs to streams the router says this node serves
+    now; any other frame flushes the run and takes the per-frame path (``ClusterRouter.route``)."""
 
     def __init__(self, conn):
         self.conn = conn
