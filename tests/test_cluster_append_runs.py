@@ -39,9 +39,10 @@ def corrupt_block(b):
     return bytes(x)
 
 
-def mixed(sid, foreign, fetched):
+def mixed(sid, foreign, fetched, other):
     """The buffer's frames, in order: APPENDs to ``sid`` (this node is its primary), one to
-    ``foreign`` (it is not), a bad payload CRC, a corrupt batch, a FETCH of ``fetched``, a PING."""
+    ``foreign`` (it is not), a bad payload CRC, a corrupt batch, a FETCH of ``fetched``, a PING,
+    APPENDs to ``other`` (this node is its primary too) between those to ``sid``."""
     frames = [append_wire(1, sid, batch(2, b"a")), append_wire(2, sid, batch(3, b"b"))]
     frames.append(append_wire(3, foreign, batch(1, b"f")))  # PD_NOT_LEADER naming its primary
     frames.append(append_wire(4, sid, batch(1, b"c")))
@@ -57,11 +58,14 @@ def mixed(sid, foreign, fetched):
     frames.append(append_wire(11, sid, batch(2, b"g")))
     frames.append(append_wire(12, foreign, batch(1, b"h")))
     frames.append(append_wire(13, sid, batch(1, b"i")))
+    frames.append(append_wire(14, other, batch(2, b"t")))
+    frames.append(append_wire(15, sid, batch(1, b"j")))
+    frames.append(append_wire(16, other, batch(1, b"u")))
     return frames
 
 
-def normalized(reply, sid, foreign, fetched):
-    name = {sid: "S", foreign: "F", fetched: "R"}.get
+def normalized(reply, sid, foreign, fetched, other):
+    name = {sid: "S", foreign: "F", fetched: "R", other: "T"}.get
     if reply.opcode == codec.PING:
         return ("ping", reply.stream_id, reply.flags, reply.payload)
     h = codec.decode_header(reply)
@@ -106,27 +110,35 @@ def exchange(node, wire, expect, one_byte):
         s.close()
 
 
-def trial(nodes, primary, foreign, fetched, one_byte):
-    for _ in range(12):  # a new stream this node is primary of (placement chooses the primary)
+def new_stream(nodes, primary):
+    """A new R = 3 stream ``primary`` is the primary of (placement chooses the primary)."""
+    for _ in range(12):
         with client(primary) as c:
             sid = c.create_stream(replica_nums=3)["stream_id"]
         if roles(nodes, sid)[0] is primary:
-            break
-    assert roles(nodes, sid)[0] is primary
-    frames = mixed(sid, foreign, fetched)
-    got = exchange(primary, b"".join(frames), 13, one_byte)  # one reply per frame
-    replies = [normalized(f, sid, foreign, fetched) for f in got]
-    # the APPENDs to the stream are acknowledged in offset order (per connection, CONTRACT §9)
-    acked = [r[3][0][1] for r in replies if r[0] == "append" and r[3][0][0] == "S" and r[3][0][2] == codec.OK]
-    assert acked == sorted(acked)
-    # the replicated log: byte-identical on all three nodes
-    total = 2 + 3 + 1 + 4 + 1 + 2 + 1
+            return sid
+    raise AssertionError("no stream placed on node %d" % primary.node_id)
+
+
+def trial(nodes, primary, foreign, fetched, one_byte):
+    sid, other = new_stream(nodes, primary), new_stream(nodes, primary)
+    frames = mixed(sid, foreign, fetched, other)
+    got = exchange(primary, b"".join(frames), len(frames), one_byte)  # one reply per frame
+    replies = [normalized(f, sid, foreign, fetched, other) for f in got]
+    # each stream's APPENDs are acknowledged in offset order (per connection, CONTRACT §9)
+    for name in ("S", "T"):
+        acked = [r[3][0][1] for r in replies if r[0] == "append" and r[3][0][0] == name and r[3][0][2] == codec.OK]
+        assert acked == sorted(acked)
+    # the replicated logs: byte-identical on all three nodes
     logs = []
-    for n in nodes:
-        wait_for(lambda: fetch_all(n, sid, total)[0] == total, what="node %d holds the stream" % n.node_id)
-        logs.append(fetch_all(n, sid, total)[1])
-    assert logs[0] == logs[1] == logs[2]
-    return sorted(replies, key=lambda r: r[1]), logs[0]
+    for s, total in ((sid, 2 + 3 + 1 + 4 + 1 + 2 + 1 + 1), (other, 3)):
+        copies = []
+        for n in nodes:
+            wait_for(lambda: fetch_all(n, s, total)[0] == total, what="node %d holds stream %d" % (n.node_id, s))
+            copies.append(fetch_all(n, s, total)[1])
+        assert copies[0] == copies[1] == copies[2]
+        logs.append(copies[0])
+    return sorted(replies, key=lambda r: r[1]), logs
 
 
 def test_a_mixed_buffer_gets_the_same_replies_and_log_however_it_is_read(trio):
@@ -145,7 +157,7 @@ def test_a_mixed_buffer_gets_the_same_replies_and_log_however_it_is_read(trio):
 
     base_replies, base_log = trial(nodes, primary, foreign, fetched, one_byte=False)
     by_rid = {r[1]: r for r in base_replies}
-    assert sorted(by_rid) == list(range(1, 14))
+    assert sorted(by_rid) == list(range(1, 17))
     where = prim[foreign].endpoint("sbp")
     assert by_rid[1][3] == [("S", 0, codec.OK, "")]
     assert by_rid[2][3] == [("S", 2, codec.OK, "")]
@@ -161,8 +173,12 @@ def test_a_mixed_buffer_gets_the_same_replies_and_log_however_it_is_read(trio):
     assert by_rid[11][3] == [("S", 11, codec.OK, "")]
     assert by_rid[12][3] == [("F", 0, codec.PD_NOT_LEADER, where)]
     assert by_rid[13][3] == [("S", 13, codec.OK, "")]
-    bodies = [r.body for b in base_log for r in record_batch.decode(b)[1]]
-    assert bodies == [b"a0", b"a1", b"b0", b"b1", b"b2", b"c0", b"d0", b"d1", b"d2", b"d3", b"e0", b"g0", b"g1", b"i0"]
+    assert by_rid[14][3] == [("T", 0, codec.OK, "")]
+    assert by_rid[15][3] == [("S", 14, codec.OK, "")]
+    assert by_rid[16][3] == [("T", 2, codec.OK, "")]
+    bodies = [r.body for b in base_log[0] for r in record_batch.decode(b)[1]]
+    assert bodies == [b"a0", b"a1", b"b0", b"b1", b"b2", b"c0", b"d0", b"d1", b"d2", b"d3", b"e0", b"g0", b"g1", b"i0", b"j0"]
+    assert [r.body for b in base_log[1] for r in record_batch.decode(b)[1]] == [b"t0", b"t1", b"u0"]
 
     assert trial(nodes, primary, foreign, fetched, one_byte=True) == (base_replies, base_log)
     assert trial(nodes, primary, foreign, fetched, one_byte=False) == (base_replies, base_log)

@@ -44,8 +44,9 @@ class AppendHandler:
     failed Deferred answers it at once), one that fails a check is answered after the run before
     it has been flushed, so replies that leave at once leave in frame order, as before. In a
     cluster the run goes to the replicator (``Replicator.append_many``: sequenced, stored and
-    replicated as one unit) and holds only APPENDs to streams the router says this node serves
-    now; any other frame flushes the run and takes the per-frame path (``ClusterRouter.route``)."""
+    replicated as one unit) and holds only APPENDs to one stream the router says this node serves
+    now; any other frame flushes the run and takes the per-frame path (``ClusterRouter.route``),
+    an APPEND to another such stream starts the next run."""
 
     def __init__(self, conn):
         self.conn = conn
@@ -231,11 +232,16 @@ class AppendHandler:
             count = record_batch.validate_count(payload, block_crc)
         except record_batch.InvalidBatch:
             return False
-        self._here_sid = sid
         self._queue(frame_sid, sid, request_index, payload, block_crc, count, int(time.time() * 1000), t0)
+        self._here_sid = sid  # (after: a flush in _queue forgets it)
         return True
 
     def _queue(self, frame_sid, sid, request_index, payload, block_crc, count, now_ms, t0):
+        if self._router is not None and self._run and self._run[-1][1] != sid:
+            # cluster mode: one stream per run. A run is answered as one (its Deferred), and two
+            # streams' APPENDs can end differently (one range sealed, the other acknowledged):
+            # each APPEND keeps its own status
+            self.flush()
         self._run.append((frame_sid, sid, request_index, payload, block_crc, count, now_ms, t0))
         self._run_bytes += len(payload)
         # as one begin() per APPEND would: past the in-flight budget, stop reading here
