@@ -227,7 +227,7 @@ class ReplicaChannel(protocol.Protocol):
         unsent = self._unsent
         if unsent is not None:
             # behind what the socket has not taken yet, else straight to it (no copy either way)
-            pending = bool(unsent) or tcp_internals.has_unsent(self.transport)
+            pending = bool(unsent) or tcp_internals.idle_socket(self.transport) is None
             unsent.extend(out)
             if not pending and not self._drain():
                 self.transport.abortConnection()
