@@ -39,10 +39,21 @@ def serve(tree, base):
     import replication_bench as rb
     from protocols.sbp.client import BlockingSbpClient
 
+    from protocols.sbp.client import SbpError
+
     etcd, nodes = rb.start_cluster(base)
     try:
-        with BlockingSbpClient("127.0.0.1", nodes[0].ports["sbp"]) as c:
-            sid = c.create_stream(replica_nums=3)["stream_id"]
+        deadline = time.monotonic() + 30
+        while True:
+            # (a node is ready before every member has seen the others live: 1502 until then)
+            try:
+                with BlockingSbpClient("127.0.0.1", nodes[0].ports["sbp"]) as c:
+                    sid = c.create_stream(replica_nums=3)["stream_id"]
+                break
+            except SbpError as e:
+                if e.code != 1502 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         for n in nodes:
             rb.wait_loaded(n.ports["sbp"])
         p = rb.primary_of(nodes, sid)

@@ -2,6 +2,8 @@
 
 import struct
 
+import pytest_twisted
+
 from twisted.internet import task
 from twisted.internet.testing import StringTransport
 
@@ -91,3 +93,54 @@ def test_an_ack_given_right_after_another_of_its_stream_replaces_it():
     clock.advance(0)
     assert frames(tr.value()) == [["K", 5, 12, 12], ["K", 6, 3, 3], ["C", 6, 3], ["K", 6, 4, 4],
                                   ["B", 6, 1, [b"\x00b"]], ["K", 6, 5, 5]]
+
+
+def test_a_run_queued_at_once_is_one_message_after_what_came_before():
+    ch, tr, _, clock = channel()
+    ch.queue_batch(5, 2, b"\x00first")
+    parts = [codec.batch_parts(b, None) for b in (b"\x00second", b"\x00third")]
+    ch.queue_run(5, 2, parts, sum(len(h) + len(b) for h, b in parts))
+    ch.queue_run(6, 2, parts[:1], len(parts[0][0]) + len(parts[0][1]), flushed=True)
+    clock.advance(0)
+    assert frames(tr.value()) == [["B", 5, 2, [b"\x00first", b"\x00second", b"\x00third"]], ["B", 6, 2, [b"\x00second"]]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_full_socket_keeps_the_rest_in_order_and_sends_it_when_writable():
+    """Plain TCP: what the kernel does not take waits in the channel's own queue (views of the
+    batches, not Twisted's buffer, which joins everything it holds) and leaves when the socket is
+    writable again: every message arrives once, in order, byte for byte."""
+    from twisted.internet import defer, endpoints, protocol, reactor
+
+    rec = Recorder()
+    got = defer.Deferred()
+    big = [bytes([0]) + bytes([i % 251]) * (200 * 1024 + i) for i in range(40)]  # ~8 MiB: past the socket's buffers
+
+    class Counting(Recorder):
+        def message(self, channel, msg):
+            rec.messages.append(msg)
+            if msg[0] == codec.CONFIRM and msg[2] == len(big) and not got.called:
+                got.callback(None)
+
+    server = protocol.Factory.forProtocol(lambda: ReplicaChannel(Counting()))
+    port = await endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server)
+    try:
+        client = await endpoints.connectProtocol(
+            endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port), ReplicaChannel(Recorder()))
+        for i, b in enumerate(big):
+            parts = [codec.batch_parts(b, 1000 + i)]
+            client.queue_run(7, 1, parts, len(parts[0][0]) + len(parts[0][1]), flushed=True)
+            client.send_encoded(codec.encode(codec.CONFIRM, 7, i + 1), flushed=True)
+            client.flush()
+        assert client._unsent, "the socket took everything: the test needs more bytes"
+        assert not client.transport.dataBuffer and not client.transport._tempDataLen  # nothing in Twisted's buffer
+        await got
+        want = []
+        for i, b in enumerate(big):
+            want.append(["B", 7, 1, [b[:1] + (1000 + i).to_bytes(8, "big", signed=True) + b[9:]]])
+            want.append(["C", 7, i + 1])
+        assert [[m[0], m[1], m[2], [bytes(x) for x in m[3]]] if m[0] == "B" else m for m in rec.messages] == want
+        assert not client._unsent
+        client.transport.loseConnection()
+    finally:
+        await port.stopListening()

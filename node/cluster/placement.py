@@ -380,6 +380,19 @@ class PlacementDriver:
                                                 "are left, ack_count %d" % (sid, primary["id"], live, ack)))
         return self.address(primary)
 
+    def appends_here(self, sid) -> bool:
+        """``route(sid) is None`` for an APPEND in its usual case, without side effects: the
+        stream's record is known, its open range's primary is this node and the stream is in the
+        local store. False covers everything else (``route`` then decides: an address, a lookup
+        in etcd, a stream outside the records). The SBP server takes a read's APPENDs into one
+        run only for streams this says yes to (protocols/sbp/append.py)."""
+        rec = self.streams.get(sid)
+        if rec is None:
+            return False
+        rng = open_range(rec)
+        primary = primary_of(rng) if rng else None
+        return primary is not None and primary["id"] == self.node_id and self._local(sid)
+
     def _catching_up(self, sid, rng, offset, wait=False):
         """A read at ``offset`` on this replica of the open range ``rng``: ``None`` (served here)
         unless this copy ends at or below ``offset`` while acknowledged batches go further (the

@@ -232,6 +232,137 @@ class Replicator:
                 ps.sent = end
         return done
 
+    def append_many(self, sids, batches, block_crcs):
+        """The APPENDs of one socket read (an SBP connection's run, protocols/sbp/append.py) as
+        one unit: ``append`` of each batch (``sids[k]``, ``batches[k]``, ``block_crcs[k]``), in
+        order, with the same checks and offsets, but each stream this node sequences is checked
+        once, every accepted batch goes to the local store in one operation
+        (``log.append_many``), a replica gets the run's batches of a stream with one queueing,
+        and the run waits for one acknowledgement per stream (its last offset confirmed and
+        held here, so every earlier offset is too). Returns (a Deferred firing once every
+        accepted batch is acknowledged, None if none was; per batch its base offset or the
+        ``StoreError`` that refused it), as ``log.append_many`` does."""
+        core = self.store.core
+        # the batches queued to the replicas leave when the outermost hold ends (``_send_early``,
+        # an after_wake hook): the SBP server's read holds it; a caller outside one (a frame that
+        # waited on etcd) gets this hold's end, so the channels need no timer of their own
+        core.hold_wakeups()
+        try:
+            return self._append_many(core, sids, batches, block_crcs)
+        finally:
+            core.release_wakeups()
+
+    def _append_many(self, core, sids, batches, block_crcs):
+        log = self.store.log
+        n = len(sids)
+        outcome = [None] * n
+        states = {}  # stream id -> PrimaryStream, None (not replicated here) or the error refusing it
+        for sid in dict.fromkeys(sids):
+            st = self._primary(sid)
+            if st is None:
+                states[sid] = None
+                continue
+            try:
+                if st is _SEALED:
+                    raise store_errors.RangeAlreadySealed("stream %d: its range is sealed; retry on the new range" % sid)
+                if st.sealed:
+                    raise store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
+                live = self._live(st)
+                if live < st.ack_count:
+                    # CONTRACT §9: below ack_count live replicas nothing can be acknowledged
+                    raise store_errors.NoAvailableReplicas("stream %d: %d live replica(s), ack_count %d" % (sid, live, st.ack_count))
+                if log.assigned_end(sid) != st.assigned:  # (a bug: the store and the sequencer disagree)
+                    raise store_errors.ExpectationFailed("stream %d: next offset %d, sequenced %d"
+                                                         % (sid, log.assigned_end(sid), st.assigned))
+            except store_errors.StoreError as e:
+                states[sid] = e
+                continue
+            states[sid] = st
+        keep = []
+        for k in range(n):
+            st = states[sids[k]]
+            if isinstance(st, Exception):
+                outcome[k] = st
+            else:
+                keep.append(k)
+        if not keep:
+            return None, outcome
+        if len(keep) < n:
+            d_local, out = log.append_many([sids[k] for k in keep], [batches[k] for k in keep], [block_crcs[k] for k in keep])
+        else:
+            d_local, out = log.append_many(sids, batches, block_crcs)
+        if d_local is not None and d_local.called and isinstance(d_local.result, Failure):
+            return d_local, outcome  # refused by the store (failed): nothing sequenced, nothing sent
+        # the replicated streams' accepted batches, in order: stream id -> [PrimaryStream, first
+        # base, [(base, batch)]]
+        runs = {}
+        plain = False  # batches of streams not replicated here among the accepted
+        for k, x in zip(keep, out):
+            outcome[k] = x
+            if type(x) is not int:
+                continue
+            sid = sids[k]
+            st = states[sid]
+            if st is None:
+                plain = True
+                continue
+            batch = batches[k]
+            if type(batch) is not bytes and not (type(batch) is memoryview and type(batch.obj) is bytes):
+                batch = bytes(batch)  # (as log.append_many keeps it)
+            end = x + int.from_bytes(batch[9:13], "big", signed=True)
+            st.assigned = end
+            st.window[x] = (end, batch)
+            r = runs.get(sid)
+            if r is None:
+                runs[sid] = [st, x, [(x, batch)]]
+            else:
+                r[2].append((x, batch))
+        if d_local is None:
+            return None, outcome
+        if not runs:
+            return d_local, outcome
+        if self._hooked_core is not core:  # (the node's store, once)
+            self._hooked_core = core
+            core.after_deliver.append(self._delivered)
+            core.after_wake.append(self._send_early)
+        waits = []
+        ends = []
+        me = self.node_id
+        for sid, (st, first, items) in runs.items():
+            done = defer.Deferred()
+            st.pending[st.assigned] = (first, done)
+            ends.append((st, st.assigned))
+            waits.append(done)
+            self._local_waiting.add(st)
+            if st.confirm_call is not None:
+                self._send_confirm(st, True)  # (before the batches: both leave in the same send)
+            parts = None
+            for nid, ps in st.peers.items():
+                if nid == me:
+                    continue
+                link = self._link(nid)
+                if ps.sent == first and link.channel is not None:
+                    if parts is None:
+                        parts = [rcodec.batch_parts(batch, base) for base, batch in items]
+                        size = sum(len(h) + len(b) for h, b in parts)
+                    link.channel.queue_run(sid, st.epoch, parts, size, flushed=True)
+                    self._to_flush.add(link.channel)
+                    ps.sent = st.assigned
+        d_local.addErrback(self._run_local_failed, ends, plain)
+        if not plain and len(waits) == 1:
+            return waits[0], outcome  # (the usual run: one replicated stream, nothing else)
+        if plain:
+            waits.append(d_local)  # (batches of streams not replicated here: their local commit)
+        d = defer.gatherResults(waits, consumeErrors=True)
+        return d.addErrback(lambda f: f.value.subFailure if isinstance(f.value, defer.FirstError) else f), outcome
+
+    def _run_local_failed(self, f, ends, waited):
+        """The local store failed a run: each stream's acknowledgement of it fails with that
+        (``waited``: the run's answer waits on the local Deferred itself as well)."""
+        for st, end in ends:
+            self._local_failed(f, st, end)
+        return f if waited else None
+
     def _send_early(self):
         """A read of APPENDs is done and the store's writer woken: the read's batches go to the
         replicas now, not at the end of the reactor turn (which may serve other connections
@@ -392,14 +523,21 @@ class Replicator:
                 break
             del st.window[base]
 
-    def _send_confirm(self, st):
+    def _send_confirm(self, st, flushed=False):
+        """The stream's confirm offset to its replicas (``flushed``: the caller has them sent
+        before the reactor turn ends, through ``_to_flush``)."""
         call, st.confirm_call = st.confirm_call, None
         if call is not None and call.active():
             call.cancel()
+        payload = None
         for nid in st.peers:
             link = self.links.get(nid)
             if link is not None and link.channel is not None:
-                link.channel.send(rcodec.CONFIRM, st.sid, st.confirm)
+                if payload is None:
+                    payload = rcodec.encode(rcodec.CONFIRM, st.sid, st.confirm)  # (once for every replica)
+                link.channel.send_encoded(payload, flushed)
+                if flushed:
+                    self._to_flush.add(link.channel)
 
     # -- links to the replicas ----------------------------------------------------------------------
 

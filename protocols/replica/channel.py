@@ -14,6 +14,8 @@ per turn, not one per message.
 """
 
 import struct
+from collections import deque
+from itertools import islice
 
 from twisted.internet import protocol
 from twisted.internet import reactor as default_reactor
@@ -46,6 +48,11 @@ class ReplicaChannel(protocol.Protocol):
         self._batches = None  # the B message being filled (see queue_batch)
         self._flush_call = None
         self._last = None  # ((kind, stream id), its index in _out) of the last send_latest message
+        # plain TCP: what the socket did not take yet, as the parts were given (views of the
+        # batches: not joined, not copied), sent with sendmsg when it is writable again; None
+        # (TLS, test transports): Twisted's buffer (which joins everything it holds on each pass)
+        self._unsent = None
+        self._orig_do_write = None
 
     def connectionMade(self):
         # small acks and confirms must not wait for Nagle's algorithm (40 ms with delayed ACKs)
@@ -57,11 +64,16 @@ class ReplicaChannel(protocol.Protocol):
                 pass
         tcp_internals.set_read_size(self.transport, READ_SIZE)
         tcp_internals.set_send_limit(self.transport, READ_SIZE)  # (Twisted's 128 KiB: two batches per send())
+        if tcp_internals.is_plain_tcp(self.transport):
+            self._unsent = deque()
+            self._orig_do_write = tcp_internals.take_over_writes(self.transport, self._do_write)
         self.handler.connected(self)
 
     def connectionLost(self, reason=None):
         self.lost = True
         self._out, self._batches, self._last = [], None, None
+        if self._unsent is not None:
+            self._unsent.clear()
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
@@ -105,11 +117,17 @@ class ReplicaChannel(protocol.Protocol):
         """Send a message at the end of this reactor turn, after everything given before it."""
         if self.lost:
             return
+        self.send_encoded(codec.encode(*fields))
+
+    def send_encoded(self, payload, flushed=False):
+        """``send`` of a message encoded already (``codec.encode``: one encoding for several
+        peers); ``flushed`` as for ``queue_run``."""
+        if self.lost:
+            return
         self._close_batches()
-        payload = codec.encode(*fields)
         self._out.append(_LEN.pack(len(payload)) + payload)
         self._last = None
-        if self._flush_call is None:
+        if self._flush_call is None and not flushed:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 
     def send_latest(self, *fields):
@@ -159,6 +177,33 @@ class ReplicaChannel(protocol.Protocol):
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush_now)
 
+    def queue_run(self, sid, epoch, parts, size, flushed=False):
+        """``queue_parts`` of consecutive batches of one stream (``parts``, as ``codec.batch_parts``
+        gives each; ``size``: their bytes), with one call: the primary's run of one read.
+        ``flushed``: the caller calls ``flush`` itself before the reactor turn ends (no timer)."""
+        if self.lost:
+            return
+        q = self._batches
+        if size > MAX_QUEUED or (q is not None and q[4] + size > MAX_QUEUED):
+            for p in parts:
+                self.queue_parts(sid, epoch, p)
+            return
+        if q is not None and (q[0] != sid or q[1] != epoch):
+            self._close_batches()
+            q = None
+        if q is None:
+            self._last = None
+            self._batches = q = [sid, epoch, len(self._out), 0, 0]
+            self._out.append(None)
+        out = self._out
+        for head, body in parts:
+            out.append(head)
+            out.append(body)
+        q[3] += len(parts)
+        q[4] += size
+        if self._flush_call is None and not flushed:
+            self._flush_call = self.reactor.callLater(0, self._flush_now)
+
     def _close_batches(self):
         q, self._batches = self._batches, None
         if q is not None:
@@ -179,11 +224,66 @@ class ReplicaChannel(protocol.Protocol):
             return
         self._out = []
         self._last = None
+        unsent = self._unsent
+        if unsent is not None:
+            # behind what the socket has not taken yet, else straight to it (no copy either way)
+            pending = bool(unsent) or tcp_internals.idle_socket(self.transport) is None
+            unsent.extend(out)
+            if not pending and not self._drain():
+                self.transport.abortConnection()
+                return
+            if unsent:
+                self.transport.startWriting()
+            return
         if len(out) <= _MAX_PARTS:
             send_parts_now(self.transport, out)
             return
         for i in range(0, len(out), _MAX_PARTS):
             send_parts_now(self.transport, out[i:i + _MAX_PARTS])
+
+    def _drain(self) -> bool:
+        """Send the unsent parts until they are all sent or the socket is full (one sendmsg per
+        up to _MAX_PARTS of them); False if the connection failed (the parts are dropped)."""
+        q = self._unsent
+        sock = self.transport.socket
+        while q:
+            parts = list(islice(q, 0, _MAX_PARTS)) if len(q) > _MAX_PARTS else list(q)
+            try:
+                n = sock.sendmsg(parts)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as e:
+                self.log.debug("replica channel send failed: {error}", error=e)
+                q.clear()
+                return False
+            if len(parts) == len(q) and n == sum(map(len, parts)):
+                q.clear()  # (the usual case: all of it taken)
+                return True
+            for p in parts:
+                size = len(p)
+                if n >= size:
+                    q.popleft()
+                    n -= size
+                    continue
+                q[0] = memoryview(p)[n:]  # the socket is full: the rest of this part waits
+                return True
+        return True
+
+    def _do_write(self):
+        """The reactor found the socket writable: Twisted's own buffer first (bytes written to the
+        transport directly), then the unsent parts; once both are empty Twisted's doWrite stops
+        writing (or completes a loseConnection) as usual."""
+        q = self._unsent
+        if not q or tcp_internals.has_unsent(self.transport):
+            result = self._orig_do_write()
+            if result is not None or not q or tcp_internals.has_unsent(self.transport):
+                return result
+        if not self._drain():
+            return tcp_internals.CONNECTION_LOST
+        if q:
+            self.transport.startWriting()
+            return None
+        return self._orig_do_write()
 
 
 class ReplicaChannelFactory(protocol.Factory):

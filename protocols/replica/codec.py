@@ -28,6 +28,7 @@ Replica -> primary:
 """
 
 import functools
+import struct
 
 import msgpack
 
@@ -79,7 +80,12 @@ def batch_parts(batch, base=None) -> tuple:
     n = len(batch)
     if base is None:
         return _bin_head(n), batch
+    if n >= 0x10000:  # (the usual batch of the issue's load: one pack, no joins)
+        return _BIN32_AT.pack(0xc6, n, batch[0], base), memoryview(batch)[9:]
     return _bin_head(n) + batch[:1] + base.to_bytes(8, "big", signed=True), memoryview(batch)[9:]
+
+
+_BIN32_AT = struct.Struct(">BIBq")  # a bin 32 head, then a batch's magic byte and its base offset
 
 
 def encode_batches(stream_id: int, epoch: int, batches) -> list:

@@ -42,17 +42,29 @@ class AppendHandler:
     and once durable their acks are rendered together and written at once. Each APPEND keeps its
     own reply and status: one the store refuses is answered at the flush (as ``log.append``'s
     failed Deferred answers it at once), one that fails a check is answered after the run before
-    it has been flushed, so replies that leave at once leave in frame order, as before."""
+    it has been flushed, so replies that leave at once leave in frame order, as before. In a
+    cluster the run goes to the replicator (``Replicator.append_many``: sequenced, stored and
+    replicated as one unit) and holds only APPENDs to one stream the router says this node serves
+    now; any other frame flushes the run and takes the per-frame path (``ClusterRouter.route``),
+    an APPEND to another such stream starts the next run."""
 
     def __init__(self, conn):
         self.conn = conn
         self.log = conn.log
         self.metrics = conn.factory.metrics
         self.core = getattr(conn.store, "core", None)  # the store's commit core (None: a test double)
-        # runs need the store's own log (a cluster's replicator and the router take frames one by one)
+        # runs go to the store's own log, or in a cluster to the replicator (``append_many``: the
+        # run sequenced and replicated as one unit); there only APPENDs to streams the router
+        # says this node serves now are taken into a run, the others take the per-frame path
         factory = conn.factory
-        self.runs = (self.core is not None and getattr(factory, "appender", None) is None
-                     and getattr(factory, "router", None) is None)
+        self._appender = getattr(factory, "appender", None)
+        self._router = getattr(factory, "router", None)
+        if self._router is None and self._appender is None:
+            self.runs = self.core is not None
+        else:
+            self.runs = (self.core is not None and self._router is not None
+                         and hasattr(self._appender, "append_many") and hasattr(self._router, "appends_here"))
+        self._here_sid = None  # a stream the router said this node serves, during this run
         # the run being gathered: per APPEND (the frame's stream_id, the entry's stream_id and
         # request_index, the batch, its records-block CRC, record count, append time ms, t0), and
         # its payload bytes
@@ -201,6 +213,14 @@ class AppendHandler:
         sid, request_index, nbytes = one
         if nbytes != pend - pstart or nbytes < _BATCH_HEADER_SIZE or nbytes > self.conn.factory.max_batch_bytes:
             return False
+        router = self._router
+        if router is not None and (self.conn.cluster_gate is not None
+                                   or (sid != self._here_sid and not router.appends_here(sid))):
+            # cluster mode: another node's stream, one not known here yet, or frames waiting on
+            # etcd before it: the per-frame path (ClusterRouter.route) answers it, after the run
+            # before it has gone to the replicator (offsets in frame order)
+            self.flush()
+            return False
         core = self.core
         crc = crc32_held if core.writer_busy else crc32  # see handle
         payload = memoryview(buf)[pstart:pend]
@@ -213,9 +233,15 @@ class AppendHandler:
         except record_batch.InvalidBatch:
             return False
         self._queue(frame_sid, sid, request_index, payload, block_crc, count, int(time.time() * 1000), t0)
+        self._here_sid = sid  # (after: a flush in _queue forgets it)
         return True
 
     def _queue(self, frame_sid, sid, request_index, payload, block_crc, count, now_ms, t0):
+        if self._router is not None and self._run and self._run[-1][1] != sid:
+            # cluster mode: one stream per run. A run is answered as one (its Deferred), and two
+            # streams' APPENDs can end differently (one range sealed, the other acknowledged):
+            # each APPEND keeps its own status
+            self.flush()
         self._run.append((frame_sid, sid, request_index, payload, block_crc, count, now_ms, t0))
         self._run_bytes += len(payload)
         # as one begin() per APPEND would: past the in-flight budget, stop reading here
@@ -224,6 +250,7 @@ class AppendHandler:
 
     def flush(self):
         """Hand the run gathered so far to the store (see the class)."""
+        self._here_sid = None  # (routing is checked again in the next run)
         run = self._run
         if not run:
             return
@@ -232,8 +259,9 @@ class AppendHandler:
         self._run_bytes = 0
         conn = self.conn
         metrics = self.metrics
+        appender = self._appender if self._appender is not None else conn.store.log
         try:
-            d, outcome = conn.store.log.append_many([e[1] for e in run], [e[3] for e in run], [e[4] for e in run])
+            d, outcome = appender.append_many([e[1] for e in run], [e[3] for e in run], [e[4] for e in run])
         except Exception as e:  # a bug: every APPEND of the run is answered with it
             d, outcome = None, [e] * len(run)
         metrics["appends"] += len(run)

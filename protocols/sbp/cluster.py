@@ -70,6 +70,13 @@ class ClusterRouter:
             return True
         return self._route_now(proto, frame, False)
 
+    def appends_here(self, sid) -> bool:
+        """An APPEND to ``sid`` is served by this node now, as ``route`` would find in its usual
+        case (no side effects): the connection's APPEND run may take it (protocols/sbp/append.py);
+        False: the frame goes through ``route``."""
+        pd = self.pd
+        return pd is not None and pd.appends_here(sid)
+
     def _route_now(self, proto, frame, deferred):
         if proto.lost:
             return True
@@ -132,6 +139,7 @@ class ClusterRouter:
                 return False  # served here, by the caller, at once
             if not proto.lost:
                 proto._dispatch(frame, routed=True)
+                proto.appends.flush()  # (an APPEND taken into the run: outside a read, it goes now)
             return True
         me = self.factory.this_server().advertise_addr
         self._answer_all(proto, frame, req, lambda sid: codec.status(codec.PD_NOT_LEADER, where.get(sid) or me))
