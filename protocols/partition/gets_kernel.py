@@ -3,8 +3,8 @@ run of GETs straight from a read (``server.KvServerProtocol._gets_from_read``). 
 through ``storage.jit.import_compiled`` by ``protocols/partition/gets_compiled.py``: the server keeps
 its Python loop for when this is absent or still loading.
 
-``get_frames`` finds the run of whole, well-formed GETs at the start of a read (the checks of the
-server's loop, in the same order); ``get_replies`` writes the replies of such a run, all found,
+``get_frames`` finds the run of whole, well-formed GETs of one length at the start of a read (the
+checks of the server's loop, in the same order); ``get_replies`` writes the replies of such a run, all found,
 into one buffer. Between the two the server looks the keys up (LMDB and the memtables are Python
 objects). Every position is checked against the buffer's end before it is read. Arrays are indexed
 with unsigned integers: numba then skips its negative-index wraparound.
@@ -42,15 +42,15 @@ def _le_u32(buf, p):
 
 @njit(**JIT)
 def get_frames(buf):
-    """``(count, end, frame_len)``: the number of whole GETs from the start of ``buf`` (bytes) that
-    the server's loop would take as one run (``count`` >= 1 only if the first is one: total_len >=
-    28 + key_len, key_len >= 1, the whole frame in ``buf``, total_len <= MAX_MESSAGE), the
-    position after them, and their common length when every one of them is exactly 28 + key_len
-    bytes with one key_len (0 otherwise)."""
+    """``(count, end, frame_len)``: the run of whole GETs at the start of ``buf`` (bytes) that the
+    server's loop would take (each: total_len >= 28 + key_len, key_len >= 1, the whole frame in
+    ``buf``, total_len <= MAX_MESSAGE), cut at the first frame that is not exactly as long as the
+    first (28 + its key_len, so every key has the same length): their number, the position after
+    them, and that length. ``(0, 0, 0)`` if the first frame is not such a GET."""
     n = len(buf)
     pos = np.int64(0)
     count = np.int64(0)
-    frame_len = np.int64(-1)
+    frame_len = np.int64(0)
     while n - pos >= 28:
         if _be(buf, pos, 4) != 0:  # total_len >= 2**32: over any limit
             break
@@ -59,14 +59,16 @@ def get_frames(buf):
         klen = _be(buf, pos + 26, 2)
         if cmd != GET or klen == 0 or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
             break
-        if frame_len == -1:
+        if count == 0:
+            if total != 28 + klen:
+                break
             frame_len = total
-        if total != 28 + klen or total != frame_len:
-            frame_len = 0
+        elif total != frame_len or klen != frame_len - 28:
+            break
         pos += total
         count += 1
-    if frame_len < 0:
-        frame_len = 0
+    if count == 0:
+        return np.int64(0), np.int64(0), np.int64(0)
     return count, pos, frame_len
 
 

@@ -440,7 +440,14 @@ class KvServerProtocol(Protocol):
                 pos = self._get_run(data, 0, n, total, cid, klen)
             else:
                 pos = self._answer_read_gets_compiled(data, reader) if gets_compiled.frames is not None else 0
-                if not pos:
+                if pos and n - pos >= 28:
+                    # GETs of another length may follow: the Python loop takes the rest of the run
+                    total, cid, _n, cmd, klen = _HEADER_KEYLEN(data, pos)
+                    if cmd == GET and klen and 28 + klen <= total <= n - pos and total <= MAX_MESSAGE:
+                        self._handled += 1
+                        data = data[pos:]
+                        pos += self._answer_read_gets(data, n - pos, total, cid, klen, reader)
+                elif not pos:
                     pos = self._answer_read_gets(data, n, total, cid, klen, reader)
         except Exception:
             self._drop_on_bug()
@@ -609,9 +616,10 @@ class KvServerProtocol(Protocol):
         """``_answer_read_gets`` with no Python bytecode per GET (gets_compiled): one compiled pass
         finds the run's frames, one ``struct`` unpack makes its keys, one ``map`` looks them up in
         LMDB (the memtables too when they hold one of the keys), and, every key found, one
-        compiled pass writes every reply into one buffer. Only for a run whose frames all have
-        one length, exactly 28 + key_len, and a key of at most KEY_KEEP bytes (else 0: nothing
-        done, the Python loop takes the read); returns the position after the run."""
+        compiled pass writes every reply into one buffer. For the run's frames of the first one's
+        length, exactly 28 + key_len with a key of at most KEY_KEEP bytes (the rest of the read
+        goes on as any read's); 0 (nothing done: the Python loop takes the read) if the first
+        frame is not such a GET. Returns the position after the frames answered."""
         t0 = time.perf_counter()
         count, end, frame_len = gets_compiled.frames(data)
         klen = frame_len - 28
