@@ -24,6 +24,7 @@ it sees a write only once acknowledged. A scan reads the store merged with the t
 
 import struct
 import time
+import weakref
 from collections import deque
 from itertools import repeat
 
@@ -268,6 +269,38 @@ def with_pending(fetch, pending, descending=False, keys_only=False):
     return fetch_merged
 
 
+# Per store (its CommitCore): the connections whose write replies became ready during the store's
+# delivery of a group, sent once the whole group is delivered (_run_done).
+_DUE_AFTER_DELIVERY = weakref.WeakKeyDictionary()
+_log = Logger()
+
+
+def _due_after_delivery(store):
+    """The list of connections to drain once the store's current delivery ends (None: a store
+    without the ``after_deliver`` hook, e.g. a test double)."""
+    core = getattr(store, "core", None)
+    hooks = getattr(core, "after_deliver", None)
+    if hooks is None:
+        return None
+    due = _DUE_AFTER_DELIVERY.get(core)
+    if due is None:
+        due = _DUE_AFTER_DELIVERY[core] = []
+
+        def drain_due():
+            while due:
+                protos = due[:]
+                del due[:]
+                for proto in protos:
+                    proto._drain_due = False
+                    try:
+                        proto._drain()
+                    except Exception:
+                        _log.failure("kv connection from {peer}: sending write replies failed", peer=proto.peer)
+
+        hooks.append(drain_due)
+    return due
+
+
 def _ignore_latency(operation, seconds):
     """A node without the latency hook (--metrics off, test doubles)."""
 
@@ -322,6 +355,11 @@ class KvServerProtocol(Protocol):
         self._idle_waiters = []
         self._peer_errors = 0
         self.peer = "?"
+        # Write replies made ready by the store's delivery of a group are sent once the whole group
+        # is delivered: one send for every run of this connection in it (_run_done).
+        self._after_delivery = _due_after_delivery(store)
+        self._drain_due = False
+        self._issuing = False  # inside _issue_run: a run failing at once is answered at once
 
     @staticmethod
     def layout():
@@ -884,15 +922,19 @@ class KvServerProtocol(Protocol):
         if run is None:
             return
         self._run = None
+        self._issuing = True
         try:
-            write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
-            if write_sets is not None:
-                d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
-            else:
-                d = self._write_many(zip(run.keys, run.values))
-        except Exception:
-            d = defer.fail()
-        d.addBoth(self._run_done, run, time.perf_counter())
+            try:
+                write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
+                if write_sets is not None:
+                    d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
+                else:
+                    d = self._write_many(zip(run.keys, run.values))
+            except Exception:
+                d = defer.fail()
+            d.addBoth(self._run_done, run, time.perf_counter())
+        finally:
+            self._issuing = False
 
     def _write_many(self, ops):
         write_many = getattr(self.kv, "write_many", None)
@@ -960,7 +1002,14 @@ class KvServerProtocol(Protocol):
                         parts.append(self._store_error(cid, r.value, cmd))
                 slot[0] = b"".join(parts)
         self._unacked -= count
-        self._drain()
+        due = self._after_delivery
+        if due is None or self._issuing:
+            self._drain()
+        elif not self._drain_due:
+            # the store is delivering a group: other runs of this connection may be in it too, so
+            # the replies leave in one send once it is delivered (its after_deliver hook)
+            self._drain_due = True
+            due.append(self)
 
     def _get_many(self, keys):
         pending = self._pending
