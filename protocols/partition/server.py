@@ -653,9 +653,9 @@ class KvServerProtocol(Protocol):
     def _answer_read_gets_compiled(self, data, reader):
         """``_answer_read_gets`` with no Python bytecode per GET (gets_compiled): one compiled pass
         finds the run's frames, one ``struct`` unpack makes its keys, one ``map`` looks them up in
-        LMDB (then, only if a memtable holds some, a loop over the keys finds those and reads
-        them through the memtables), and, every key found, one compiled pass writes every reply
-        into one buffer. For the run's frames of the first one's
+        LMDB (only if a memtable holds some of them, found by two set operations, a loop reads
+        those through the memtables and the others from LMDB), and, every key found, one
+        compiled pass writes every reply into one buffer. For the run's frames of the first one's
         length, exactly 28 + key_len with a key of at most KEY_KEEP bytes (the rest of the read
         goes on as any read's); 0 (nothing done: the Python loop takes the read) if the first
         frame is not such a GET. Returns the position after the frames answered."""
@@ -672,15 +672,16 @@ class KvServerProtocol(Protocol):
         out = self._out
         try:
             active, flushing, get, db = reader()
-            stored = list(map(get, keys, repeat(None, count), repeat(db, count)))
             newer = None  # the keys a memtable holds (newer than LMDB's)
             if active is not None and not active.keys().isdisjoint(keys):
                 newer = active.keys() & keys
             if flushing is not None and not flushing.keys().isdisjoint(keys):
                 newer = flushing.keys() & keys if newer is None else newer | (flushing.keys() & keys)
-            if newer:
-                for i in [i for i, key in enumerate(keys) if key in newer]:
-                    stored[i] = self._stored(keys[i], active, flushing, get, db)
+            if newer is None:
+                stored = list(map(get, keys, repeat(None, count), repeat(db, count)))
+            else:
+                stored = [get(key, None, db) if key not in newer else self._stored(key, active, flushing, get, db)
+                          for key in keys]
         except Exception as e:
             self._gets_failed(self._cids(data, count, frame_len), e, out)
             self._handled += count - 1
