@@ -21,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from protocols.partition import codec as c  # noqa: E402
+from protocols.partition import gets_compiled  # noqa: E402
 from tests.storage_helpers.inline import close, open_inline  # noqa: E402
 from tests.test_kv_protocol import connect  # noqa: E402
 from twisted.internet import task  # noqa: E402
@@ -96,7 +97,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--python-gets", action="store_true",
+                    help="without the compiled GET passes (protocols/partition/gets_compiled.py) a node loads")
     args = ap.parse_args()
+    if not args.python_gets:
+        gets_compiled.start_loading()
+        gets_compiled.wait()
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     rnd = random.Random(seed)
     deadline = time.monotonic() + args.seconds
@@ -111,7 +117,8 @@ def main():
     finally:
         close(store)
         shutil.rmtree(tmp, ignore_errors=True)
-    print("fuzz_kv: seed %d, %d cases, %d left open, %d closed by the server, no failures" % (seed, n, counts["open"], counts["closed"]))
+    print("fuzz_kv: seed %d, GETs %s, %d cases, %d left open, %d closed by the server, no failures"
+          % (seed, gets_compiled.state if not args.python_gets else "python", n, counts["open"], counts["closed"]))
 
 
 if __name__ == "__main__":

@@ -495,9 +495,12 @@ def main(argv=None):
                 enc_set, enc_get = codec.encode_set, codec.encode_get
                 pairs = [enc_set(2 * i, k, value) + enc_get(2 * i + 1, k) for i, k in enumerate(pkeys)]
                 sock = connect(port)
+                prof = Profiler(args.py_spy, pid, "setget") if profiling else None
                 cpu = CpuMeter(pid)
                 el, lat, tail = pipelined(sock, pairs, set_reply + get_reply, max(1, args.depth // 2), chunk=8)
                 cpu = cpu.us_per(args.pairs)
+                if prof:
+                    prof.stop(args.pairs)
                 assert tail.endswith(codec.encode_get_reply(2 * args.pairs - 1, pkeys[-1], value)), tail
                 del pairs
                 sock.close()

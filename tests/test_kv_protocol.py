@@ -19,12 +19,28 @@ from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 
 from protocols.partition import codec as c
+from protocols.partition import gets_compiled
 from protocols.partition.server import KvServerFactory, KvServerProtocol
 from storage.kv import KeyValue
 from tests.storage_helpers.inline import close, complete, congest, hold, open_inline, pending
 
 # one store serves a property test's examples (see each test)
 FIXTURE_OK = [HealthCheck.function_scoped_fixture]
+
+
+@pytest.fixture(params=["python", "compiled"])
+def gets_mode(request):
+    """The test runs with the server's Python loop for reads of GETs and with the compiled passes
+    (protocols/partition/gets_compiled.py) loaded."""
+    gets_compiled.start_loading()
+    assert gets_compiled.wait(120) and gets_compiled.state == "compiled", gets_compiled.state
+    loaded = gets_compiled.frames
+    if request.param == "python":
+        gets_compiled.frames = None
+    try:
+        yield request.param
+    finally:
+        gets_compiled.frames = loaded
 
 
 @pytest.fixture
@@ -536,7 +552,7 @@ def test_store_congestion_pauses_reading_until_drained(store):
 
 
 @pytest.mark.parametrize("step", [None, 1, 5, 100])
-def test_runs_of_gets_in_one_read(store, step):
+def test_runs_of_gets_in_one_read(store, step, gets_mode):
     fill(store, [b"a", b"b", b"c"])
     proto, tr = connect(store)
     wire = b"".join(c.encode_get(i, k) for i, k in enumerate([b"a", b"x", b"b", b"c"]))
@@ -584,7 +600,7 @@ def _idle_read_store(store):
 
 
 @pytest.mark.parametrize("step", [None, 1, 2, 13, 29, 100])
-def test_idle_read_of_gets_matches_one_at_a_time(store, step):
+def test_idle_read_of_gets_matches_one_at_a_time(store, step, gets_mode):
     """A read of whole GETs on an idle connection (answered straight from the read) gives the
     same replies as the GETs sent one at a time, whatever the split: LMDB, the merging and the
     active memtable, removes, long keys, missing keys."""
@@ -626,6 +642,65 @@ def test_idle_read_of_gets_matches_one_at_a_time(store, step):
         assert len(runs) == 1 and [k for k, _ in runs[0]] == [b"lmdb1", b"active0", b"n", b"n"]
 
 
+def test_mixed_frames_split_at_every_byte_give_the_replies_of_one_frame_at_a_time(store, gets_mode, monkeypatch):
+    """A buffer of many frames (runs of GETs of one length over LMDB, the memtable and missing
+    keys, a GET of another length, SETs and a REMOVE with GETs of them, a malformed GET, a cursor
+    and scans) gives the same replies, and leaves the same store, whether it is read one frame at
+    a time, in one read, or in two reads split at any byte."""
+    k8 = [b"key%05d" % i for i in range(12)]
+    fill(store, k8[:6])
+    assert store.kv.flush().called  # k8[:6] in LMDB
+    fill(store, k8[6:9])  # in the active memtable; k8[9:] missing
+    frames = [c.encode_get(i, k) for i, k in enumerate(k8)]
+    frames.append(c.encode_get(20, b"key"))  # another length, missing
+    frames += [c.encode_get(21, k8[1]), c.encode_get(22, k8[7])]
+    frames.append(c.encode_set(23, b"new00000", b"fresh"))
+    frames += [c.encode_get(24, b"new00000"), c.encode_get(25, k8[2])]
+    frames.append(struct.pack(">QQQHH", 31, 26, 1, c.GET, 5) + b"abc")  # key past total_len: ERR 3
+    frames += [c.encode_get(27, k8[3]), c.encode_get(28, k8[8])]
+    frames.append(c.encode_create_cursor(29, b"cur"))
+    frames.append(c.encode_scan(c.GET_FF, 30, 4, b"cur", b"", b""))
+    frames += [c.encode_get(31 + i, k) for i, k in enumerate(k8[4:10])]
+    frames.append(c.encode_remove(40, b"new00000"))
+    frames += [c.encode_get(41, b"new00000"), c.encode_get(42, k8[0])]
+    frames.append(c.encode_scan(c.GET_KEYS, 43, 3, b"cur", b"", b""))
+    frames += [c.encode_get(44 + i, k) for i, k in enumerate(k8)]
+    wire = b"".join(frames)
+    before = contents(store)
+
+    proto, tr = connect(store)
+    for f in frames:
+        proto.dataReceived(f)
+    want = tr.value()
+    after = contents(store)
+    assert after == before  # the SET and the REMOVE of new00000 cancel out
+    tr2 = StringTransport()
+    tr2.write(want)
+    r = {x.client_id: x for x in replies(tr2, [struct.unpack_from(">H", f, 24)[0] for f in frames])}
+    assert len(r) == len(frames)
+    found = {cid: (x.items[0][1] if x.items else x.cmd) for cid, x in r.items()}
+    assert [found[i] for i in range(12)] == [b"v" + k for k in k8[:9]] + [c.DATA_NOT_FOUND] * 3
+    assert [found[i] for i in (20, 23, 24, 26, 40, 41)] == [c.DATA_NOT_FOUND, c.OK, b"fresh", c.ERR, c.OK,
+                                                             c.DATA_NOT_FOUND]
+    assert [k for k, _ in r[30].items] == k8[:4]
+    taken = []  # reads whose run of GETs the compiled pass answered
+    if gets_mode == "compiled":
+        frames_of = gets_compiled.frames
+        monkeypatch.setattr(gets_compiled, "frames", lambda data: taken.append(frames_of(data)) or taken[-1])
+    for split in [None] + list(range(1, len(wire))):
+        proto, tr = connect(store)
+        if split is None:
+            proto.dataReceived(wire)
+        else:
+            proto.dataReceived(wire[:split])
+            proto.dataReceived(wire[split:])
+        assert tr.value() == want, (gets_mode, split)
+        assert not tr.disconnecting
+    assert contents(store) == after
+    if gets_mode == "compiled":
+        assert sum(1 for count, end, frame_len in taken if frame_len == 36) >= len(wire) // 2
+
+
 class _GeneralPathOnly(KvServerProtocol):
     """The server without the read fast paths (every read through the framer and ``_process``)."""
 
@@ -661,7 +736,7 @@ def _random_request(rnd, cid):
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed):
+def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed, gets_mode):
     """Differential: random streams of GETs, SETs, REMOVEs (long keys, empty keys), malformed
     messages and scans, split at random points, with the writer held or not and merges started
     in between, give byte for byte the replies (and the close) of the server without the read
@@ -703,7 +778,7 @@ def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed):
             close(s)
 
 
-def test_store_read_failure_is_err0_for_each_get(store):
+def test_store_read_failure_is_err0_for_each_get(store, gets_mode):
     class FailingKv(KeyValue):
         def get_many(self, keys):
             raise OSError("disk on fire")

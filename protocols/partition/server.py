@@ -24,7 +24,9 @@ it sees a write only once acknowledged. A scan reads the store merged with the t
 
 import struct
 import time
+import weakref
 from collections import deque
+from itertools import repeat
 
 from twisted.internet import defer
 from twisted.internet.protocol import Factory, Protocol
@@ -34,7 +36,7 @@ from twisted.python.failure import Failure
 from protocols import tcp_internals
 from protocols.direct_send import send_now
 from protocols.framing import Framer
-from protocols.partition import codec
+from protocols.partition import codec, gets_compiled
 from protocols.read_gate import BUDGET, CLOSING, ReadGate
 from protocols.partition.codec import (
     CREATE_CURSOR,
@@ -73,6 +75,32 @@ def _get_reply_head(klen):
     return head
 
 _U32_FROM = struct.Struct(">I").unpack_from
+_KEYS_OF_FRAMES = {}  # (key_len, count) -> the unpack of the keys of count GETs of that key_len
+KEYS_OF_FRAMES_MAX = 256  # reads of more GETs take their keys by a slicing comprehension
+
+
+_LENGTHS = {}  # count -> the pack of count lengths as little-endian u32 (gets_kernel.get_replies)
+
+
+def _lengths_packer(count):
+    pack = _LENGTHS.get(count)
+    if pack is None:
+        pack = struct.Struct("<%dI" % count).pack
+        if len(_LENGTHS) < 1024:
+            _LENGTHS[count] = pack
+    return pack
+
+
+def _keys_of_frames(klen, count):
+    """The ``unpack_from`` giving the keys of ``count`` back-to-back GET frames of exactly 28 +
+    ``klen`` bytes each (one C call: no Python bytecode per key), or None for larger ``count``."""
+    unpack = _KEYS_OF_FRAMES.get((klen, count))
+    if unpack is None and count <= KEYS_OF_FRAMES_MAX:
+        unpack = struct.Struct("28x%ds" % klen * count).unpack_from
+        if len(_KEYS_OF_FRAMES) < 1024:
+            _KEYS_OF_FRAMES[(klen, count)] = unpack
+    return unpack
+
 MAX_VALUE = codec.MAX_VALUE
 
 # sbpnode_responses_total (node/metrics.py): replies counted by command << 8 | status, the status
@@ -241,6 +269,38 @@ def with_pending(fetch, pending, descending=False, keys_only=False):
     return fetch_merged
 
 
+# Per store (its CommitCore): the connections whose write replies became ready during the store's
+# delivery of a group, sent once the whole group is delivered (_run_done).
+_DUE_AFTER_DELIVERY = weakref.WeakKeyDictionary()
+_log = Logger()
+
+
+def _due_after_delivery(store):
+    """The list of connections to drain once the store's current delivery ends (None: a store
+    without the ``after_deliver`` hook, e.g. a test double)."""
+    core = getattr(store, "core", None)
+    hooks = getattr(core, "after_deliver", None)
+    if hooks is None:
+        return None
+    due = _DUE_AFTER_DELIVERY.get(core)
+    if due is None:
+        due = _DUE_AFTER_DELIVERY[core] = []
+
+        def drain_due():
+            while due:
+                protos = due[:]
+                del due[:]
+                for proto in protos:
+                    proto._drain_due = False
+                    try:
+                        proto._drain()
+                    except Exception:
+                        _log.failure("kv connection from {peer}: sending write replies failed", peer=proto.peer)
+
+        hooks.append(drain_due)
+    return due
+
+
 def _ignore_latency(operation, seconds):
     """A node without the latency hook (--metrics off, test doubles)."""
 
@@ -295,6 +355,11 @@ class KvServerProtocol(Protocol):
         self._idle_waiters = []
         self._peer_errors = 0
         self.peer = "?"
+        # Write replies made ready by the store's delivery of a group are sent once the whole group
+        # is delivered: one send for every run of this connection in it (_run_done).
+        self._after_delivery = _due_after_delivery(store)
+        self._drain_due = False
+        self._issuing = False  # inside _issue_run: a run failing at once is answered at once
 
     @staticmethod
     def layout():
@@ -412,7 +477,16 @@ class KvServerProtocol(Protocol):
             if reader is None:
                 pos = self._get_run(data, 0, n, total, cid, klen)
             else:
-                pos = self._answer_read_gets(data, n, total, cid, klen, reader)
+                pos = self._answer_read_gets_compiled(data, reader) if gets_compiled.frames is not None else 0
+                if pos and n - pos >= 28:
+                    # GETs of another length may follow: the Python loop takes the rest of the run
+                    total, cid, _n, cmd, klen = _HEADER_KEYLEN(data, pos)
+                    if cmd == GET and klen and 28 + klen <= total <= n - pos and total <= MAX_MESSAGE:
+                        self._handled += 1
+                        data = data[pos:]
+                        pos += self._answer_read_gets(data, n - pos, total, cid, klen, reader)
+                elif not pos:
+                    pos = self._answer_read_gets(data, n, total, cid, klen, reader)
         except Exception:
             self._drop_on_bug()
             return n
@@ -575,6 +649,87 @@ class KvServerProtocol(Protocol):
         self._handled += found + missing - 1
         self._gets_answered(found, missing, t0)
         return pos
+
+    def _answer_read_gets_compiled(self, data, reader):
+        """``_answer_read_gets`` with no Python bytecode per GET (gets_compiled): one compiled pass
+        finds the run's frames, one ``struct`` unpack makes its keys, one ``map`` looks them up in
+        LMDB (only if a memtable holds some of them, found by two set operations, a loop reads
+        those through the memtables and the others from LMDB), and, every key found, one
+        compiled pass writes every reply into one buffer. For the run's frames of the first one's
+        length, exactly 28 + key_len with a key of at most KEY_KEEP bytes (the rest of the read
+        goes on as any read's); 0 (nothing done: the Python loop takes the read) if the first
+        frame is not such a GET. Returns the position after the frames answered."""
+        t0 = time.perf_counter()
+        count, end, frame_len = gets_compiled.frames(data)
+        klen = frame_len - 28
+        if not frame_len or klen > KEY_KEEP:
+            return 0
+        unpack = _keys_of_frames(klen, count)
+        if unpack is not None:
+            keys = unpack(data)
+        else:
+            keys = [data[p : p + klen] for p in range(28, end, frame_len)]
+        out = self._out
+        try:
+            active, flushing, get, db = reader()
+            newer = None  # the keys a memtable holds (newer than LMDB's)
+            if active is not None and not active.keys().isdisjoint(keys):
+                newer = active.keys() & keys
+            if flushing is not None and not flushing.keys().isdisjoint(keys):
+                newer = flushing.keys() & keys if newer is None else newer | (flushing.keys() & keys)
+            if newer is None:
+                stored = list(map(get, keys, repeat(None, count), repeat(db, count)))
+            else:
+                stored = [get(key, None, db) if key not in newer else self._stored(key, active, flushing, get, db)
+                          for key in keys]
+        except Exception as e:
+            self._gets_failed(self._cids(data, count, frame_len), e, out)
+            self._handled += count - 1
+            return end
+        try:
+            values = b"".join(stored)
+        except TypeError:  # a key not found (None): the replies one by one
+            found = missing = 0
+            pack = _HEADER.pack
+            heads = _GET_REPLY_HEADS
+            append = out.append
+            head = heads.get(klen) or _get_reply_head(klen)
+            for cid, key, value in zip(self._cids(data, count, frame_len), keys, stored):
+                if value is None:
+                    append(pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
+                    missing += 1
+                else:
+                    vlen = len(value) - 1
+                    append(head(32 + klen + vlen, cid, 1, OK, klen, key, vlen))
+                    append(value[1:])
+                    found += 1
+        else:
+            lens = _lengths_packer(count)(*map(len, stored))
+            replies = bytearray(count * (frame_len + 3) + len(values))
+            gets_compiled.replies(data, count, frame_len, values, lens, replies)
+            out.append(bytes(replies))
+            found, missing = count, 0
+        self._handled += count - 1
+        self._gets_answered(found, missing, t0)
+        return end
+
+    @staticmethod
+    def _stored(key, active, flushing, get, db):
+        """The stored value of ``key`` (at most KEY_KEEP bytes) as ``point_reader`` has it read:
+        the active memtable, the merging one, LMDB; None if absent or removed."""
+        stored = _NO_WRITE
+        if active is not None:
+            stored = active.get(key, _NO_WRITE)
+        if stored is _NO_WRITE and flushing is not None:
+            stored = flushing.get(key, _NO_WRITE)
+        if stored is _NO_WRITE:
+            stored = get(key, None, db)
+        return stored
+
+    @staticmethod
+    def _cids(data, count, frame_len):
+        """The client ids of ``count`` frames of ``frame_len`` bytes from the start of ``data``."""
+        return [_U64.unpack_from(data, i * frame_len + 8)[0] for i in range(count)]
 
     def _gets_failed(self, cids, e, out):
         """A run of GETs (``cids``) whose store read raised ``e``: logged, counted, and ERR 0 for
@@ -768,15 +923,19 @@ class KvServerProtocol(Protocol):
         if run is None:
             return
         self._run = None
+        self._issuing = True
         try:
-            write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
-            if write_sets is not None:
-                d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
-            else:
-                d = self._write_many(zip(run.keys, run.values))
-        except Exception:
-            d = defer.fail()
-        d.addBoth(self._run_done, run, time.perf_counter())
+            try:
+                write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
+                if write_sets is not None:
+                    d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
+                else:
+                    d = self._write_many(zip(run.keys, run.values))
+            except Exception:
+                d = defer.fail()
+            d.addBoth(self._run_done, run, time.perf_counter())
+        finally:
+            self._issuing = False
 
     def _write_many(self, ops):
         write_many = getattr(self.kv, "write_many", None)
@@ -844,7 +1003,14 @@ class KvServerProtocol(Protocol):
                         parts.append(self._store_error(cid, r.value, cmd))
                 slot[0] = b"".join(parts)
         self._unacked -= count
-        self._drain()
+        due = self._after_delivery
+        if due is None or self._issuing:
+            self._drain()
+        elif not self._drain_due:
+            # the store is delivering a group: other runs of this connection may be in it too, so
+            # the replies leave in one send once it is delivered (its after_deliver hook)
+            self._drain_due = True
+            due.append(self)
 
     def _get_many(self, keys):
         pending = self._pending
@@ -1081,6 +1247,16 @@ class KvServerFactory(Factory):
         return defer.DeferredList([p.whenIdle() for p in list(self.connections)])
 
 
+def start_compiled_gets(node):
+    """Load the compiled GET passes (gets_compiled) on a thread; the node's ready file waits for
+    them."""
+    reactor = getattr(node, "reactor", None)
+    if reactor is not None and hasattr(node, "before_ready"):
+        node.before_ready(gets_compiled.start_loading(reactor), "compiled kv GETs")
+    else:
+        gets_compiled.start_loading()
+
+
 def build_factory(node):
     if getattr(node, "cluster", None) is not None:
         # cluster mode (issue 20): every key, whichever node leads its partition
@@ -1090,5 +1266,6 @@ def build_factory(node):
     metrics = node.metrics.setdefault("kv", {})
     factory = KvServerFactory(node.store.kv, metrics, node.store)
     factory.observe_latency = getattr(node, "observe_latency", _ignore_latency)
+    start_compiled_gets(node)
     node.on_shutdown(factory.when_idle)
     return factory

@@ -1,0 +1,70 @@
+"""The compiled passes behind the key-value server's run of GETs from a read
+(``protocols/partition/gets_kernel.py``), loaded on a thread as ``storage/block_check.py`` loads the
+APPEND check: importing numba holds the GIL for most of a second, so the node writes its ready file
+only once it has finished (``start_loading``'s Deferred, node/service.py ``before_ready``). Until
+then (and for good without numba) the server answers GETs with its Python loop.
+
+Why (docs/benchmarks.md, issue 19's seventh pass): at 1M keys a GET costs LMDB's lookup (~1.5-1.9
+us, a floor) plus ~1 us of per-GET Python (header unpack, key slice, reply pack, appends) and a
+few us per read. With the frames found and the replies written by one compiled call each, the keys
+made by one numpy ``tolist`` and looked up by one ``map``, no Python bytecode runs per GET.
+"""
+
+from twisted.logger import Logger
+
+from storage.jit import BackgroundLoad, import_compiled
+
+log = Logger()
+
+# The loaded kernels (gets_kernel.get_frames and get_replies); None until loaded (or for good,
+# without numba).
+frames = None
+replies = None
+# "python" (the server's loop), "loading" (the loop meanwhile), "compiled"
+state = "python"
+
+
+def start_loading(reactor=None):
+    """Load the kernels on a thread (once per process). With a reactor, returns a Deferred that
+    fires (with ``state``) on that reactor's thread once loading has finished, whatever the
+    outcome; None without one."""
+    return _loader.start(reactor)
+
+
+def wait(timeout=None) -> bool:
+    """For benchmarks and tests: block until loading has finished (whatever the outcome)."""
+    return _loader.wait(timeout)
+
+
+def _loading():
+    global state
+    state = "loading"
+
+
+def load():
+    global frames, replies, state
+    try:
+        mod, why = import_compiled("protocols.partition.gets_kernel")
+        if mod is None:
+            state = "python"
+            log.info("kv GETs stay with the Python loop: {why}", why=why)
+            return
+        from protocols.partition import codec
+
+        get_frames, get_replies = mod.get_frames, mod.get_replies
+        # compile (or load from the cache) the signatures the server calls, here and not on the
+        # reactor: a read (bytes), one GET of a 1-byte key, its stored value and length, the reply
+        probe = codec.encode_get(7, b"k")
+        count, end, frame_len = get_frames(probe)
+        out = bytearray(count * (frame_len + 3) + 2)
+        get_replies(probe, count, frame_len, b"\x00v", b"\x02\x00\x00\x00", out)
+        if (count, end, frame_len) != (1, 29, 29) or bytes(out) != codec.encode_get_reply(7, b"k", b"v"):
+            raise AssertionError("the compiled GET passes answered a probe wrongly")
+        frames, replies = get_frames, get_replies
+        state = "compiled"
+    except Exception as e:  # a broken numba/llvmlite install must not stop the node
+        state = "python"
+        log.warn("kv GETs stay with the Python loop: the compiled pass failed to load: {error!r}", error=e)
+
+
+_loader = BackgroundLoad("kv-gets", load, _loading, lambda: state)

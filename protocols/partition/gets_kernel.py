@@ -1,0 +1,104 @@
+"""Compiled (numba) passes over a read of pipelined GETs (CONTRACT §4), for the key-value server's
+run of GETs straight from a read (``server.KvServerProtocol._gets_from_read``). Imported lazily
+through ``storage.jit.import_compiled`` by ``protocols/partition/gets_compiled.py``: the server keeps
+its Python loop for when this is absent or still loading.
+
+``get_frames`` finds the run of whole, well-formed GETs of one length at the start of a read (the
+checks of the server's loop, in the same order); ``get_replies`` writes the replies of such a run, all found,
+into one buffer. Between the two the server looks the keys up (LMDB and the memtables are Python
+objects). Every position is checked against the buffer's end before it is read. Arrays are indexed
+with unsigned integers: numba then skips its negative-index wraparound.
+"""
+
+import numpy as np
+from numba import njit
+
+from protocols.partition.codec import GET, MAX_MESSAGE, OK
+
+JIT = dict(cache=True, nogil=True)
+
+
+@njit(**JIT)
+def _be(buf, p, n):
+    v = np.int64(0)
+    for k in range(n):
+        v = (v << 8) | np.int64(buf[np.uint64(p + k)])
+    return v
+
+
+@njit(**JIT)
+def _put_be(out, p, v, n):
+    for k in range(n):
+        out[np.uint64(p + n - 1 - k)] = np.uint8((v >> (8 * k)) & 0xFF)
+
+
+@njit(**JIT)
+def _le_u32(buf, p):
+    v = np.int64(0)
+    for k in range(4):
+        v |= np.int64(buf[np.uint64(p + k)]) << (8 * k)
+    return v
+
+
+@njit(**JIT)
+def get_frames(buf):
+    """``(count, end, frame_len)``: the run of whole GETs at the start of ``buf`` (bytes) that the
+    server's loop would take (each: total_len >= 28 + key_len, key_len >= 1, the whole frame in
+    ``buf``, total_len <= MAX_MESSAGE), cut at the first frame that is not exactly as long as the
+    first (28 + its key_len, so every key has the same length): their number, the position after
+    them, and that length. ``(0, 0, 0)`` if the first frame is not such a GET."""
+    n = len(buf)
+    pos = np.int64(0)
+    count = np.int64(0)
+    frame_len = np.int64(0)
+    while n - pos >= 28:
+        if _be(buf, pos, 4) != 0:  # total_len >= 2**32: over any limit
+            break
+        total = _be(buf, pos + 4, 4)
+        cmd = _be(buf, pos + 24, 2)
+        klen = _be(buf, pos + 26, 2)
+        if cmd != GET or klen == 0 or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
+            break
+        if count == 0:
+            if total != 28 + klen:
+                break
+            frame_len = total
+        elif total != frame_len or klen != frame_len - 28:
+            break
+        pos += total
+        count += 1
+    if count == 0:
+        return np.int64(0), np.int64(0), np.int64(0)
+    return count, pos, frame_len
+
+
+@njit(**JIT)
+def get_replies(buf, count, frame_len, values, lens, out):
+    """The replies of ``count`` GETs of ``frame_len`` bytes each from the start of ``buf`` (key_len
+    = frame_len - 28), every one found, into ``out`` (a bytearray of exactly ``count * (frame_len +
+    3) + len(values)`` bytes): header (total_len, the request's client_id, num_elems 1, OK), u16
+    key_len, key, u32 value_len, value (CONTRACT §4). ``values`` (bytes) holds the stored values
+    one after another, each as long as the ``i``-th little-endian u32 of ``lens`` (bytes) says, of
+    which the first byte is the store's prefix (not sent)."""
+    klen = frame_len - 28
+    p = np.int64(0)  # in out
+    v = np.int64(0)  # in values
+    for i in range(count):
+        f = i * frame_len
+        vlen = _le_u32(lens, 4 * i) - 1
+        _put_be(out, p, 32 + klen + vlen, 8)
+        for k in range(8):
+            out[np.uint64(p + 8 + k)] = buf[np.uint64(f + 8 + k)]
+        _put_be(out, p + 16, 1, 8)
+        _put_be(out, p + 24, OK, 2)
+        _put_be(out, p + 26, klen, 2)
+        for k in range(klen):
+            out[np.uint64(p + 28 + k)] = buf[np.uint64(f + 28 + k)]
+        q = p + 28 + klen
+        _put_be(out, q, vlen, 4)
+        q += 4
+        for k in range(vlen):
+            out[np.uint64(q + k)] = values[np.uint64(v + 1 + k)]
+        p = q + vlen
+        v += vlen + 1
+    return p
