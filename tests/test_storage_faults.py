@@ -354,3 +354,72 @@ async def test_kill_9_between_a_runs_wal_sync_and_its_lmdb_commit_keeps_it(tmp_p
     assert st.log.stream(sid).next_offset == 10
     assert await read_all(st, sid) == first + second
     await st.close()
+
+
+class SlowWalSync(Faults):
+    """A disk whose WAL fdatasync takes 30 ms: runs submitted meanwhile queue behind the group."""
+
+    def fdatasync(self, fd):
+        import time
+
+        time.sleep(0.03)
+        super().fdatasync(fd)
+
+
+async def carried_runs(st, sid, announced):
+    """Run A alone, then runs B and C submitted while A's WAL sync is under way: A's group is
+    carried over (its LMDB commit is B and C's). Returns the three Deferreds' results."""
+    from twisted.internet import task
+
+    runs = [[replica_batch(2, 100, 0, 0)], [replica_batch(3, 100, 1, 2)], [replica_batch(1, 100, 2, 5)]]
+
+    def submit(run):
+        return st.log.append_replica_run(sid, run, [None] * len(run),
+                                         lambda: announced.append(st.log.synced_end(sid)))
+
+    ds = [submit(runs[0])]
+    await task.deferLater(reactor, 0.01, lambda: ds.extend(submit(run) for run in runs[1:]))
+    return runs, await defer.DeferredList(ds, consumeErrors=True)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_group_of_announced_runs_shares_its_lmdb_commit_with_the_next_group(tmp_path):
+    """A group of replica runs alone, announced synced, with more work queued, leaves its LMDB
+    transaction to the next group: one LMDB commit for both, every run readable after it."""
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    faults = SlowWalSync()
+    st.wal.ops = st.core.ops = faults
+    announced = []
+    runs, results = await carried_runs(st, sid, announced)
+    assert [ok for ok, _ in results] == [True] * 3, results
+    assert announced == [2, 5, 6]
+    assert faults.calls.get("commit") == 1  # two groups, one LMDB commit
+    assert st.log.stream(sid).next_offset == 6
+    assert await read_all(st, sid) == [b for run in runs for b in run]
+    await st.close()
+    st = open_store(tmp_path)
+    assert st.replayed == 0 and await read_all(st, sid) == [b for run in runs for b in run]
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_commit_of_carried_groups_keeps_every_announced_run(tmp_path, logged):
+    """The shared LMDB commit fails: every run of both groups was announced, none is cut; the
+    store is read-only and a restart replays them all."""
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    faults = SlowWalSync()
+    st.wal.ops = st.core.ops = faults
+    faults.fail["commit"] = errno.EIO
+    announced = []
+    runs, results = await carried_runs(st, sid, announced)
+    assert [ok for ok, _ in results] == [False] * 3
+    assert all(f.check(errors.StoreReadOnly) for _, f in results)
+    assert announced == [2, 5, 6] and faults.calls.get("commit") == 1
+    assert st.failed and st.log.durable_end(sid) == 0 and st.log.synced_end(sid) == 6
+    await st.close()
+    st = open_store(tmp_path)
+    assert st.log.stream(sid).next_offset == 6
+    assert await read_all(st, sid) == [b for run in runs for b in run]
+    await st.close()
