@@ -31,10 +31,14 @@ The path of a write:
    fdatasync'ed before the LMDB commit; then LMDB commits. Under ``interval:MS`` the writer syncs
    packs, WAL and LMDB together at most every MS ms (``interval_sync_wait``; the ``PreSync``
    thread writes the WAL and packs back early so that sync is short). Under ``never`` only close
-   syncs.
+   syncs. Replica runs (``AppendRun.on_synced``) are announced to the reactor right after the WAL
+   sync, before the LMDB commit (a cluster replica answers ``K`` then); they are the group's first
+   WAL entries (``synced_runs_first``), and a group of them alone with more work queued carries its
+   LMDB transaction to the next group (one commit for up to ``MAX_CARRIED_GROUPS``).
 4. Disk faults (docs/storage.md "Disk faults"): the group's operations fail and its WAL bytes are
    cut from the segment (``Wal.rollback``), so nothing answered with an error comes back at the
-   next start. ENOSPC (or EDQUOT) from a write sets ``full``: every write is refused with
+   next start (once replica runs were announced, only the bytes after them are cut and the store
+   goes read-only: a restart replays them). ENOSPC (or EDQUOT) from a write sets ``full``: every write is refused with
    ``DiskFull``, and once nothing is queued and the file system has ``RESUME_FREE_BYTES`` free
    again the core takes writes again (``on_resume`` lets the log take back the offsets of the
    refused appends). Any other error, and any failed fdatasync whatever its errno, sets
