@@ -33,8 +33,7 @@ The path of a write:
    thread writes the WAL and packs back early so that sync is short). Under ``never`` only close
    syncs. Replica runs (``AppendRun.on_synced``) are announced to the reactor right after the WAL
    sync, before the LMDB commit (a cluster replica answers ``K`` then); they are the group's first
-   WAL entries (``synced_runs_first``), and a group of them alone with more work queued carries its
-   LMDB transaction to the next group (one commit for up to ``MAX_CARRIED_GROUPS``).
+   WAL entries (``synced_runs_first``).
 4. Disk faults (docs/storage.md "Disk faults"): the group's operations fail and its WAL bytes are
    cut from the segment (``Wal.rollback``), so nothing answered with an error comes back at the
    next start (once replica runs were announced, only the bytes after them are cut and the store
@@ -101,11 +100,6 @@ QUEUE_HIGH = 64 << 20  # above this many queued bytes the store reports congesti
 QUEUE_HARD = 512 << 20  # above this, writes fail with StoreBusy instead of growing memory
 
 POSTPONED_POLL_S = 0.002
-
-# A group of replica runs alone, announced synced (``AppendRun.on_synced``), with more work already
-# queued, leaves its LMDB transaction open for the next group instead of committing it: at most
-# this many groups in a row share one LMDB commit (see ``CommitCore._commit_group``)
-MAX_CARRIED_GROUPS = 4
 
 # After ENOSPC: how often the reactor looks for free space, and how much it waits for (one full
 # group, so that the first group after the resume does not meet ENOSPC again at once).
@@ -393,12 +387,6 @@ class CommitCore:
         # now (its replica runs were announced synced); None: a failure cuts the whole group
         self._kept_end = None
         self._from_writer = reactor.callFromThread if self.writer_mode != "inline" else _call_now
-        # writer thread: the LMDB transaction of the groups whose commit waits for the next group
-        # (None: none), how many groups it holds, and their operations (delivered at its commit)
-        self._carry_txn = None
-        self._carry_groups = 0
-        self._carried = []
-        self._may_carry = self.writer_mode != "inline"  # (inline: each group is delivered as written)
         self.delivered_wal_end = checkpoint  # reactor thread: the WAL end after the last group delivered whole
         self._env_dirty = False  # writer thread: an LMDB commit not yet synced
         self._reactor_thread = threading.get_ident()  # built on the reactor's thread
@@ -555,8 +543,7 @@ class CommitCore:
             self.logger.failure("the store's writer thread died")
             failure = Failure()
             with self._cond:
-                rest = self._carried + list(self._queue)
-                self._carried = []
+                rest = list(self._queue)
                 self._queue.clear()
             for op in rest:
                 op.ok, op.value = False, failure
@@ -583,11 +570,6 @@ class CommitCore:
             if synced:
                 last_sync = time.monotonic()
             if group:
-                if self._carry_txn is not None:
-                    self._carried.extend(group)  # (its LMDB commit is the next group's)
-                    continue
-                if self._carried:
-                    group, self._carried = self._carried + group, []
                 self.reactor.callFromThread(self._deliver, group, self.wal.end)
 
     def _write(self, group, sync_due) -> (bool, bool):
@@ -616,24 +598,19 @@ class CommitCore:
         group_start = self.wal.end
         kv_floor = self.kv_floor
         committed = False
-        # groups carried over (their runs announced, their LMDB commit this group's): whatever
-        # fails now keeps the WAL up to this group's start at least
-        self._kept_end = group_start if self._carry_txn is not None else None
+        self._kept_end = None
         try:
             presync = self.presync
             if presync is not None and presync.error is not None:
                 raise SyncFailed("the WAL or a chunk pack (pre-sync)", presync.error)
-            if work or self._carry_txn is not None:
-                self._commit_group(work, self.policy.always or force_sync, not (force_sync or stopping))
+            if work:
+                self._commit_group(work, self.policy.always or force_sync)
             committed = True
             if force_sync or stopping or sync_due():
                 self._sync_all()
                 return True, stopping
         except Exception as e:
-            # (the groups carried over fail with this one; the writer loop delivers them with it)
-            self._carry_groups = 0
-            self._disk_fault(e, self._carried + answered, None if committed else group_start, kv_floor,
-                             self._kept_end)
+            self._disk_fault(e, answered, None if committed else group_start, kv_floor, self._kept_end)
         return False, stopping
 
     def _refuse(self, ops, error):
@@ -691,16 +668,13 @@ class CommitCore:
         WAL segment at or past it may be deleted."""
         return self._checkpoint
 
-    def _commit_group(self, work, durable, may_carry=False):
+    def _commit_group(self, work, durable):
         wal = self.wal
         dbs = self.dbs
         # A group of kv memtable runs alone (the common kv group) writes the WAL and nothing in
         # LMDB: it begins a write transaction only if the checkpoint moves (below), not per group.
         kv_only = all(type(op) is Direct and op.memtable for op in work)
-        txn, self._carry_txn = self._carry_txn, None  # the groups before, carried over (or None)
-        carried = txn is not None
-        if txn is None and not kv_only:
-            txn = self.env.begin(write=True)
+        txn = None if kv_only else self.env.begin(write=True)
         group_start = wal.end
         # the replica runs announced as soon as the WAL is synced (AppendRun.on_synced): written
         # first, so that a failed LMDB commit can keep them and cut the rest (_disk_fault)
@@ -709,7 +683,7 @@ class CommitCore:
             work, early = synced_runs_first(work)
             if early is not None:
                 last_early = early[-1]
-        lmdb_changed = carried  # a group of memtable writes alone leaves LMDB as it is
+        lmdb_changed = False  # a group of memtable writes alone leaves LMDB as it is
         try:
             raw_txns = []
             live = index.LiveBytes(wal)
@@ -824,18 +798,6 @@ class CommitCore:
                     # entry past the checkpoint, which this group has not moved)
                     self._kept_end = keep_end
                     self._from_writer(self._announce, early)
-                    if may_carry and self._may_carry and len(early) == len(work) and self._queue \
-                            and self._carry_groups < MAX_CARRIED_GROUPS - 1:
-                        # Replica runs alone, acknowledged already, and more work waiting: their
-                        # index goes in with the next group's, one LMDB commit (and sync of its
-                        # data file) for both, and the next group's WAL write starts now instead of
-                        # after this commit. Their readers see them at that commit; the checkpoint
-                        # stays where it was until then, so a restart meanwhile replays them.
-                        live.flush(txn, dbs)
-                        self._carry_txn = txn
-                        self._carry_groups += 1
-                        return
-            self._carry_groups = 0
             live.flush(txn, dbs)
             checkpoint = wal.end if self.kv_floor is None else min(wal.end, self.kv_floor)
             if checkpoint != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
