@@ -37,10 +37,10 @@ The path of a write:
 4. Disk faults (docs/storage.md "Disk faults"): the group's operations fail and its WAL bytes are
    cut from the segment (``Wal.rollback``), so nothing answered with an error comes back at the
    next start (once replica runs were announced, only the bytes after them are cut and the store
-   goes read-only: a restart replays them). ENOSPC (or EDQUOT) from a write sets ``full``: every write is refused with
-   ``DiskFull``, and once nothing is queued and the file system has ``RESUME_FREE_BYTES`` free
-   again the core takes writes again (``on_resume`` lets the log take back the offsets of the
-   refused appends). Any other error, and any failed fdatasync whatever its errno, sets
+   goes read-only: a restart replays them). ENOSPC (or EDQUOT) from a write sets ``full``: every
+   write is refused with ``DiskFull``, and once nothing is queued and the file system has
+   ``RESUME_FREE_BYTES`` free again the core takes writes again (``on_resume`` lets the log take
+   back the offsets of the refused appends). Any other error, and any failed fdatasync whatever its errno, sets
    ``failed``: the store is read-only (``StoreReadOnly``) until the node restarts. A failed
    fsync is never retried: Linux reports a write-back error once and may have dropped the dirty
    pages, so a later fsync that succeeds proves nothing (PostgreSQL's "fsyncgate", 2018).

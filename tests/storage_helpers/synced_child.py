@@ -57,8 +57,10 @@ def main(path):
         yield store.log.append_replica_run(sid, first, [None] * len(first))
         say("STORED %d %d" % (sid, store.log.durable_end(sid)))
         ops.armed = True
-        store.log.append_replica_run(sid, second, [None] * len(second),
-                                     lambda: say("SYNCED %d %d" % (store.log.synced_end(sid), store.log.durable_end(sid))))
+        def synced():
+            say("SYNCED %d %d" % (store.log.synced_end(sid), store.log.durable_end(sid)))
+
+        store.log.append_replica_run(sid, second, [None] * len(second), synced)
 
     reactor.callWhenRunning(go)
     reactor.run()
