@@ -31,13 +31,16 @@ The path of a write:
    fdatasync'ed before the LMDB commit; then LMDB commits. Under ``interval:MS`` the writer syncs
    packs, WAL and LMDB together at most every MS ms (``interval_sync_wait``; the ``PreSync``
    thread writes the WAL and packs back early so that sync is short). Under ``never`` only close
-   syncs.
+   syncs. Replica runs (``AppendRun.on_synced``) are announced to the reactor right after the WAL
+   sync, before the LMDB commit (a cluster replica answers ``K`` then); they are the group's first
+   WAL entries (``synced_runs_first``).
 4. Disk faults (docs/storage.md "Disk faults"): the group's operations fail and its WAL bytes are
    cut from the segment (``Wal.rollback``), so nothing answered with an error comes back at the
-   next start. ENOSPC (or EDQUOT) from a write sets ``full``: every write is refused with
-   ``DiskFull``, and once nothing is queued and the file system has ``RESUME_FREE_BYTES`` free
-   again the core takes writes again (``on_resume`` lets the log take back the offsets of the
-   refused appends). Any other error, and any failed fdatasync whatever its errno, sets
+   next start (once replica runs were announced, only the bytes after them are cut and the store
+   goes read-only: a restart replays them). ENOSPC (or EDQUOT) from a write sets ``full``: every
+   write is refused with ``DiskFull``, and once nothing is queued and the file system has
+   ``RESUME_FREE_BYTES`` free again the core takes writes again (``on_resume`` lets the log take
+   back the offsets of the refused appends). Any other error, and any failed fdatasync whatever its errno, sets
    ``failed``: the store is read-only (``StoreReadOnly``) until the node restarts. A failed
    fsync is never retried: Linux reports a write-back error once and may have dropped the dirty
    pages, so a later fsync that succeeds proves nothing (PostgreSQL's "fsyncgate", 2018).
@@ -191,17 +194,24 @@ class AppendRun(Operation):
     base offset in its bytes 1..8; ``block_crcs`` as for ``AppendBatch``, one per batch, None
     where unchecked), stored as ``AppendBatch`` stores each: the same WAL entries and index, in
     the same group, but one operation and one Deferred for the run (a cluster replica stores the
-    batches of one received message with it). Fires with the run's end offset."""
+    batches of one received message with it). Fires with the run's end offset.
 
-    __slots__ = ("stream_id", "batches", "block_crcs", "base_offset", "record_count")
+    ``on_synced``: None, or a callable run on the reactor thread as soon as the run's WAL bytes
+    are fdatasync'ed, before the group's LMDB commit (only in a group whose WAL is synced before
+    that commit: ``--fsync always``, or a group with a ``Sync``; otherwise never called). Once it
+    is called the run is kept whatever happens next: a failed LMDB commit does not cut it from
+    the WAL (the store goes read-only, a restart replays it; see ``_commit_group``)."""
 
-    def __init__(self, stream_id, batches, block_crcs, base_offset, record_count, nbytes):
+    __slots__ = ("stream_id", "batches", "block_crcs", "base_offset", "record_count", "on_synced")
+
+    def __init__(self, stream_id, batches, block_crcs, base_offset, record_count, nbytes, on_synced=None):
         super().__init__(nbytes + 64 * len(batches))
         self.stream_id = stream_id
         self.batches = batches
         self.block_crcs = block_crcs
         self.base_offset = base_offset  # where the run starts
         self.record_count = record_count  # records of the whole run
+        self.on_synced = on_synced
 
 
 class AppendBatches(Operation):
@@ -299,6 +309,38 @@ def _replay_entry(txn, dbs, pos, etype, payload, live):
         apply_ops(txn, dbs, msgpack.unpackb(payload, raw=True, use_list=True), live)
 
 
+def synced_runs_first(work):
+    """``(work, runs)``: the group's operations with the ``AppendRun``s that have an ``on_synced``
+    hook moved to the front (``runs``, in their order; None if there is none), so that their WAL
+    entries are the group's first bytes: if the LMDB commit fails after they were announced
+    synced, the WAL is cut back to their end and keeps them, and only the rest is cut (nothing
+    answered with an error comes back). A run moves ahead only of operations of other streams:
+    not past an append of its own stream, nor past a ``Transact`` or a non-memtable ``Direct``
+    (they may touch any stream's index), so every stream's entries keep their order."""
+    front, rest = [], []
+    seen = set()
+    blocked = False
+    for op in work:
+        kind = type(op)
+        if kind is AppendRun and op.on_synced is not None and not blocked and op.stream_id not in seen:
+            front.append(op)
+            continue
+        rest.append(op)
+        if kind is AppendRun or kind is AppendBatch:
+            seen.add(op.stream_id)
+        elif kind is AppendBatches:
+            seen.update(op.stream_ids)
+        elif not (kind is Direct and op.memtable):
+            blocked = True
+    if not front:
+        return work, None
+    return front + rest, front
+
+
+def _call_now(fn, *args):
+    fn(*args)
+
+
 def _daemon_thread(*args, **kwargs):
     t = threading.Thread(*args, **kwargs)
     t.daemon = True
@@ -341,6 +383,10 @@ class CommitCore:
         # merged into LMDB (None: none); the checkpoint never passes it. Set by the first such
         # group, moved by the merge (storage/kv.py).
         self.kv_floor = None
+        # writer thread: the WAL position up to which the group being written is kept if it fails
+        # now (its replica runs were announced synced); None: a failure cuts the whole group
+        self._kept_end = None
+        self._from_writer = reactor.callFromThread if self.writer_mode != "inline" else _call_now
         self.delivered_wal_end = checkpoint  # reactor thread: the WAL end after the last group delivered whole
         self._env_dirty = False  # writer thread: an LMDB commit not yet synced
         self._reactor_thread = threading.get_ident()  # built on the reactor's thread
@@ -552,6 +598,7 @@ class CommitCore:
         group_start = self.wal.end
         kv_floor = self.kv_floor
         committed = False
+        self._kept_end = None
         try:
             presync = self.presync
             if presync is not None and presync.error is not None:
@@ -563,7 +610,7 @@ class CommitCore:
                 self._sync_all()
                 return True, stopping
         except Exception as e:
-            self._disk_fault(e, answered, None if committed else group_start, kv_floor)
+            self._disk_fault(e, answered, None if committed else group_start, kv_floor, self._kept_end)
         return False, stopping
 
     def _refuse(self, ops, error):
@@ -571,15 +618,22 @@ class CommitCore:
         for op in ops:
             op.ok, op.value = False, failure
 
-    def _disk_fault(self, e, ops, group_start, kv_floor):
+    def _disk_fault(self, e, ops, group_start, kv_floor, kept_end=None):
         """Writer thread: fail ``ops`` with ``e``; cut the group's WAL bytes (``group_start`` is
-        None when LMDB committed it already: the index names them); enter ``full`` or ``failed``."""
-        full = disk_full(e)
+        None when LMDB committed it already: the index names them); enter ``full`` or ``failed``.
+        ``kept_end``: the group's first bytes, up to there, were synced and announced durable
+        (replica runs, ``AppendRun.on_synced``): only the bytes after them are cut, and the store
+        goes read-only whatever the error (ENOSPC too: a store taking writes again would move the
+        checkpoint past them before any restart replayed them into LMDB)."""
+        full = disk_full(e) and kept_end is None
         reason = "%s: %s" % (type(e).__name__, e)
+        if kept_end is not None:
+            reason += " (after the group's WAL sync: its replica runs, acknowledged, stay in the WAL up to " \
+                      "position %d and are replayed into the index at the next start)" % kept_end
         if group_start is not None:
             self.kv_floor = kv_floor
             try:
-                self.wal.rollback(group_start)
+                self.wal.rollback(group_start if kept_end is None else kept_end)
             except Exception as cut:  # the disk refuses even that: stop writing
                 full = False
                 reason += "; then cutting the group from the WAL failed: %s" % cut
@@ -622,6 +676,13 @@ class CommitCore:
         kv_only = all(type(op) is Direct and op.memtable for op in work)
         txn = None if kv_only else self.env.begin(write=True)
         group_start = wal.end
+        # the replica runs announced as soon as the WAL is synced (AppendRun.on_synced): written
+        # first, so that a failed LMDB commit can keep them and cut the rest (_disk_fault)
+        early = last_early = keep_end = None
+        if durable:
+            work, early = synced_runs_first(work)
+            if early is not None:
+                last_early = early[-1]
         lmdb_changed = False  # a group of memtable writes alone leaves LMDB as it is
         try:
             raw_txns = []
@@ -698,6 +759,8 @@ class CommitCore:
                                               INDEX_VAL.pack(pos, total, count, append_ms), live, pos, total,
                                               wal.active)
                     op.ok, op.value = True, op.base_offset + op.record_count
+                    if op is last_early:
+                        keep_end = wal.end
                 else:  # Transact
                     live.flush(txn, dbs)  # so the function reads current segment counts
                     sub = self.env.begin(write=True, parent=txn)
@@ -728,6 +791,13 @@ class CommitCore:
             # metadata/kv/chunk-index changes alone is not durable through the commit by itself.
             if durable:
                 _synced("the WAL", wal.sync)
+                if early is not None:
+                    # From here the runs are announced durable (a replica answers K for them):
+                    # whatever fails next, the WAL keeps them up to ``keep_end`` and the store
+                    # goes read-only; a restart replays them into LMDB (recovery replays every
+                    # entry past the checkpoint, which this group has not moved)
+                    self._kept_end = keep_end
+                    self._from_writer(self._announce, early)
             live.flush(txn, dbs)
             checkpoint = wal.end if self.kv_floor is None else min(wal.end, self.kv_floor)
             if checkpoint != self._checkpoint:  # an idle pass (e.g. GC finding nothing) writes nothing
@@ -736,7 +806,7 @@ class CommitCore:
                 txn.put(index.CHECKPOINT, U64.pack(checkpoint), db=dbs[index.SYS])
                 lmdb_changed = True
             if lmdb_changed:
-                txn.commit()
+                self.ops.commit(txn)
                 if not durable:
                     self._env_dirty = True
             elif txn is not None:
@@ -798,6 +868,15 @@ class CommitCore:
             waiters, self._drain_waiters = self._drain_waiters, []
             for d in waiters:
                 d.callback(None)
+
+    def _announce(self, runs):
+        """Reactor thread: the WAL bytes of ``runs`` (``AppendRun``s with ``on_synced``) are
+        synced; their LMDB commit may still be under way."""
+        for op in runs:
+            try:
+                op.on_synced()
+            except Exception:
+                self.logger.failure("store synced hook failed")
 
     # -- disk faults (reactor thread) -------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The OS calls by which the commit core's files reach the disk: the disk-fault seam.
 
 The WAL (``Wal.ops``) and the pre-sync thread make every write, sync and truncation of the WAL
-through one ``FileOps`` object, and the commit core asks it how much space is free before it
+through one ``FileOps`` object, the commit core commits each group's LMDB transaction through it
+(``commit``: LMDB's own writes and sync of the index) and asks it how much space is free before it
 takes writes again after ENOSPC (storage/commit.py). The node uses ``OS`` (the plain calls).
 Tests put a ``Faults`` in its place to make those calls fail as a sick disk does, at the OS-call
 boundary and nowhere else: everything above it (the core's error handling, the store, the
@@ -15,6 +16,8 @@ test can switch faults on and off in a live node process. Without the variable n
 import errno
 import os
 
+import lmdb
+
 
 class FileOps:
     """The real calls (one instance, ``OS``, serves every store)."""
@@ -23,6 +26,11 @@ class FileOps:
     pwritev = staticmethod(os.pwritev)  # (at most IOV_MAX buffers; may write fewer bytes than given)
     fdatasync = staticmethod(os.fdatasync)
     ftruncate = staticmethod(os.ftruncate)
+
+    @staticmethod
+    def commit(txn):
+        """Commit a group's LMDB write transaction (its pages written, and synced under ``always``)."""
+        txn.commit()
 
     @staticmethod
     def free_bytes(path: str) -> int:
@@ -37,7 +45,8 @@ OS = FileOps()
 
 class Faults(FileOps):
     """Fails chosen calls with an errno; tests set ``fail`` to ``{"pwrite": errno.ENOSPC, ...}``
-    (a call named there raises ``OSError(errno)`` until the entry is removed) and ``free`` to
+    (a call named there raises ``OSError(errno)`` until the entry is removed; ``commit``, the
+    index's LMDB commit, raises ``lmdb.Error`` as py-lmdb does) and ``free`` to
     the byte count ``free_bytes`` reports (None: the real one). ``calls`` counts attempts."""
 
     def __init__(self):
@@ -73,6 +82,15 @@ class Faults(FileOps):
     def ftruncate(self, fd, length):
         self._check("ftruncate")
         os.ftruncate(fd, length)
+
+    def commit(self, txn):
+        # a failing LMDB commit raises as py-lmdb does (``lmdb.Error`` naming the errno's text;
+        # the caller aborts the transaction), not OSError
+        try:
+            self._check("commit")
+        except OSError as e:
+            raise lmdb.Error("mdb_txn_commit: %s" % os.strerror(e.errno)) from None
+        txn.commit()
 
     def free_bytes(self, path):
         return FileOps.free_bytes(path) if self.free is None else self.free

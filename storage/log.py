@@ -5,6 +5,7 @@ consecutive offsets in call order; ``next_offset`` (what readers and ``stream()`
 once the batch is durable, in log order.
 """
 
+import functools
 import os
 import struct
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ class StreamState:
     """Reactor-thread state of one stream."""
 
     __slots__ = ("sid", "replica_nums", "retention_period_ms", "trim_offset", "ranges", "origin",
-                 "attrs", "created_ms", "next_offset", "assigned", "waiters", "durable", "cap", "trim_to")
+                 "attrs", "created_ms", "next_offset", "assigned", "waiters", "durable", "cap", "trim_to",
+                 "synced")
 
     def __init__(self, sid, replica_nums=1, retention_period_ms=0, origin=None, attrs=None, created_ms=0):
         self.sid = sid
@@ -68,6 +70,9 @@ class StreamState:
         self.durable = 0  # end of the durable batches (== next_offset unless capped)
         self.cap = None  # cluster replication: readers see no further than this (the confirm offset)
         self.trim_to = 0  # cluster replica: the stream's trim point, reached as the copy grows to it
+        # cluster replica: end of the replica runs whose WAL bytes are synced (announced by the
+        # commit core before their LMDB commit); may run ahead of ``durable`` for a moment
+        self.synced = 0
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -96,6 +101,13 @@ class StreamState:
 
 
 _COUNT = struct.Struct(">i")  # a record batch's record_count (bytes 9..12)
+
+
+def _run_synced(s, end, fn):
+    """A replica run's ``AppendRun.on_synced`` (reactor thread): its WAL bytes are synced."""
+    if end > s.synced:
+        s.synced = end
+    fn()
 
 
 def _replica_count(batch, base, assigned):
@@ -343,11 +355,14 @@ class RecordLog:
             batch = bytes(batch)  # kept as it is only if it cannot change (bytes, or a view of bytes)
         return core.submit(AppendBatch(sid, batch, base, count, block_crc))
 
-    def append_replica_run(self, sid, batches, block_crcs):
+    def append_replica_run(self, sid, batches, block_crcs, on_synced=None):
         """``append_replica`` (without ``base``) of consecutive batches at once: the first must
         start at the stream's next offset and each at the end of the one before; all are stored
         or none (one commit-core operation, ``AppendRun``). Fires with the run's end offset.
-        The batches must be bytes or views of bytes (kept, not copied)."""
+        The batches must be bytes or views of bytes (kept, not copied). ``on_synced``: called
+        (reactor thread, no arguments) as soon as the run's WAL bytes are synced, before its LMDB
+        commit, if its group is synced before that commit (``--fsync always``); ``synced_end``
+        covers the run from then on. Never called otherwise: the Deferred is the answer then."""
         core = self._core
         try:
             s = self._get(sid)
@@ -360,7 +375,8 @@ class RecordLog:
         except errors.StoreError:
             return defer.fail()
         s.assigned = at
-        return core.submit(AppendRun(sid, batches, block_crcs, start, at - start, nbytes))
+        hook = None if on_synced is None else functools.partial(_run_synced, s, at, on_synced)
+        return core.submit(AppendRun(sid, batches, block_crcs, start, at - start, nbytes, hook))
 
     def forget_unwritten(self):
         """The commit core's ``on_resume`` hook (reactor thread, nothing queued): the appends refused
@@ -392,6 +408,7 @@ class RecordLog:
         except errors.StoreError:
             return defer.fail()
         s.assigned = s.durable = end
+        s.synced = min(s.synced, end)
         s.next_offset = min(s.next_offset, end)
         if s.cap is not None:
             s.cap = min(s.cap, end)
@@ -466,8 +483,19 @@ class RecordLog:
         return self._get(sid).cap
 
     def durable_end(self, sid) -> int:
-        """The end of the batches durable here (above the visible next_offset while capped)."""
+        """The end of the batches durable and indexed here: their WAL bytes durable under the
+        store's ``--fsync`` and their LMDB commit done, so readable (above the visible
+        next_offset while capped)."""
         return self._get(sid).durable
+
+    def synced_end(self, sid) -> int:
+        """What a cluster replica acknowledges (``K``): ``durable_end``, or further while replica
+        runs (``append_replica_run(on_synced=...)``) have their WAL bytes synced but their LMDB
+        commit is still under way (or failed: the store is then read-only). Every batch below it
+        is in the synced WAL, which a restart replays into the index; reads see it only once it
+        is below ``durable_end``."""
+        s = self._get(sid)
+        return s.synced if s.synced > s.durable else s.durable
 
     def assigned_end(self, sid) -> int:
         """Where the stream's next batch starts (batches handed to the store, durable or not)."""

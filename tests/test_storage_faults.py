@@ -223,3 +223,134 @@ async def test_short_wal_writes_resume_where_they_stopped(tmp_path):
     got = await read_all(st, sid)
     assert len(got) == 4 and all(same_except_base(g, b) for g, b in zip(got, sent))
     await st.close()
+
+
+# -- a cluster replica's runs, acknowledged once their WAL bytes are synced (issue 17) -----------
+
+
+def replica_batch(n, size, tag, base):
+    """A record batch as a primary sends it to a replica: its base offset set in bytes 1..8."""
+    b = batch(n, size, tag)
+    return b[:1] + base.to_bytes(8, "big") + b[9:]
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+@pytest_twisted.ensureDeferred
+async def test_a_replica_run_announced_synced_survives_a_failed_lmdb_commit(tmp_path, logged, code):
+    """Under ``--fsync always`` a replica run's ``on_synced`` is called once its WAL bytes are
+    synced, before the group's LMDB commit (a cluster replica answers ``K`` then). If that commit
+    fails (EIO, or ENOSPC: not the resumable "full" state here), the run is not cut from the WAL:
+    the store goes read-only, the run is not readable (the index does not name it), and a restart
+    replays it. The other operations of the same group were answered with an error and are cut:
+    none of them comes back."""
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    other = (await st.log.create_stream()).stream_id
+    first = [replica_batch(2, 100, 0, 0), replica_batch(3, 100, 1, 2)]
+    assert await st.log.append_replica_run(sid, first, [None, None]) == 5
+    await st.log.append(other, batch(1, 100, 9))
+    await st.kv.put(b"k", b"v")
+    faults = with_faults(st)
+    faults.fail["commit"] = code
+    second = [replica_batch(4, 3000, 2, 5), replica_batch(1, 100, 3, 9)]
+    announced = []
+    core = st.core
+    core.hold_wakeups()  # one group: the plain append and the kv put first, then the run
+    try:
+        d_other = st.log.append(other, batch(2, 100, 10))
+        d_kv = st.kv.put(b"k2", b"v2")
+        d_run = st.log.append_replica_run(sid, second, [None, None],
+                                          lambda: announced.append((st.log.synced_end(sid), st.log.durable_end(sid))))
+    finally:
+        core.release_wakeups()
+    results = await defer.DeferredList([d_other, d_kv, d_run], consumeErrors=True)
+    assert [ok for ok, _ in results] == [False] * 3
+    assert all(f.check(errors.StoreReadOnly) for _, f in results), results
+    # announced once, with the run's end, while the index still ended at the first run
+    assert announced == [(10, 5)]
+    assert st.failed and st.core.full is None
+    assert "stay in the WAL" in st.failed
+    assert st.log.synced_end(sid) == 10 and st.log.durable_end(sid) == 5
+    assert st.log.stream(sid).next_offset == 5  # reads see only what the index names
+    assert len(await read_all(st, sid)) == 2
+    await refused(st.log.append_replica_run(sid, [replica_batch(1, 100, 4, 10)], [None], lambda: None),
+                  errors.StoreReadOnly)
+    assert sum("read-only after a disk error" in line for line in logged) == 1
+    await st.close()
+    # the restart replays the announced run (and nothing of the group's other operations)
+    st = open_store(tmp_path)
+    assert not st.failed
+    assert st.log.stream(sid).next_offset == 10 and st.log.durable_end(sid) == 10
+    got = await read_all(st, sid)
+    assert got == first + second
+    assert st.log.stream(other).next_offset == 1
+    assert st.kv.get(b"k") == b"v" and st.kv.get(b"k2") is None
+    # and the store goes on from there
+    assert await st.log.append_replica_run(sid, [replica_batch(1, 100, 5, 10)], [None]) == 11
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_lmdb_commit_failing_before_any_announcement_cuts_the_whole_group(tmp_path):
+    """Without ``on_synced`` (or under another policy) nothing was acknowledged before the LMDB
+    commit: a failed commit cuts the group as every other fault does (ENOSPC: full, resumable)."""
+    st = open_store(tmp_path)
+    sid = (await st.log.create_stream()).stream_id
+    assert await st.log.append_replica_run(sid, [replica_batch(2, 100, 0, 0)], [None]) == 2
+    faults = with_faults(st)
+    faults.fail["commit"] = errno.ENOSPC
+    faults.free = 0
+    await refused(st.log.append_replica_run(sid, [replica_batch(1, 100, 1, 2)], [None]), errors.DiskFull)
+    assert st.core.full and not st.failed
+    assert st.log.synced_end(sid) == 2
+    await st.close()
+    st = open_store(tmp_path)
+    assert st.log.stream(sid).next_offset == 2 and st.replayed == 0
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_never_policy_does_not_announce_runs(tmp_path):
+    """``on_synced`` means "the WAL bytes are synced": a store that does not sync per group never
+    calls it (the run's Deferred is the answer there)."""
+    st = open_store(tmp_path, fsync="never")
+    sid = (await st.log.create_stream()).stream_id
+    called = []
+    assert await st.log.append_replica_run(sid, [replica_batch(2, 100, 0, 0)], [None], lambda: called.append(1)) == 2
+    assert called == [] and st.log.synced_end(sid) == 2
+    await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_kill_9_between_a_runs_wal_sync_and_its_lmdb_commit_keeps_it(tmp_path):
+    """A child's store announces a replica run synced while its LMDB commit is stalled (the seam's
+    ``commit`` blocks); SIGKILL there. The reopened store holds the run: what a replica
+    acknowledged at its WAL sync survives a crash before the index names it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.storage_helpers.synced_child import runs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = tmp_path / "store"
+    child = subprocess.Popen([sys.executable, "-m", "tests.storage_helpers.synced_child", str(path)],
+                             stdout=subprocess.PIPE, cwd=root, env=env)
+    try:
+        stored = child.stdout.readline().split()
+        assert stored[:1] == [b"STORED"] and int(stored[2]) == 5, stored
+        synced = child.stdout.readline().split()
+        # announced at the WAL sync: the run's end, while the index still ends at the first run
+        assert synced == [b"SYNCED", b"10", b"5"], synced
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    sid = int(stored[1])
+    first, second = runs()
+    st = open_store(path)
+    assert st.replayed >= 2
+    assert st.log.stream(sid).next_offset == 10
+    assert await read_all(st, sid) == first + second
+    await st.close()

@@ -789,7 +789,11 @@ class Replicator:
         fed = self.pd.fed_epochs
         if fed.get(sid, -1) < epoch:
             fed[sid] = epoch
-        d = log.append_replica_run(sid, run, crcs)
+        # K as soon as the run's WAL bytes are synced (--fsync always), before its LMDB commit
+        # (the store keeps a synced run through a failed commit: docs/cluster.md "Replication");
+        # otherwise (another policy) once the run is stored
+        acked = _RunAck(self, channel, sid)
+        d = log.append_replica_run(sid, run, crcs, acked.synced)
         if d.called and isinstance(d.result, Failure):
             d.addErrback(lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
             self._ack(channel, sid)  # (where it is: the primary resends from there)
@@ -800,7 +804,7 @@ class Replicator:
                 for listener in self.batch_listeners:
                     listener(sid, base, batch)
         # the store commits in log order: the run durable means every earlier batch is
-        d.addCallbacks(lambda _: self._ack(channel, sid),
+        d.addCallbacks(acked.stored,
                        lambda f: self.log.warn("replica append to stream {sid} failed: {e}", sid=sid, e=f.value))
 
     # -- sealing (CONTRACT §9 Failover) ---------------------------------------------------------------
@@ -808,18 +812,28 @@ class Replicator:
     @defer.inlineCallbacks
     def seal_here(self, sid, epoch):
         """Seal this node's replica of ``sid``'s range of ``epoch``: appends of that epoch or
-        older are refused from now on (1460); fires with the durable end once every batch
-        received is durable (so nothing can be acknowledged above the answer)."""
+        older are refused from now on (1460); fires with its end once every batch received is
+        durable (so nothing can be acknowledged above the answer). The end is the one its ``K``
+        named (``log.synced_end``: every batch it acknowledged is below it). A store that went
+        read-only with acknowledged batches its index does not name yet (an LMDB commit failed
+        after their WAL sync) does not answer: it could not serve them before a restart replays
+        them, and the seal needs R - ack_count + 1 answers, any set of which holds every
+        acknowledged batch, so the others decide (or the seal waits for this node's restart)."""
         self.refused_epochs[sid] = max(self.refused_epochs.get(sid, 0), epoch + 1)
         st = self.primaries.get(sid)
         if st is not None and st.epoch <= epoch:
             self._drop(sid, "sealed")
         log = self.store.log
+        core = self.store.core
         waited = 0.0
-        while log.durable_end(sid) < log.assigned_end(sid) and waited < SEAL_DRAIN_S:
+        while log.durable_end(sid) < log.assigned_end(sid) and waited < SEAL_DRAIN_S and core.failed is None:
             yield deferLater(self.reactor, 0.005, lambda: None)
             waited += 0.005
-        return log.durable_end(sid)
+        end = log.synced_end(sid)
+        if core.failed is not None and end > log.durable_end(sid):
+            raise store_errors.StoreReadOnly("stream %d: acknowledged batches up to %d wait for a restart to be "
+                                             "indexed (the store is read-only: %s)" % (sid, end, core.failed))
+        return end
 
     def seal(self, nid, sid, epoch):
         """Ask node ``nid`` to seal its replica of ``sid`` (epoch ``epoch``); a Deferred of its
@@ -848,9 +862,12 @@ class Replicator:
         return d
 
     def _ack(self, channel, sid):
+        """``K``: the end below which this replica holds every batch durably (``log.synced_end``:
+        synced in its WAL under its ``--fsync``, indexed or about to be, see ``_RunAck``) and
+        where its next batch must start."""
         try:
             log = self.store.log
-            channel.send_latest(rcodec.ACK, sid, log.durable_end(sid), log.assigned_end(sid))
+            channel.send_latest(rcodec.ACK, sid, log.synced_end(sid), log.assigned_end(sid))
         except store_errors.StreamNotFound:
             pass
 
@@ -866,12 +883,37 @@ class Replicator:
         try:
             meta = self.store.log.stream(sid)
             return {"confirm_offset": meta.next_offset,
-                    "replica_ends": {str(self.node_id): self.store.log.durable_end(sid)}}
+                    "replica_ends": {str(self.node_id): self.store.log.synced_end(sid)}}
         except store_errors.StreamNotFound:
             return {"confirm_offset": None, "replica_ends": {}}
 
     def progress_json(self, sid) -> bytes:
         return json.dumps(self.progress(sid), sort_keys=True).encode()
+
+
+class _RunAck:
+    """The ``K`` for one stored run of a replica (the batches of one ``B`` message): sent when
+    the store announces the run's WAL bytes synced (``synced``, under ``--fsync always``: before
+    its LMDB commit), else when the run is stored (``stored``: every other policy, where the
+    run's durability is its commit). Safe to send at the WAL sync: once announced, a failed LMDB
+    commit leaves the run in the WAL and the store read-only (storage/commit.py), and a restart
+    (after kill -9 or a power cut too) replays it into the index."""
+
+    __slots__ = ("replicator", "channel", "sid", "sent")
+
+    def __init__(self, replicator, channel, sid):
+        self.replicator = replicator
+        self.channel = channel
+        self.sid = sid
+        self.sent = False
+
+    def synced(self):
+        self.sent = True
+        self.replicator._ack(self.channel, self.sid)
+
+    def stored(self, _):
+        if not self.sent:
+            self.replicator._ack(self.channel, self.sid)
 
 
 class _ReplicaSide:

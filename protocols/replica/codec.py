@@ -20,7 +20,9 @@ Placement-driver leader -> replica (failover, CONTRACT §9):
 Replica -> primary:
 
 - ``["K", stream_id, durable_end, assigned_end]``: batches below ``durable_end`` are durable here
-  (under this node's ``--fsync``); ``assigned_end`` is where the next batch must start
+  (under this node's ``--fsync``: in its WAL, synced under ``always``, and brought back by a
+  restart; perhaps not yet in its index, so not yet readable here: ``log.synced_end``);
+  ``assigned_end`` is where the next batch must start
 - ``["G", stream_id, assigned_end]``: a batch did not start at ``assigned_end``: resend from there
 - ``["Z", stream_id, epoch, durable_end]``: sealed; this replica's end
 - ``["E", stream_id, code, message]``: the stream's appends are refused (1460: sealed range or stale
