@@ -342,6 +342,9 @@ class CommitCore:
         # group, moved by the merge (storage/kv.py).
         self.kv_floor = None
         self.delivered_wal_end = checkpoint  # reactor thread: the WAL end after the last group delivered whole
+        # reactor thread: the WAL end after the group being delivered (or last delivered): every kv
+        # run that entered a memtable lies below it (the kv merge worker's range, storage/kv.py)
+        self.landing_wal_end = checkpoint
         self._env_dirty = False  # writer thread: an LMDB commit not yet synced
         self._reactor_thread = threading.get_ident()  # built on the reactor's thread
         self._queue = collections.deque()  # appended by the reactor, taken by the writer
@@ -758,6 +761,8 @@ class CommitCore:
 
     def _deliver(self, group, wal_end):
         self._drop_snapshot()
+        if wal_end is not None:
+            self.landing_wal_end = wal_end
         batch_durable = self.on_batch_durable
         for op in group:
             self._queued_bytes -= op.nbytes
