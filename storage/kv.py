@@ -519,7 +519,7 @@ class KeyValue:
         """The MergeWorker (made on first use; its process starts with its first merge)."""
         if self._worker is None:
             core = self._core
-            self._worker = MergeWorker(core.env.path(), core.wal.dir, core.reactor.callFromThread)
+            self._worker = MergeWorker(core.env.path(), core.wal.dir, core.policy.always, core.reactor.callFromThread)
         return self._worker
 
     def merge_worker_pid(self):

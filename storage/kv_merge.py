@@ -189,12 +189,15 @@ def _die_with_parent(parent):
 
 
 def main(argv=None):
-    """``python -c 'from storage.kv_merge import main; main()' ENV_DIR WAL_DIR PARENT_PID``."""
-    env_dir, wal_dir, parent = (argv or sys.argv[1:])[:3]
+    """``python -c 'from storage.kv_merge import main; main()' ENV_DIR WAL_DIR PARENT_PID SYNC``
+    (SYNC 1: LMDB syncs each commit, as the node's environment does under ``--fsync always``)."""
+    env_dir, wal_dir, parent, sync = (argv or sys.argv[1:])[:4]
     parent = int(parent)
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to the node's group is the node's to handle
-    env, dbs = index.open_env(env_dir, sync=False)
+    # Synced commits under ``always``, as the node's own: without, a power cut could leave LMDB
+    # damaged (its documented MDB_NOSYNC risk), which ``always`` promises against.
+    env, dbs = index.open_env(env_dir, sync=sync == "1")
     db = dbs[index.KV]
     out = sys.stdout
     out.write("ready\n")
@@ -241,9 +244,10 @@ class MergeWorker:
 
     START_TIMEOUT_S = 60.0
 
-    def __init__(self, env_dir, wal_dir, call_in_reactor):
+    def __init__(self, env_dir, wal_dir, sync, call_in_reactor):
         self.env_dir = env_dir
         self.wal_dir = wal_dir
+        self.sync = sync  # LMDB commits synced (the node's --fsync always)
         self.call_in_reactor = call_in_reactor
         self.proc = None  # helper thread (started, killed); ``pid`` is read by observers
         self._jobs = []
@@ -282,7 +286,8 @@ class MergeWorker:
         here = os.path.dirname(os.path.abspath(__file__))
         code = ("import sys, types; pkg = types.ModuleType('storage'); pkg.__path__ = [%r]; "
                 "sys.modules['storage'] = pkg; from storage.kv_merge import main; main()" % here)
-        proc = subprocess.Popen([sys.executable, "-c", code, self.env_dir, self.wal_dir, str(os.getpid())],
+        proc = subprocess.Popen([sys.executable, "-c", code, self.env_dir, self.wal_dir, str(os.getpid()),
+                                 "1" if self.sync else "0"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
                                 start_new_session=False)
         self.proc = proc
