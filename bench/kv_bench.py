@@ -520,11 +520,17 @@ def main(argv=None):
             print("sbpnode GET  %10.0f ops/s  %s  %s" % (args.keys / el, fmt_lat(lat), fmt_cpu(cpu)))
             results[("kv", "mem")] = rss(pid)
             workers = [rss(c) for c in family_cpu(pid) if c != pid]
-            if workers:  # the merge worker's resident size counts as the node's (its map pages twice)
-                results[("kv", "mem")] = tuple(sum(x) for x in zip(results[("kv", "mem")], *workers))
-            print("sbpnode MEM  %d keys of %d B: %s%s" % (
-                args.keys, args.value_size, fmt_rss(results[("kv", "mem")]),
-                "".join("; of it the merge worker's %.0f MiB (anonymous %.0f, file-backed %.0f)" % w for w in workers)))
+            # The merge worker's anonymous memory counts as the node's; its file-backed pages are
+            # LMDB's map and the libraries, the same page-cache pages the node maps (not counted twice).
+            node_only = results[("kv", "mem")]
+            results[("kv", "mem")] = (node_only[0] + sum(w[1] for w in workers), node_only[1] + sum(w[1] for w in workers),
+                                      node_only[2])
+            lmdb_file = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(node.data_dir) for f in fs
+                            if f == "data.mdb") / 1048576.0
+            print("sbpnode MEM  %d keys of %d B: %s; LMDB file %.0f MiB%s" % (
+                args.keys, args.value_size, fmt_rss(results[("kv", "mem")]), lmdb_file,
+                "".join("; merge worker's anonymous %.0f MiB counted (its RSS %.0f, file-backed %.0f: LMDB's map "
+                        "and libraries, shared with the node)" % (w[1], w[0], w[2]) for w in workers)))
             cpu = CpuMeter(pid)
             n, el, pages, jumps = kv_full_scan(port, args.page)
             cpu = cpu.us_per(n)
