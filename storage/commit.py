@@ -357,7 +357,8 @@ class CommitCore:
         self._drain_waiters = []  # reactor thread
         self._rtxn = None  # reactor thread: the reused read snapshot
         self.presync = None
-        if self.writer_mode == "inline":
+        self.inline = self.writer_mode == "inline"  # no writer thread (tests only; kv merges in place then)
+        if self.inline:
             self._init_inline()
             return
         self._pool = ThreadPool(minthreads=1, maxthreads=4, name="storage-read")

@@ -16,9 +16,11 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
   remove; the key order is built on the first scan), where reads see them; until then they are
   invisible to every reader (the key-value server shows a connection its own pending writes,
   protocols/partition/server.py).
-- ``flush`` freezes the active memtable and merges it into LMDB in the writer thread (off the
-  reactor), sorted, as a sequence of LMDB transactions of at most ``MERGE_CHUNK_KEYS`` keys
-  (``_Merge``); the last one moves the floor. It runs when the memtable passes ``FLUSH_BYTES``,
+- ``flush`` freezes the active memtable and has it merged into LMDB, sorted, as a sequence of
+  LMDB transactions of at most ``MERGE_CHUNK_KEYS`` keys: by the merge worker process
+  (``_WorkerMerge``, storage/kv_merge.py: off the node's GIL), then one writer operation moves
+  the floor; or by the writer thread (``_Merge``: in the inline test mode, and when the worker
+  fails), whose last transaction moves the floor. It runs when the memtable passes ``FLUSH_BYTES``,
   once no write has landed for a whole ``FLUSH_IDLE_S`` period (one timer, looked at once per
   period: 1-2 periods after the last write), and at the latest ``FLUSH_MAX_AGE_S`` after the
   first write into an empty one: a write burst is merged in runs of ``FLUSH_BYTES``, not of
@@ -209,7 +211,7 @@ class KeyValue:
         self.worker_cpu = [0.0, 0.0, 0.0]  # its CPU seconds: reading the WAL, sorting, writing LMDB
         self._worker = None  # the MergeWorker, once the first merge needed it
         self._worker_failures = 0  # in a row
-        self._inline = core.writer_mode == "inline"  # (read as the core is built, like the core does)
+        self._inline = core.inline  # no writer thread, no worker: the merge runs in place (tests)
         core.on_close.insert(0, self._cancel_idle_flush)
         core.on_close.append(self._stop_worker)
 
