@@ -24,6 +24,7 @@ its WAL holding that lock, so no merge of the dead node's can commit after that 
 
 import bisect
 import itertools
+import operator
 import os
 import signal
 import subprocess
@@ -51,11 +52,12 @@ class MergeError(Exception):
 
 
 def read_kv_writes(wal_dir, start, end):
-    """{LMDB key: stored value, or None for a delete}: the last key-value write of each key logged
-    in the WAL entries of ``[start, end)`` (both entry boundaries), in WAL order."""
+    """``(keys, values)``: every key-value write logged in the WAL entries of ``[start, end)`` (both
+    entry boundaries), in WAL order, as two lists of LMDB keys and stored values (None: a delete);
+    a key may come several times (``last_writes`` keeps the last)."""
     names = [n for n in os.listdir(wal_dir) if n.endswith(SUFFIX) and n[: -len(SUFFIX)].isdigit()]
     bases = sorted(int(n[: -len(SUFFIX)]) for n in names)
-    writes = {}
+    keys, values = [], []
     kv = index.KV
     pos = start
     fds = {}
@@ -91,46 +93,61 @@ def read_kv_writes(wal_dir, start, end):
                     payload = memoryview(buf)[rel + ENTRY_SIZE: rel + total]
                     if entry_crc(base, etype, (payload,)) != crc:
                         raise MergeError("WAL entry at %d failed its CRC" % pos)
-                    _take_kv_ops(writes, msgpack.unpackb(payload, raw=True, use_list=True), kv)
+                    _take_kv_ops(keys, values, msgpack.unpackb(payload, raw=True, use_list=True), kv)
                     payload.release()
                 pos += total  # a batch entry is skipped unread
     finally:
         for fd in fds.values():
             os.close(fd)
-    return writes
+    return keys, values
 
 
-def _take_kv_ops(writes, ops, kv):
+def _take_kv_ops(keys, values, ops, kv):
     for op in ops:
         if op[1] != kv:
             continue
         code = op[0]
         if code == index.OP_PUTS:
-            writes.update(zip(op[2], op[3]))
+            keys += op[2]
+            values += op[3]
         elif code == index.OP_PUT:
-            writes[op[2]] = op[3]
+            keys.append(op[2])
+            values.append(op[3])
         elif code == index.OP_DEL:
-            writes[op[2]] = None
+            keys.append(op[2])
+            values.append(None)
         else:
             raise MergeError("unexpected key-value operation %r in the WAL" % (code,))
 
 
-def sort_writes(writes):
-    """(keys, values) of the dict ``writes`` in ascending key order: numpy's argsort over the keys
-    joined into one buffer when all have one length (at most SORT_FIXED_MAX), else sorted()."""
-    keys = list(writes)
+def last_writes(keys, values):
+    """(keys, values) in ascending key order, each key once with its last value in the lists'
+    order. Keys of one length (at most SORT_FIXED_MAX bytes, at least _NUMPY_FROM of them): one
+    stable numpy argsort over the keys joined into one buffer (big-endian unsigned integers or
+    fixed-width byte strings: memcmp order), the last of each run of equal keys, and one C-level
+    gather (``itemgetter``) each; ~0.95 against ~1.35 us per key for a dict of the last writes
+    then an argsort and object-array gathers (330k 8-byte keys, 2026-11-27). Else: a dict, then
+    sorted()."""
     n = len(keys)
-    if n < 2:
-        return keys, list(writes.values())
-    first = len(keys[0])
-    if n < _NUMPY_FROM or first > SORT_FIXED_MAX or len(set(map(len, keys))) != 1:
-        keys.sort()
-        return keys, list(map(writes.__getitem__, keys))
-    import numpy
+    if n >= _NUMPY_FROM:
+        first = len(keys[0])
+        if first <= SORT_FIXED_MAX and len(set(map(len, keys))) == 1:
+            import numpy
 
-    order = numpy.frombuffer(b"".join(keys), dtype=_SORT_DTYPES.get(first, "S%d" % first)).argsort()
-    values = numpy.fromiter(writes.values(), dtype=object, count=n)[order].tolist()
-    return numpy.fromiter(keys, dtype=object, count=n)[order].tolist(), values
+            arr = numpy.frombuffer(b"".join(keys), dtype=_SORT_DTYPES.get(first, "S%d" % first))
+            order = numpy.argsort(arr, kind="stable")
+            ordered = arr[order]
+            last = numpy.empty(n, dtype=bool)
+            last[-1] = True
+            numpy.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+            take = order[last].tolist()
+            if len(take) == 1:
+                return [keys[take[0]]], [values[take[0]]]
+            gather = operator.itemgetter(*take)
+            return list(gather(keys)), list(gather(values))
+    writes = dict(zip(keys, values))
+    ordered = sorted(writes)
+    return ordered, list(map(writes.__getitem__, ordered))
 
 
 def merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent):
@@ -211,10 +228,9 @@ def main(argv=None):
                 raise MergeError("unknown request %r" % line)
             start, end, chunk_keys, chunk_bytes = map(int, parts[1:])
             t0 = time.process_time()
-            writes = read_kv_writes(wal_dir, start, end)
+            keys, values = read_kv_writes(wal_dir, start, end)
             t1 = time.process_time()
-            keys, values = sort_writes(writes)
-            del writes
+            keys, values = last_writes(keys, values)
             t2 = time.process_time()
             txns = merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent)
             t3 = time.process_time()

@@ -359,3 +359,25 @@ async def test_a_failing_merge_worker_leaves_the_merge_to_the_writer(monkeypatch
     finally:
         await st.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.integers(1, 70).flatmap(lambda n: st.lists(st.binary(min_size=n, max_size=n), min_size=1, max_size=40)),
+    st.lists(keys, max_size=30),
+), st.integers(0, 3000), st.data())
+def test_the_merge_workers_last_writes_are_bytes_order_and_last_wins(ks, copies, data):
+    """The merge worker's sort (storage/kv_merge.py ``last_writes``: keys of one length by a stable
+    numpy argsort, the last write of each key kept; else a dict and sorted()) against a dict of
+    the writes in order, with keys written several times (deletes as None) and zero bytes anywhere;
+    ``copies`` repeats the writes past the numpy path's threshold."""
+    from storage.kv_merge import last_writes
+
+    writes = [(k, None if i % 5 == 0 else b"v%d" % i) for i, k in enumerate(ks)]
+    writes += data.draw(st.lists(st.sampled_from(writes), max_size=20)) if writes else []
+    writes = [(k, v) for _ in range(1 + copies // max(1, len(writes))) for k, v in writes]
+    writes += [(k, b"w%d" % i) for i, (k, _) in enumerate(writes[-3:])]
+    model = dict(writes)
+    got_keys, got_values = last_writes([k for k, _ in writes], [v for _, v in writes])
+    assert got_keys == sorted(model)
+    assert got_values == [model[k] for k in got_keys]
