@@ -865,6 +865,11 @@ class CommitCore:
         if txn is not None:
             txn.abort()
 
+    def renew_snapshot(self):
+        """Reactor thread: the next read begins a new snapshot (a kv merge worker committing in
+        another process meanwhile: the old one would keep LMDB from reusing the pages it frees)."""
+        self._drop_snapshot()
+
     # -- the inline writer (tests only) ---------------------------------------------------------
 
     def _init_inline(self):
