@@ -46,9 +46,8 @@ import itertools
 import numpy
 from sortedcontainers import SortedList
 from twisted.internet import defer
-from twisted.python.failure import Failure
-
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from storage import errors, index
 from storage.commit import Direct
@@ -522,7 +521,7 @@ class KeyValue:
         return done
 
     def merge_worker(self):
-        """The MergeWorker (made on first use; its process starts with its first merge)."""
+        """The MergeWorker (made on first use; its process starts with the first kv write)."""
         if self._worker is None:
             core = self._core
             self._worker = MergeWorker(core.env.path(), core.wal.dir, core.policy.always, core.reactor.callFromThread)

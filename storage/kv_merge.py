@@ -3,13 +3,14 @@ merge's CPU is not spent under the node's GIL (issue 19, seventh pass; docs/stor
 worker").
 
 The node (``MergeWorker``, on a helper thread of its own) hands the worker a WAL range, not the
-memtable: ``merge START END CHUNK_KEYS CHUNK_BYTES``. The range is exactly where the frozen
-memtable's writes were logged (from the kv floor to the end of the last group delivered before
-the freeze, docs/storage.md); the worker reads its ``T_OPS`` entries back (the page cache holds
-them), keeps each key-value LMDB key's last write (``OP_PUT``, ``OP_PUTS``, ``OP_DEL``, in WAL
-order: what the memtable holds), sorts the keys and writes them into LMDB in transactions of at
-most CHUNK_KEYS keys (or about CHUNK_BYTES of values), in key order, then answers ``ok KEYS TXNS``
-(or ``err TEXT`` and exits). It never moves the WAL checkpoint: the node does, through its writer,
+memtable: ``merge START END CHUNK_KEYS CHUNK_BYTES``. The range holds every write of the frozen
+memtable (from the kv floor to the end of the group whose delivery last landed a run,
+docs/storage.md); the worker reads its ``T_OPS`` entries back (the page cache holds them), keeps
+each key-value LMDB key's last write (``OP_PUT``, ``OP_PUTS``, ``OP_DEL``, in WAL order: what the
+memtable holds, plus writes the range holds beyond it, harmless), sorts the keys and writes them
+into LMDB in transactions of at most CHUNK_KEYS keys (or about CHUNK_BYTES of values), in key
+order, then answers ``ok KEYS TXNS READ_S SORT_S WRITE_S`` (its CPU seconds by stage), or ``err
+TEXT`` and exits. It never moves the WAL checkpoint: the node does, through its writer,
 once the answer is in (so a kill -9 of either process at any point leaves the floor where it was,
 and recovery replays the range again: idempotent, docs/storage.md "Recovery of the memtable").
 
