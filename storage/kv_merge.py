@@ -42,6 +42,11 @@ _READ = 4 << 20  # WAL bytes read per pread
 SORT_FIXED_MAX = 64  # keys of one length up to this sort with numpy (else sorted())
 _SORT_DTYPES = {1: ">u1", 2: ">u2", 4: ">u4", 8: ">u8"}
 _NUMPY_FROM = 2048  # fewer keys: sorted() (the worker does not import numpy for small merges)
+# The worker runs at a lower CPU priority than the node (as RocksDB's compaction threads can,
+# Env::LowerThreadPoolCPUPriority): on a busy machine the reactor and the clients get the cores
+# first and the merge takes what is left; on an idle one it has its core anyway. Alternating on
+# this machine at load 3-5 (docs/benchmarks.md): SET 105-131k/s at nice 5 against 75-81k at 0.
+WORKER_NICE = 5
 
 
 class MergeError(Exception):
@@ -212,6 +217,7 @@ def main(argv=None):
     env_dir, wal_dir, parent, sync = (argv or sys.argv[1:])[:4]
     parent = int(parent)
     _die_with_parent(parent)
+    os.nice(WORKER_NICE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to the node's group is the node's to handle
     # Synced commits under ``always``, as the node's own: without, a power cut could leave LMDB
     # damaged (its documented MDB_NOSYNC risk), which ``always`` promises against.
