@@ -265,8 +265,6 @@ class MergeWorker:
     sorting, writing LMDB))`` or ``("err", text)`` (the
     worker failed or died; it is started afresh for the next merge). One merge at a time."""
 
-    START_TIMEOUT_S = 60.0
-
     def __init__(self, env_dir, wal_dir, sync, call_in_reactor):
         self.env_dir = env_dir
         self.wal_dir = wal_dir
