@@ -92,13 +92,17 @@ def test_kill9_under_kv_load_keeps_every_acked_set_and_remove(tmp_path, kill_wor
     mid_merge = worker_kills_mid_merge = worker_merges = 0
     for kill in range(KILLS):
         child = Child(path, kill + 1, kill_worker=kill_worker)
-        # a write in flight at the kill either survived or not: what the store holds is the truth
-        acked.update(check_state(child.lines(until="READY"), acked, inflight))
+        try:
+            # a write in flight at the kill either survived or not: what the store holds is the truth
+            acked.update(check_state(child.lines(until="READY"), acked, inflight))
+            # once the merge worker has answered a first merge (it starts with the first write),
+            # the load runs in the child and the kill lands anywhere
+            seen = child.lines(until="m ok")
+        except BaseException:
+            child.kill9()  # a failed wait does not leave the child running
+            raise
         inflight = {}
         runs = {}
-        # once the merge worker has answered a first merge (it starts with the first write), the
-        # load runs in the child and the kill lands anywhere
-        seen = child.lines(until="m ok")
         time.sleep(rnd.uniform(0.05, 0.6))
         # the last line may be cut by the kill (an ``I`` line of a run never submitted: the child
         # submits only after the whole line is written); every whole line ends with a newline
