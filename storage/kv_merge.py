@@ -348,6 +348,8 @@ class MergeWorker:
                 continue
             start, end, chunk_keys, chunk_bytes, done = job
             try:
+                if self.proc is not None and self.proc.poll() is not None:
+                    self._kill()  # it died while idle: a new one, rather than a failed merge
                 if self.proc is None:
                     self._spawn()
                 proc = self.proc
