@@ -72,6 +72,37 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def child_pids(pid):
+    """The live child processes of ``pid`` (the node's kv merge worker, storage/kv_merge.py)."""
+    out = []
+    try:
+        for tid in os.listdir("/proc/%d/task" % pid):
+            try:
+                with open("/proc/%d/task/%s/children" % (pid, tid)) as f:
+                    out += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def family_cpu(pid):
+    """{pid: CPU seconds so far} of ``pid`` and of its live descendants: the node's CPU includes
+    its merge worker's (a worker that exits within a phase takes its CPU with it: after a failure
+    only, which the node logs)."""
+    out = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            out[p] = cpu_seconds(p)
+        except OSError:
+            continue
+        todo += child_pids(p)
+    return out
+
+
 def own_cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -88,6 +119,9 @@ def thread_cpu(pid):
         except OSError:
             continue  # the thread ended
         out["reactor" if int(tid) == pid else "thread " + tid] = (int(fields[11]) + int(fields[12])) / _TICK
+    for child, seconds in family_cpu(pid).items():
+        if child != pid:
+            out["merge worker %d" % child] = seconds
     return out
 
 
@@ -127,11 +161,13 @@ class CpuMeter:
 
     def __init__(self, pid):
         self.pid = pid
-        self.server0 = cpu_seconds(pid)
+        self.server0 = family_cpu(pid)  # the node's child processes (its merge worker) count as the node
         self.client0 = own_cpu()
 
     def us_per(self, n):
-        return ((cpu_seconds(self.pid) - self.server0) * 1e6 / n, (own_cpu() - self.client0) * 1e6 / n)
+        now = family_cpu(self.pid)
+        server = sum(v - self.server0.get(p, 0.0) for p, v in now.items())
+        return (server * 1e6 / n, (own_cpu() - self.client0) * 1e6 / n)
 
 
 def fmt_cpu(cpu):
@@ -483,7 +519,18 @@ def main(argv=None):
             results[("kv", "get")] = (args.keys / el, cpu)
             print("sbpnode GET  %10.0f ops/s  %s  %s" % (args.keys / el, fmt_lat(lat), fmt_cpu(cpu)))
             results[("kv", "mem")] = rss(pid)
-            print("sbpnode MEM  %d keys of %d B: %s" % (args.keys, args.value_size, fmt_rss(results[("kv", "mem")])))
+            workers = [rss(c) for c in family_cpu(pid) if c != pid]
+            # The merge worker's anonymous memory counts as the node's; its file-backed pages are
+            # LMDB's map and the libraries, the same page-cache pages the node maps (not counted twice).
+            node_only = results[("kv", "mem")]
+            results[("kv", "mem")] = (node_only[0] + sum(w[1] for w in workers), node_only[1] + sum(w[1] for w in workers),
+                                      node_only[2])
+            lmdb_file = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(node.data_dir) for f in fs
+                            if f == "data.mdb") / 1048576.0
+            print("sbpnode MEM  %d keys of %d B: %s; LMDB file %.0f MiB%s" % (
+                args.keys, args.value_size, fmt_rss(results[("kv", "mem")]), lmdb_file,
+                "".join("; merge worker's anonymous %.0f MiB counted (its RSS %.0f, file-backed %.0f: LMDB's map "
+                        "and libraries, shared with the node)" % (w[1], w[0], w[2]) for w in workers)))
             cpu = CpuMeter(pid)
             n, el, pages, jumps = kv_full_scan(port, args.page)
             cpu = cpu.us_per(n)

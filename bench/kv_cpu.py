@@ -54,6 +54,20 @@ def process_cpu():
     return r.ru_utime + r.ru_stime
 
 
+def worker_cpu(store):
+    """(pid, CPU seconds) of the store's kv merge worker process (storage/kv_merge.py), if any:
+    its CPU is the store's, counted with the process's."""
+    pid = getattr(store.kv, "merge_worker_pid", lambda: None)()
+    if pid is None:
+        return None, 0.0
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None, 0.0
+    return pid, (int(fields[11]) + int(fields[12])) / _TICK
+
+
 class Transport(StringTransport):
     """Counts reply bytes instead of keeping them."""
 
@@ -115,19 +129,22 @@ def run(args):
             else:
                 reqs = [codec.encode_get(i, k) for i, k in enumerate(keys)]
                 reply_len = codec.HEADER_LEN + 6 + len(keys[0]) + args.value_size
-            t0, c0, th0 = time.perf_counter(), process_cpu(), thread_cpu()
+            t0, c0, th0, (wpid0, w0) = time.perf_counter(), process_cpu(), thread_cpu(), worker_cpu(store)
             yield drive(proto, tr, reqs, reply_len, args.depth, args.chunk)
             if phase == "set":
                 yield store.kv.flush()  # every write merged into LMDB: its cost is the SET's
                 while store.kv.memtable_keys():
                     yield store.kv.flush()
-            t1, c1, th1 = time.perf_counter(), process_cpu(), thread_cpu()
+            t1, c1, th1, (wpid1, w1) = time.perf_counter(), process_cpu(), thread_cpu(), worker_cpu(store)
             n = len(keys)
+            worker = (w1 - (w0 if wpid0 == wpid1 else 0.0)) * 1e6 / n  # (a worker started in the phase: all of it)
+            c1 += worker * n / 1e6
             per = {tid: (th1.get(tid, 0) - th0.get(tid, 0)) * 1e6 / n for tid in th1}
             react = per.pop(reactor_tid, 0.0)
             others = sorted(per.values(), reverse=True)
-            print("%s: %d requests, %.0f/s wall, process CPU %.2f us/request (reactor %.2f, busiest other thread %.2f)"
-                  % (phase.upper(), n, n / (t1 - t0), (c1 - c0) * 1e6 / n, react, others[0] if others else 0.0),
+            print("%s: %d requests, %.0f/s wall, process CPU %.2f us/request (reactor %.2f, busiest other thread %.2f, "
+                  "merge worker process %.2f, counted in the process's)"
+                  % (phase.upper(), n, n / (t1 - t0), (c1 - c0) * 1e6 / n, react, others[0] if others else 0.0, worker),
                   flush=True)
             del reqs
     finally:

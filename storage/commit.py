@@ -388,6 +388,9 @@ class CommitCore:
         self._kept_end = None
         self._from_writer = reactor.callFromThread if self.writer_mode != "inline" else _call_now
         self.delivered_wal_end = checkpoint  # reactor thread: the WAL end after the last group delivered whole
+        # reactor thread: the WAL end after the group being delivered (or last delivered): every kv
+        # run that entered a memtable lies below it (the kv merge worker's range, storage/kv.py)
+        self.landing_wal_end = checkpoint
         self._env_dirty = False  # writer thread: an LMDB commit not yet synced
         self._reactor_thread = threading.get_ident()  # built on the reactor's thread
         self._queue = collections.deque()  # appended by the reactor, taken by the writer
@@ -400,7 +403,8 @@ class CommitCore:
         self._drain_waiters = []  # reactor thread
         self._rtxn = None  # reactor thread: the reused read snapshot
         self.presync = None
-        if self.writer_mode == "inline":
+        self.inline = self.writer_mode == "inline"  # no writer thread (tests only; kv merges in place then)
+        if self.inline:
             self._init_inline()
             return
         self._pool = ThreadPool(minthreads=1, maxthreads=4, name="storage-read")
@@ -828,6 +832,8 @@ class CommitCore:
 
     def _deliver(self, group, wal_end):
         self._drop_snapshot()
+        if wal_end is not None:
+            self.landing_wal_end = wal_end
         batch_durable = self.on_batch_durable
         for op in group:
             self._queued_bytes -= op.nbytes
@@ -937,6 +943,11 @@ class CommitCore:
         txn, self._rtxn = self._rtxn, None
         if txn is not None:
             txn.abort()
+
+    def renew_snapshot(self):
+        """Reactor thread: the next read begins a new snapshot (a kv merge worker committing in
+        another process meanwhile: the old one would keep LMDB from reusing the pages it frees)."""
+        self._drop_snapshot()
 
     # -- the inline writer (tests only) ---------------------------------------------------------
 

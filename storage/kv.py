@@ -16,9 +16,11 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
   remove; the key order is built on the first scan), where reads see them; until then they are
   invisible to every reader (the key-value server shows a connection its own pending writes,
   protocols/partition/server.py).
-- ``flush`` freezes the active memtable and merges it into LMDB in the writer thread (off the
-  reactor), sorted, as a sequence of LMDB transactions of at most ``MERGE_CHUNK_KEYS`` keys
-  (``_Merge``); the last one moves the floor. It runs when the memtable passes ``FLUSH_BYTES``,
+- ``flush`` freezes the active memtable and has it merged into LMDB, sorted, as a sequence of
+  LMDB transactions of at most ``MERGE_CHUNK_KEYS`` keys: by the merge worker process
+  (``_WorkerMerge``, storage/kv_merge.py: off the node's GIL), then one writer operation moves
+  the floor; or by the writer thread (``_Merge``: in the inline test mode, and when the worker
+  fails), whose last transaction moves the floor. It runs when the memtable passes ``FLUSH_BYTES``,
   once no write has landed for a whole ``FLUSH_IDLE_S`` period (one timer, looked at once per
   period: 1-2 periods after the last write), and at the latest ``FLUSH_MAX_AGE_S`` after the
   first write into an empty one: a write burst is merged in runs of ``FLUSH_BYTES``, not of
@@ -44,10 +46,12 @@ import itertools
 import numpy
 from sortedcontainers import SortedList
 from twisted.internet import defer
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from storage import errors, index
 from storage.commit import Direct
+from storage.kv_merge import MergeWorker
 from storage.index import (KEY_KEEP, OP_DEL, OP_PUT, OP_PUTS, decode_value, encode_key, encode_value, iter_ordered,
                            seek_backward, seek_forward)
 
@@ -63,6 +67,15 @@ ENTRY_OVERHEAD = 100  # per-entry bytes counted beyond key and value (objects' h
 MERGE_CHUNK_KEYS = 8192  # keys merged into LMDB per transaction (see KeyValue.flush)
 MERGE_CHUNK_BYTES = 8 << 20  # and at most about this many value bytes
 KV_DB = index.KV
+# Merges run in a worker process (storage/kv_merge.py), off the node's GIL; the writer thread
+# merges instead in the inline test mode, when this is False, and after MAX_WORKER_FAILURES
+# worker failures in a row (each failed merge is then done by the writer: nothing is lost).
+MERGE_WORKER = True
+MAX_WORKER_FAILURES = 3
+# While the worker merges, the reactor's reused read snapshot is renewed this often (without
+# deliveries, in a run of GETs, one snapshot would pin every page the worker's chunks free: the
+# LMDB file grew by ~100 MiB at 1M keys)
+SNAPSHOT_RENEW_S = 0.02
 _MISSING = object()
 
 
@@ -181,6 +194,8 @@ def _stored_value(stored):
 
 
 class KeyValue:
+    logger = Logger()
+
     def __init__(self, core):
         self._core = core
         self._db = core.dbs[index.KV]
@@ -195,7 +210,13 @@ class KeyValue:
         self._flush_waiters = []  # flush() callers waiting for the running merge
         self.flushes = 0  # merges landed (observability, tests)
         self.merge_txns = 0  # LMDB transactions those merges took (MERGE_CHUNK_KEYS each at most)
+        self.worker_merges = 0  # merges the worker process did (the rest: the writer thread)
+        self.worker_cpu = [0.0, 0.0, 0.0]  # its CPU seconds: reading the WAL, sorting, writing LMDB
+        self._worker = None  # the MergeWorker, once the first merge needed it
+        self._worker_failures = 0  # in a row
+        self._inline = core.inline  # no writer thread, no worker: the merge runs in place (tests)
         core.on_close.insert(0, self._cancel_idle_flush)
+        core.on_close.append(self._stop_worker)
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -414,6 +435,8 @@ class KeyValue:
             self.flush()
         elif was_empty and self._idle_flush is None and not self._core.closed:
             self._arm_idle_flush()
+            if self._worker is None and MERGE_WORKER and not self._inline:
+                self.merge_worker().start()  # the first key-value write: the worker starts now
         return result
 
     # -- merging into LMDB --------------------------------------------------------------------
@@ -486,8 +509,40 @@ class KeyValue:
         # WAL entry lies at or past the end of the last group delivered whole. (A flush from a
         # callback of a group's delivery sees the group before it: the group's later runs are not
         # in ``frozen``; CommitCore._deliver moves delivered_wal_end only after the whole group.)
-        _Merge(self, frozen, self._core.delivered_wal_end).submit()
+        core = self._core
+        if MERGE_WORKER and not self._inline and self._worker_failures < MAX_WORKER_FAILURES:
+            # The frozen memtable's writes are logged in [kv_floor, landing_wal_end): the floor is
+            # at or before the first of them (set by the first kv group after the last merge), and
+            # every run that entered a memtable was in a group delivered up to landing_wal_end
+            # (which also covers the rest of a group whose delivery is freezing it now).
+            _WorkerMerge(self, frozen, core.delivered_wal_end, core.kv_floor, core.landing_wal_end).submit()
+        else:
+            _Merge(self, frozen, core.delivered_wal_end).submit()
         return done
+
+    def merge_worker(self):
+        """The MergeWorker (made on first use; its process starts with the first kv write)."""
+        if self._worker is None:
+            core = self._core
+            self._worker = MergeWorker(core.env.path(), core.wal.dir, core.policy.always, core.reactor.callFromThread)
+        return self._worker
+
+    def merge_worker_pid(self):
+        """The merge worker process's pid, while it runs (benchmarks count its CPU as the node's)."""
+        return self._worker.pid if self._worker is not None else None
+
+    def _worker_failed(self, why):
+        self._worker_failures += 1
+        self.logger.error(
+            "the kv merge worker failed ({why}); the writer thread merges this memtable instead{more}",
+            why=why, more=(" and every later one" if self._worker_failures >= MAX_WORKER_FAILURES
+                           else "; a new worker takes the next merge"))
+
+    def _stop_worker(self):
+        """Core closing (the writer has stopped): end the worker; at once if a merge is running
+        (a close without merging, as a crash: the WAL replays the memtable at the next open)."""
+        if self._worker is not None:
+            self._worker.stop(kill=self._flushing is not None)
 
     def _merged(self):
         """Reactor thread: the running merge landed (or failed, and poisoned the store)."""
@@ -647,3 +702,68 @@ class _Merge:
     def failed(self, failure):
         self.keys = self.values = None
         self.kv._merged()  # the store is poisoned; its callers see that
+
+
+def _set_floor(core, floor, txn):  # writer thread
+    core.kv_floor = floor
+    return True, None
+
+
+class _WorkerMerge:
+    """One merge of a frozen memtable done by the merge worker process (``storage/kv_merge.py``):
+    it reads the memtable's writes back from the WAL range ``[start, end)`` and writes them into
+    LMDB in sorted chunks; once it has answered, one ``Direct`` operation moves the kv floor (and
+    so the checkpoint) as ``_Merge``'s last chunk does, and when that lands the frozen memtable is
+    dropped (reads see it before LMDB until then). A worker that fails or dies: the writer thread
+    merges the memtable itself (``_Merge``), from the start (what the worker wrote is rewritten)."""
+
+    __slots__ = ("kv", "frozen", "floor_at_freeze", "start", "end", "renewing")
+
+    def __init__(self, kv, frozen, floor_at_freeze, start, end):
+        self.kv = kv
+        self.frozen = frozen
+        self.floor_at_freeze = floor_at_freeze
+        self.start = start
+        self.end = end
+        self.renewing = None
+
+    def submit(self):
+        if self.start is None or self.start >= self.end:
+            self.worker_done(("ok", 0, 0, (0.0, 0.0, 0.0)))  # nothing logged (removes of missing keys alone)
+            return
+        self.kv.merge_worker().merge(self.start, self.end, MERGE_CHUNK_KEYS, MERGE_CHUNK_BYTES, self.worker_done)
+        self.renewing = self.kv._core.reactor.callLater(SNAPSHOT_RENEW_S, self.renew)
+
+    def renew(self):
+        """The worker's chunks are visible to new snapshots as they commit: harmless to reads, as
+        the frozen memtable still comes first (docs/storage.md)."""
+        core = self.kv._core
+        if not core.closed:
+            core.renew_snapshot()
+            self.renewing = core.reactor.callLater(SNAPSHOT_RENEW_S, self.renew)
+
+    def worker_done(self, answer):  # reactor thread
+        if self.renewing is not None and self.renewing.active():
+            self.renewing.cancel()
+        self.renewing = None
+        kv = self.kv
+        core = kv._core
+        if core.closed or core.failed is not None:
+            kv._merged()
+            return
+        if answer[0] != "ok":
+            kv._worker_failed(answer[1])
+            _Merge(kv, self.frozen, self.floor_at_freeze).submit()
+            return
+        kv._worker_failures = 0
+        kv.worker_merges += 1
+        kv.merge_txns += answer[2]
+        kv.worker_cpu = [a + b for a, b in zip(kv.worker_cpu, answer[3])]
+        # as _Merge.submit's last chunk: the floor must cover every write not in ``frozen``
+        floor = self.floor_at_freeze if (kv._active.entries or kv._runs) else None
+        d = core.submit(Direct(functools.partial(_set_floor, core, floor), 64))
+        d.addCallbacks(self.landed, self.landed)
+
+    def landed(self, _):
+        self.frozen = None
+        self.kv._merged()

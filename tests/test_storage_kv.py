@@ -278,3 +278,106 @@ def test_the_merge_timer_waits_for_a_pause_in_writes(tmp_path, monkeypatch):
         assert store.kv.flushes in (2, 3)  # at 5 s after the first write (and again by then)
     finally:
         close(store)
+
+
+# -- the merge worker process (storage/kv_merge.py) ---------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_merge_worker_takes_every_run_of_a_group_whose_delivery_froze_the_memtable(monkeypatch):
+    """Two runs committed as one group; the second one's landing passes FLUSH_BYTES and freezes the
+    memtable in the middle of the group's delivery (``delivered_wal_end`` is still the previous
+    group's end). The worker's WAL range must reach the end of this group (``landing_wal_end``):
+    once the merge landed and the frozen memtable is dropped, LMDB itself holds both runs, and so
+    does a store reopened after the core stopped without merging (a crash's view)."""
+    import storage.kv as kvmod
+    from storage import index
+
+    monkeypatch.setattr(kvmod, "FLUSH_BYTES", 1000)
+    d = tempfile.mkdtemp(prefix="storage-kv-")
+    st = open_kv_store(d, "always")
+    try:
+        st.core.hold_wakeups()  # both runs queued before the writer wakes: one group
+        first = st.kv.write_many([(b"a", b"1")])
+        second = st.kv.write_many([(b"b", b"2" * 2000)])
+        third = st.kv.write_many([(b"c", b"3")])  # lands after the freeze: the new active memtable
+        st.core.release_wakeups()
+        await defer.gatherResults([first, second, third])
+        await st.kv.flush()  # the running merge (of a and b)
+        assert st.kv.flushes == 1 and st.kv.memtable_keys() == 1  # c only
+        assert st.kv.get_many([b"a", b"b", b"c"]) == [b"1", b"2" * 2000, b"3"]
+        await st.kv.flush()  # the one of c
+        assert st.kv.worker_merges >= 1 and st.kv.memtable_keys() == 0
+        txn = st.snapshot()
+        assert [txn.get(k, db=st.dbs[index.KV]) for k in (b"a", b"b", b"c")] == [b"\x001", b"\x00" + b"2" * 2000, b"\x003"]
+        await st.kv.write_many([(b"a", None), (b"d", b"4")])
+        await st.core.close()  # no merge of the last run: the WAL replays it
+        st = open_kv_store(d, "always")
+        assert st.kv.get_many([b"a", b"b", b"c", b"d"]) == [None, b"2" * 2000, b"3", b"4"]
+    finally:
+        await st.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failing_merge_worker_leaves_the_merge_to_the_writer(monkeypatch):
+    """A worker that cannot start (or fails, or dies) fails its merge: the writer thread merges
+    that memtable instead, nothing is lost; after MAX_WORKER_FAILURES in a row the writer merges
+    every later one without asking the worker again."""
+    import storage.kv as kvmod
+    import storage.kv_merge as mergemod
+
+    calls = []
+
+    def broken_spawn(self):
+        calls.append(1)
+        raise mergemod.MergeError("no worker today")
+
+    monkeypatch.setattr(mergemod.MergeWorker, "_spawn", broken_spawn)
+    d = tempfile.mkdtemp(prefix="storage-kv-")
+    st = open_kv_store(d, "never")
+    try:
+        model = {}
+        for i in range(kvmod.MAX_WORKER_FAILURES + 2):
+            ops = [(b"k%d-%d" % (i, j), b"v%d" % j) for j in range(20)] + [(b"k%d-0" % (i - 1), None)]
+            await st.kv.write_many(ops)
+            for k, v in ops:
+                if v is None:
+                    model.pop(k, None)
+                else:
+                    model[k] = v
+            await st.kv.flush()
+            assert st.kv.memtable_keys() == 0
+            assert st.kv.get_many(sorted(model)) == [model[k] for k in sorted(model)]
+        assert st.kv.worker_merges == 0 and st.kv.flushes == kvmod.MAX_WORKER_FAILURES + 2
+        tries = len(calls)
+        assert tries >= kvmod.MAX_WORKER_FAILURES
+        await st.kv.write_many([(b"late", b"x")])
+        await st.kv.flush()
+        assert len(calls) == tries  # not asked again
+        assert st.kv.scan_forward(None, 1000) == sorted(list(model.items()) + [(b"late", b"x")])
+    finally:
+        await st.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.integers(1, 70).flatmap(lambda n: st.lists(st.binary(min_size=n, max_size=n), min_size=1, max_size=40)),
+    st.lists(keys, max_size=30),
+), st.integers(0, 3000), st.data())
+def test_the_merge_workers_last_writes_are_bytes_order_and_last_wins(ks, copies, data):
+    """The merge worker's sort (storage/kv_merge.py ``last_writes``: keys of one length by a stable
+    numpy argsort, the last write of each key kept; else a dict and sorted()) against a dict of
+    the writes in order, with keys written several times (deletes as None) and zero bytes anywhere;
+    ``copies`` repeats the writes past the numpy path's threshold."""
+    from storage.kv_merge import last_writes
+
+    writes = [(k, None if i % 5 == 0 else b"v%d" % i) for i, k in enumerate(ks)]
+    writes += data.draw(st.lists(st.sampled_from(writes), max_size=20)) if writes else []
+    writes = [(k, v) for _ in range(1 + copies // max(1, len(writes))) for k, v in writes]
+    writes += [(k, b"w%d" % i) for i, (k, _) in enumerate(writes[-3:])]
+    model = dict(writes)
+    got_keys, got_values = last_writes([k for k, _ in writes], [v for _, v in writes])
+    assert got_keys == sorted(model)
+    assert got_values == [model[k] for k in got_keys]

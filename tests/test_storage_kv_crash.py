@@ -22,10 +22,11 @@ KILLS = 12
 
 
 class Child:
-    def __init__(self, path, seed, verify=False):
+    def __init__(self, path, seed, verify=False, kill_worker=False):
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        argv = [sys.executable, "-m", "tests.storage_helpers.kv_crash_child", path, str(seed)] + (["verify"] if verify else [])
+        argv = [sys.executable, "-m", "tests.storage_helpers.kv_crash_child", path, str(seed)] + (
+            ["verify"] if verify else ["kill-worker"] if kill_worker else [])
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
         self.buf = b""
 
@@ -77,22 +78,39 @@ def check_state(lines, acked, inflight):
 
 
 @pytest.mark.slow
-def test_kill9_under_kv_load_keeps_every_acked_set_and_remove(tmp_path):
+@pytest.mark.parametrize("kill_worker", [False, True], ids=["node", "node-and-worker-alone"])
+def test_kill9_under_kv_load_keeps_every_acked_set_and_remove(tmp_path, kill_worker):
+    """kill -9 of the store's process, at random moments: some land while the merge worker
+    process is merging (counted: at least one must). ``node-and-worker-alone``: besides, the child
+    SIGKILLs its merge worker alone, mostly mid-merge (counted: at least 3 must land mid-merge), so the
+    writer thread merges those memtables and a new worker the next ones."""
     rnd = random.Random(1919)
     path = str(tmp_path / "store")
     acked = {}  # key -> last acknowledged value (None: removed, or never written)
     inflight = {}
     acks = removes_acked = 0
+    mid_merge = worker_kills_mid_merge = worker_merges = 0
     for kill in range(KILLS):
-        child = Child(path, kill + 1)
-        # a write in flight at the kill either survived or not: what the store holds is the truth
-        acked.update(check_state(child.lines(until="READY"), acked, inflight))
+        child = Child(path, kill + 1, kill_worker=kill_worker)
+        try:
+            # a write in flight at the kill either survived or not: what the store holds is the truth
+            acked.update(check_state(child.lines(until="READY"), acked, inflight))
+            # once the merge worker has answered a first merge (it starts with the first write),
+            # the load runs in the child and the kill lands anywhere
+            seen = child.lines(until="m ok")
+        except BaseException:
+            child.kill9()  # a failed wait does not leave the child running
+            raise
         inflight = {}
         runs = {}
-        time.sleep(rnd.uniform(0.05, 0.6))  # the load runs in the child; the kill lands anywhere
+        time.sleep(rnd.uniform(0.05, 0.6))
         # the last line may be cut by the kill (an ``I`` line of a run never submitted: the child
         # submits only after the whole line is written); every whole line ends with a newline
-        lines = child.kill9().decode().split("\n")[:-1]
+        lines = seen + child.kill9().decode().split("\n")[:-1]
+        merge_lines = [line for line in lines if line in ("M", "m ok", "m err")]
+        mid_merge += bool(merge_lines) and merge_lines[-1] == "M"  # the kill landed during a worker merge
+        worker_merges += lines.count("m ok")
+        worker_kills_mid_merge += lines.count("W")
         for line in lines:
             assert not line.startswith("BAD"), line
             if line.startswith("I "):
@@ -116,4 +134,9 @@ def test_kill9_under_kv_load_keeps_every_acked_set_and_remove(tmp_path):
     final.proc.stdout.close()
     final.proc.stderr.close()
     assert acks > KILLS * 50 and removes_acked > KILLS * 10, (acks, removes_acked)
+    assert worker_merges >= KILLS, worker_merges  # (the child blocks once its stdout pipe is full)
+    if kill_worker:
+        assert worker_kills_mid_merge >= 3, worker_kills_mid_merge
+    else:
+        assert mid_merge >= 1, mid_merge
     assert any(v is not None for v in got.values()) and any(v is None for v in got.values())

@@ -1,9 +1,11 @@
 """The kv memtable (issue 19) against a plain dict: a hypothesis state machine of SET/REMOVE/GET
-and scans with merges (waited for or still running) and restarts in between; then kill -9 of a
-real node while merges run."""
+and scans with merges (waited for or still running, done by the merge worker process, which is
+also killed now and then) and restarts in between; then kill -9 of a real node while merges run."""
 
+import os
 import random
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -79,6 +81,14 @@ class MemtableMachine(RuleBasedStateMachine):
         self.running.append(self.store.kv.flush())
 
     @rule()
+    def kill_the_merge_worker(self):
+        """SIGKILL of the merge worker process alone (idle, or in a merge started and not waited
+        for): the writer thread merges that memtable, a new worker the next one."""
+        pid = self.store.kv.merge_worker_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+
+    @rule()
     def restart(self):
         wait(self.store.close())
         self.running = []
@@ -128,12 +138,13 @@ class TestMemtableModel(MemtableMachine.TestCase):
     def setUp(self):
         # tiny memtables: size-triggered merges happen every few writes, each merge a few
         # LMDB transactions of 3 keys (reads and scans run between them)
-        self._saved = kvmod.FLUSH_BYTES, kvmod.MERGE_CHUNK_KEYS
+        self._saved = kvmod.FLUSH_BYTES, kvmod.MERGE_CHUNK_KEYS, kvmod.MAX_WORKER_FAILURES
         kvmod.FLUSH_BYTES = 600
         kvmod.MERGE_CHUNK_KEYS = 3
+        kvmod.MAX_WORKER_FAILURES = 1 << 30  # the worker is killed over and over: always a new one
 
     def tearDown(self):
-        kvmod.FLUSH_BYTES, kvmod.MERGE_CHUNK_KEYS = self._saved
+        kvmod.FLUSH_BYTES, kvmod.MERGE_CHUNK_KEYS, kvmod.MAX_WORKER_FAILURES = self._saved
 
 
 # -- kill -9 during merges ------------------------------------------------------------------------
