@@ -208,6 +208,9 @@ class KeyValue:
         self._landed_runs = 0  # write runs entered into the active memtable, ever
         self._armed_at = (0, 0.0)  # (_landed_runs, reactor time of the first write) when it was set
         self._flush_waiters = []  # flush() callers waiting for the running merge
+        # A merge the store refused part-way (the disk full, or read-only after a disk error): its
+        # frozen memtable stays in _flushing, read before LMDB, until a flush() can run it again.
+        self._stuck = None
         self.flushes = 0  # merges landed (observability, tests)
         self.merge_txns = 0  # LMDB transactions those merges took (MERGE_CHUNK_KEYS each at most)
         self.worker_merges = 0  # merges the worker process did (the rest: the writer thread)
@@ -494,6 +497,12 @@ class KeyValue:
         the last chunk lands, so a partly merged LMDB is never visible; only the last chunk moves
         the kv floor (``CommitCore.kv_floor``), so a crash in between replays the whole memtable
         again from the WAL (putting the same values: harmless)."""
+        core = self._core
+        if self._stuck is not None:
+            if core.closed or core.failed is not None or core.full is not None:
+                return defer.succeed(None)  # nothing merges now; reads keep the frozen memtable
+            merge, self._stuck = self._stuck, None
+            merge.restart()
         if self._flushing is not None:
             d = defer.Deferred()
             self._flush_waiters.append(d)
@@ -509,7 +518,6 @@ class KeyValue:
         # WAL entry lies at or past the end of the last group delivered whole. (A flush from a
         # callback of a group's delivery sees the group before it: the group's later runs are not
         # in ``frozen``; CommitCore._deliver moves delivered_wal_end only after the whole group.)
-        core = self._core
         if MERGE_WORKER and not self._inline and self._worker_failures < MAX_WORKER_FAILURES:
             # The frozen memtable's writes are logged in [kv_floor, landing_wal_end): the floor is
             # at or before the first of them (set by the first kv group after the last merge), and
@@ -544,8 +552,20 @@ class KeyValue:
         if self._worker is not None:
             self._worker.stop(kill=self._flushing is not None)
 
+    def _merge_stuck(self, merge):
+        """Reactor thread: the store refused the running merge part-way (the disk full: writes
+        resume when space returns; or read-only after a disk error). Its frozen memtable is not
+        dropped: it holds acknowledged writes that LMDB may lack, so reads go on seeing it first
+        (a restart replays them from the WAL); the next ``flush()`` the store allows runs ``merge``
+        again from its first key. The flush waiters fire, as for a merge that landed."""
+        self._stuck = merge
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for w in waiters:
+            w.callback(None)
+
     def _merged(self):
-        """Reactor thread: the running merge landed (or failed, and poisoned the store)."""
+        """Reactor thread: the running merge landed (or the store is closing without it: the
+        WAL replays the frozen memtable at the next open)."""
         self._flushing = None
         self.flushes += 1
         waiters, self._flush_waiters = self._flush_waiters, []
@@ -693,15 +713,31 @@ class _Merge:
         kv = self.kv
         kv.merge_txns += 1
         core = kv._core
-        if last or core.closed or core.failed is not None:
+        if last or core.closed:
             self.keys = self.values = None
             kv._merged()
+        elif core.failed is not None:
+            self.stuck()
         else:
             self.submit()
 
     def failed(self, failure):
-        self.keys = self.values = None
-        self.kv._merged()  # the store is poisoned; its callers see that
+        """A chunk's transaction was refused (``DiskFull``, ``StoreReadOnly``, the store closed)."""
+        if self.kv._core.closed:
+            self.keys = self.values = None
+            self.kv._merged()
+        else:
+            self.stuck()
+
+    def stuck(self):
+        self.keys = self.values = None  # sorted again when it runs again
+        self.kv._merge_stuck(self)
+
+    def restart(self):
+        """Run again from the first key: the chunks that landed are written again with the same
+        values (the frozen memtable's, still the newest: only one merge runs at a time)."""
+        self.at = 0
+        self.submit()
 
 
 def _set_floor(core, floor, txn):  # writer thread
@@ -748,8 +784,11 @@ class _WorkerMerge:
         self.renewing = None
         kv = self.kv
         core = kv._core
-        if core.closed or core.failed is not None:
-            kv._merged()
+        if core.closed or (core.failed is not None and answer[0] == "ok"):
+            kv._merged()  # closing (the WAL replays it), or merged whole into LMDB
+            return
+        if core.failed is not None:
+            _Merge(kv, self.frozen, self.floor_at_freeze).stuck()  # LMDB may lack part of it
             return
         if answer[0] != "ok":
             kv._worker_failed(answer[1])

@@ -16,6 +16,7 @@ import pytest_twisted
 from twisted.internet import defer, reactor
 
 from storage import FsyncPolicy, Store, commit, errors
+from storage import kv as kv_module
 from storage.fileops import Faults
 from tests.storage_helpers.util import base_of, batch, same_except_base
 from tests.waiting import reactor_until
@@ -353,4 +354,41 @@ async def test_kill_9_between_a_runs_wal_sync_and_its_lmdb_commit_keeps_it(tmp_p
     assert st.replayed >= 2
     assert st.log.stream(sid).next_offset == 10
     assert await read_all(st, sid) == first + second
+    await st.close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+@pytest_twisted.ensureDeferred
+async def test_a_kv_merge_the_store_refuses_keeps_every_write_readable(tmp_path, monkeypatch, code):
+    """A memtable merge whose LMDB commit fails (the writer thread's merge, which is also the merge
+    worker's fallback) keeps its frozen memtable: every acknowledged SET stays readable while the
+    disk is full (ENOSPC) or the store is read-only (EIO). Space back: the next flush merges it
+    again from its first key. Either way a restart has every write."""
+    monkeypatch.setattr(commit, "RESUME_POLL_S", 0.02)
+    monkeypatch.setattr(kv_module, "MERGE_WORKER", False)
+    st = open_store(tmp_path)
+    keys = [b"k%05d" % i for i in range(3000)]
+    for i in range(0, len(keys), 500):
+        await st.kv.write_many([(k, b"v" + k) for k in keys[i:i + 500]])
+    assert await st.kv.delete(keys[7])
+    kept = [k for k in keys if k != keys[7]]
+    faults = with_faults(st)
+    faults.fail["commit"] = code
+    faults.free = 0
+    await st.kv.flush()  # refused part-way: fires, the memtable kept
+    assert (st.core.full is not None) if code == errno.ENOSPC else (st.failed is not None)
+    assert st.kv.flushing_bytes > 0
+    assert st.kv.get(keys[7]) is None
+    assert all(st.kv.get(k) == b"v" + k for k in kept)
+    assert [k for k, _ in st.kv.scan_forward(None, 10)] == kept[:10]
+    if code == errno.ENOSPC:
+        del faults.fail["commit"]
+        faults.free = commit.RESUME_FREE_BYTES
+        await reactor_until(lambda: st.core.full is None, what="writes to resume")
+        await st.kv.flush()
+        assert st.kv.flushing_bytes == 0 and st.kv.memtable_keys() == 0
+        assert all(st.kv.get(k) == b"v" + k for k in kept) and st.kv.get(keys[7]) is None
+    await st.close()  # does not wait for a merge that cannot run
+    st = open_store(tmp_path)
+    assert all(st.kv.get(k) == b"v" + k for k in kept) and st.kv.get(keys[7]) is None
     await st.close()
