@@ -286,6 +286,19 @@ def show(name, r):
     return rate, r["cpu"] / r["records"] * 1e6
 
 
+def settle(redis_ports):
+    """Before each side's run: wait until the kernel's write-back of the run before is done and
+    no Redis (master or replica) has an AOF rewrite running or scheduled, as ``sbp_bench`` does
+    between its phases. Each Redis's AOF grows by ~96 MB a run, so its default auto-rewrite (a
+    forked child writing the whole data set) ran on into the next side's run, in the 13:57 closing
+    run of 2026-11-27 the single node's (its rate 245k, 429k, 234k rec/s in three rounds, p99 up to
+    30 ms): whichever side comes next should not pay for the one before. Prints the wait if any."""
+    waited = sbp_bench.settle_writeback()
+    waited += sum(sbp_bench.settle_redis_rewrite(port) for port in redis_ports)
+    if waited >= 0.05:
+        print("    (waited %.2f s for write-back and Redis's AOF rewrites)" % waited, flush=True)
+
+
 def side_by_side(base, args):
     """All three set-ups up at once; ``--rounds`` rounds, each one run per side in turn (the
     machine's load changes by the minute: alternating keeps the comparison fair); then the paced
@@ -321,6 +334,7 @@ def side_by_side(base, args):
             for i in range(args.rounds):
                 print("round %d (load average %.1f)" % (i + 1, os.getloadavg()[0]), flush=True)
                 for name, run in sides:
+                    settle(redis.ports)
                     rate, cpu = show("  " + name, run(args.batches))
                     rates[name].append(rate)
                     cpus[name].append(cpu)

@@ -598,6 +598,7 @@ class KvServerProtocol(Protocol):
         out = self._out
         append = out.append
         kv_get = self.kv.get
+        stored_of = self._stored
         pos = found = missing = 0
         first = len(out)
         try:
@@ -607,13 +608,7 @@ class KvServerProtocol(Protocol):
                 if klen > KEY_KEEP:
                     value = kv_get(key)
                 else:
-                    stored = _NO_WRITE
-                    if active is not None:
-                        stored = active.get(key, _NO_WRITE)
-                    if stored is _NO_WRITE and flushing is not None:
-                        stored = flushing.get(key, _NO_WRITE)
-                    if stored is _NO_WRITE:
-                        stored = get(key, None, db)
+                    stored = stored_of(key, active, flushing, get, db)
                     value = None if stored is None else stored[1:]
                 if value is None:
                     append(pack(HEADER_LEN, cid, 0, DATA_NOT_FOUND))
