@@ -38,10 +38,8 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
   and protocols that watch the store stop reading.
 """
 
-import bisect
 import collections
 import functools
-import itertools
 
 import numpy
 from sortedcontainers import SortedList
@@ -51,7 +49,7 @@ from twisted.python.failure import Failure
 
 from storage import errors, index
 from storage.commit import Direct
-from storage.kv_merge import MergeWorker
+from storage.kv_merge import MergeWorker, chunk_cut
 from storage.index import (KEY_KEEP, OP_DEL, OP_PUT, OP_PUTS, decode_value, encode_key, encode_value, iter_ordered,
                            seek_backward, seek_forward)
 
@@ -552,6 +550,13 @@ class KeyValue:
         if self._worker is not None:
             self._worker.stop(kill=self._flushing is not None)
 
+    def _floor_after_merge(self, floor_at_freeze):
+        """The kv floor a merge landing now sets: it must cover every write not in the frozen
+        memtable, those delivered since the freeze (in the active memtable) or in flight now
+        (the ones submitted later queue behind the merge's last operation and set the floor
+        themselves); None when there are none."""
+        return floor_at_freeze if (self._active.entries or self._runs) else None
+
     def _merge_stuck(self, merge):
         """Reactor thread: the store refused the running merge part-way (the disk full: writes
         resume when space returns; or read-only after a disk error). Its frozen memtable is not
@@ -666,10 +671,7 @@ class _Merge:
 
     def submit(self):
         kv = self.kv
-        # If this chunk is the last, the floor it sets must cover every write not in ``frozen``:
-        # those delivered since the freeze (in the active memtable) or in flight now; the ones
-        # submitted later queue behind this chunk and set the floor themselves.
-        floor = self.floor_at_freeze if (kv._active.entries or kv._runs) else None
+        floor = kv._floor_after_merge(self.floor_at_freeze)
         d = kv._core.submit(Direct(functools.partial(self.chunk, floor), 64))
         d.addCallbacks(self.chunk_landed, self.failed)
 
@@ -681,17 +683,12 @@ class _Merge:
             keys, self.values = sorted_items(self.frozen.entries)
             self.keys = keys
         at = self.at
-        chunk = keys[at : at + MERGE_CHUNK_KEYS]
         stored = self.values[at : at + MERGE_CHUNK_KEYS]
-        plain = self.frozen.plain
-        if not plain and None in stored:
-            sizes = list(itertools.accumulate(len(v) if v is not None else 0 for v in stored))
-        else:
-            sizes = list(itertools.accumulate(map(len, stored)))
-        cut = bisect.bisect_left(sizes, MERGE_CHUNK_BYTES) + 1  # the value crossing the budget goes too
-        if cut < len(chunk):
-            chunk = chunk[:cut]
+        cut = chunk_cut(stored, MERGE_CHUNK_BYTES)
+        chunk = keys[at : at + cut]
+        if cut < len(stored):
             stored = stored[:cut]
+        plain = self.frozen.plain
         db = self.kv._db
         if not plain and (None in stored or max(map(len, chunk)) > KEY_KEEP):
             puts = []
@@ -798,8 +795,7 @@ class _WorkerMerge:
         kv.worker_merges += 1
         kv.merge_txns += answer[2]
         kv.worker_cpu = [a + b for a, b in zip(kv.worker_cpu, answer[3])]
-        # as _Merge.submit's last chunk: the floor must cover every write not in ``frozen``
-        floor = self.floor_at_freeze if (kv._active.entries or kv._runs) else None
+        floor = kv._floor_after_merge(self.floor_at_freeze)
         d = core.submit(Direct(functools.partial(_set_floor, core, floor), 64))
         d.addCallbacks(self.landed, self.landed)
 

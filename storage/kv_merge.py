@@ -156,6 +156,17 @@ def last_writes(keys, values):
     return ordered, list(map(writes.__getitem__, ordered))
 
 
+def chunk_cut(stored, chunk_bytes):
+    """How many of ``stored`` (a chunk's values, None for a delete) one merge transaction takes:
+    all of them, or up to and including the value that crosses ``chunk_bytes`` (the worker's
+    chunks and the writer thread's, ``storage/kv.py`` ``_Merge``)."""
+    if None in stored:
+        sizes = itertools.accumulate(len(v) if v is not None else 0 for v in stored)
+    else:
+        sizes = itertools.accumulate(map(len, stored))
+    return min(len(stored), bisect.bisect_left(list(sizes), chunk_bytes) + 1)
+
+
 def merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent):
     """Write the sorted ``keys``/``values`` (None: delete) into LMDB, one transaction per chunk of
     at most ``chunk_keys`` keys and about ``chunk_bytes`` of values; returns the transactions.
@@ -163,8 +174,7 @@ def merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent):
     at, txns, n = 0, 0, len(keys)
     while at < n:
         stored = values[at: at + chunk_keys]
-        sizes = list(itertools.accumulate(len(v) if v is not None else 0 for v in stored))
-        cut = min(len(stored), bisect.bisect_left(sizes, chunk_bytes) + 1)
+        cut = chunk_cut(stored, chunk_bytes)
         chunk, stored = keys[at: at + cut], stored[:cut]
         txn = env.begin(write=True)
         try:
