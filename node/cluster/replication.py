@@ -179,11 +179,10 @@ class Replicator:
         st = self._primary(sid)
         if st is None:
             return log.append(sid, batch, expect_offset, block_crc)
-        if st is _SEALED:
-            return defer.fail(store_errors.RangeAlreadySealed("stream %d: its range is sealed; retry on the new range" % sid))
+        refused = self._sealed(sid, st)
+        if refused is not None:
+            return defer.fail(refused)
         try:
-            if st.sealed:
-                raise store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
             if expect_offset is not None and expect_offset != st.assigned:
                 raise store_errors.ExpectationFailed("next offset is %d, not %d" % (st.assigned, expect_offset))
             if len(batch) < record_batch.HEADER_SIZE:
@@ -191,10 +190,9 @@ class Replicator:
             count = int.from_bytes(batch[9:13], "big", signed=True)
             if count < 1:
                 raise store_errors.InvalidRequest("record_count must be >= 1")
-            live = self._live(st)
-            if live < st.ack_count:
-                # CONTRACT §9: below ack_count live replicas nothing can be acknowledged (degraded)
-                raise store_errors.NoAvailableReplicas("stream %d: %d live replica(s), ack_count %d" % (sid, live, st.ack_count))
+            refused = self._degraded(sid, st)
+            if refused is not None:
+                raise refused
         except store_errors.StoreError:
             return defer.fail()
         base = st.assigned
@@ -212,11 +210,7 @@ class Replicator:
         st.window[base] = (end, batch)
         d_local.addErrback(self._local_failed, st, end)
         self._local_waiting.add(st)
-        core = self.store.core
-        if self._hooked_core is not core:  # (the node's store, once)
-            self._hooked_core = core
-            core.after_deliver.append(self._delivered)
-            core.after_wake.append(self._send_early)
+        self._hook(self.store.core)
         if st.confirm_call is not None:
             self._send_confirm(st)  # (before the batch: both leave in this turn's one send)
         parts = None
@@ -263,14 +257,11 @@ class Replicator:
                 states[sid] = None
                 continue
             try:
-                if st is _SEALED:
-                    raise store_errors.RangeAlreadySealed("stream %d: its range is sealed; retry on the new range" % sid)
-                if st.sealed:
-                    raise store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
-                live = self._live(st)
-                if live < st.ack_count:
-                    # CONTRACT §9: below ack_count live replicas nothing can be acknowledged
-                    raise store_errors.NoAvailableReplicas("stream %d: %d live replica(s), ack_count %d" % (sid, live, st.ack_count))
+                refused = self._sealed(sid, st)
+                if refused is None:
+                    refused = self._degraded(sid, st)
+                if refused is not None:
+                    raise refused
                 if log.assigned_end(sid) != st.assigned:  # (a bug: the store and the sequencer disagree)
                     raise store_errors.ExpectationFailed("stream %d: next offset %d, sequenced %d"
                                                          % (sid, log.assigned_end(sid), st.assigned))
@@ -321,10 +312,7 @@ class Replicator:
             return None, outcome
         if not runs:
             return d_local, outcome
-        if self._hooked_core is not core:  # (the node's store, once)
-            self._hooked_core = core
-            core.after_deliver.append(self._delivered)
-            core.after_wake.append(self._send_early)
+        self._hook(core)
         waits = []
         ends = []
         me = self.node_id
@@ -355,6 +343,31 @@ class Replicator:
             waits.append(d_local)  # (batches of streams not replicated here: their local commit)
         d = defer.gatherResults(waits, consumeErrors=True)
         return d.addErrback(lambda f: f.value.subFailure if isinstance(f.value, defer.FirstError) else f), outcome
+
+    @staticmethod
+    def _sealed(sid, st):
+        """The error refusing an APPEND to a stream whose range is sealed here, or None."""
+        if st is _SEALED:
+            return store_errors.RangeAlreadySealed("stream %d: its range is sealed; retry on the new range" % sid)
+        if st.sealed:
+            return store_errors.RangeAlreadySealed("stream %d: range of epoch %d is sealed" % (sid, st.epoch))
+        return None
+
+    def _degraded(self, sid, st):
+        """CONTRACT §9: below ack_count live replicas nothing can be acknowledged (degraded): the
+        error refusing an APPEND then, or None."""
+        live = self._live(st)
+        if live < st.ack_count:
+            return store_errors.NoAvailableReplicas("stream %d: %d live replica(s), ack_count %d" % (sid, live, st.ack_count))
+        return None
+
+    def _hook(self, core):
+        """Learn the local durable end once per delivered group and send queued batches when the
+        store's writer is woken (the node's store, hooked once)."""
+        if self._hooked_core is not core:
+            self._hooked_core = core
+            core.after_deliver.append(self._delivered)
+            core.after_wake.append(self._send_early)
 
     def _run_local_failed(self, f, ends, waited):
         """The local store failed a run: each stream's acknowledgement of it fails with that
