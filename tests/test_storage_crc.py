@@ -48,6 +48,7 @@ def test_crc32_held_keeps_the_gil():
     batches (with 5 KiB + 1 byte slices it does: the test fails)."""
     import sys
     import threading
+    import time
 
     data = bytes(range(251)) * 262  # ~64 KiB
     count, stop = [0], [False]
@@ -63,8 +64,10 @@ def test_crc32_held_keeps_the_gil():
         while count[0] == 0:
             threading.Event().wait(0.001)
         # from here the spinner runs only while this thread releases the GIL, or after it has held
-        # it for 0.5 s (100 calls take ~1.5 ms)
+        # it for 0.5 s (100 calls take ~1.5 ms); the sleep lets a forced switch of the old 5 ms
+        # interval (the spinner's wait may have begun before the change) happen before measuring
         sys.setswitchinterval(0.5)
+        time.sleep(0.02)
         before = count[0]
         for _ in range(100):
             crc.crc32_held(data)
