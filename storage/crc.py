@@ -26,11 +26,14 @@ try:
 except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
     _crc32_combine_ng = None
 
-# Both bindings release the GIL for inputs from about 5-8 KiB up. On the node's reactor and writer
-# threads that costs more than the CRC: the thread then waits for the GIL behind the other one, up
-# to the 5 ms switch interval (py-spy on APPEND showed the writer waiting there for most of the
-# CRC's samples). crc32_held takes such inputs in slices that keep the GIL (~2 us per 64 KiB).
-_HELD_SLICE = 4096
+# Both bindings release the GIL for inputs above 5 KiB (``data.len > 1024*5`` in CPython's zlibmodule.c
+# and in python-zlib-ng's copy of it). On the node's reactor and writer threads that costs more than
+# the CRC: the thread then waits for the GIL behind the other one, up to the 5 ms switch interval
+# (py-spy on APPEND showed the writer waiting there for most of the CRC's samples). crc32_held takes
+# such inputs in slices of exactly 5 KiB, the largest that keeps the GIL: 13 calls per 64 KiB batch
+# instead of 16 with 4 KiB slices, whose per-call cost (a memoryview slice and a call, ~0.3-0.6 us)
+# was more than half of crc32_held's time (docs/benchmarks.md, issue 17 part 9)
+_HELD_SLICE = 5 * 1024
 
 
 def crc32_held(data, value=0):

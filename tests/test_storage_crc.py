@@ -20,7 +20,7 @@ def test_combine_equals_crc_of_the_concatenation(a, b):
         assert libz(zlib.crc32(a), zlib.crc32(b), len(b)) == want
 
 
-@pytest.mark.parametrize("size", [0, 1, 29, 4095, 4096, 4097, 8192, 65536 + 7, 1 << 20])
+@pytest.mark.parametrize("size", [0, 1, 29, 4095, 4096, 4097, 5119, 5120, 5121, 8192, 10240, 65536 + 7, 1 << 20])
 @pytest.mark.parametrize("start", [0, 0xDEADBEEF])
 def test_crc32_and_crc32_held_are_zlibs(size, start):
     """The zlib-ng CRC and the GIL-keeping sliced one give zlib's values, over bytes, bytearrays
@@ -39,3 +39,41 @@ def test_a_wal_entry_crc_with_its_last_parts_crc_given_is_the_same(parts):
     from storage.wal import T_BATCH, entry_crc
 
     assert entry_crc(4096, T_BATCH, parts, tail_crc=zlib.crc32(parts[-1])) == entry_crc(4096, T_BATCH, parts)
+
+
+def test_crc32_held_keeps_the_gil():
+    """crc32_held's slices stay at or below the size from which the binding releases the GIL (a
+    release would let the store's other thread take the GIL for up to the switch interval): a
+    thread spinning in Python makes no progress while the main thread runs crc32_held over 64 KiB
+    batches (with 5 KiB + 1 byte slices it does: the test fails)."""
+    import sys
+    import threading
+    import time
+
+    data = bytes(range(251)) * 262  # ~64 KiB
+    count, stop = [0], [False]
+
+    def spin():
+        while not stop[0]:
+            count[0] += 1
+
+    old = sys.getswitchinterval()
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        while count[0] == 0:
+            threading.Event().wait(0.001)
+        # from here the spinner runs only while this thread releases the GIL, or after it has held
+        # it for 0.5 s (100 calls take ~1.5 ms); the sleep lets a forced switch of the old 5 ms
+        # interval (the spinner's wait may have begun before the change) happen before measuring
+        sys.setswitchinterval(0.5)
+        time.sleep(0.02)
+        before = count[0]
+        for _ in range(100):
+            crc.crc32_held(data)
+        held = count[0] - before
+    finally:
+        stop[0] = True
+        sys.setswitchinterval(old)
+        spinner.join()
+    assert held == 0
