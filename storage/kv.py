@@ -412,6 +412,31 @@ class KeyValue:
         d.addBoth(self._landed, run, nbytes, True)
         return d
 
+    def write_packed(self, run, op, count, nbytes):
+        """``write_sets`` of a run whose WAL op the caller has packed already (the key-value
+        server's compiled SET pass, protocols/partition/sets_kernel.py): ``op`` (an
+        ``index.PackedOp``) is exactly ``msgpack.packb([OP_PUTS, KV_DB, keys, stored])`` of the
+        run's ``count`` puts, every key 1..KEY_KEEP bytes and every stored value ``b"\\x00" +``
+        a value of at most 16 MiB; ``run`` is ``{key: stored value}``, each key's last put (the
+        dict is the memtable's run as is: the caller may read it, never change it); ``nbytes``
+        the keys' and the values' lengths summed. Fires as ``write_sets`` does (one True per put);
+        the writer thread logs ``op`` without packing it (commit ``pack_ops``)."""
+        nbytes += ENTRY_OVERHEAD * count
+        try:
+            self._check_room(nbytes)
+        except errors.StoreError:
+            return defer.fail()
+        self._runs.append(run)
+        results = [True] * count
+        logged = [op]
+
+        def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next merge
+            return results, logged
+
+        d = self._core.submit(Direct(apply, nbytes, memtable=True))
+        d.addBoth(self._landed, run, nbytes, True)
+        return d
+
     def _landed(self, result, run, nbytes, plain=True):
         """Reactor thread, the run durable (or failed): into the active memtable, before the
         caller's callbacks run."""
