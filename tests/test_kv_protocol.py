@@ -91,10 +91,10 @@ def record_runs(store):
 
     real_packed = store.kv.write_packed
 
-    def write_packed(run, op, count, nbytes):  # the compiled SET pass's run (server._sets_compiled)
+    def write_packed(run, op, nbytes):  # the compiled SET pass's run (server._sets_compiled)
         _code, _db, keys, stored = msgpack.unpackb(op)
         runs.append([(k, s[1:]) for k, s in zip(keys, stored)])
-        return real_packed(run, op, count, nbytes)
+        return real_packed(run, op, nbytes)
 
     store.kv.write_many = write_many
     store.kv.write_sets = write_sets

@@ -30,6 +30,7 @@ from protocols.partition import sets_compiled
 from protocols.partition.server import KvServerFactory, KvServerProtocol
 from storage import Store, index
 from storage.index import KEY_KEEP, PackedOp, pack_ops
+from storage.kv import PackedRun
 from tests.storage_helpers.inline import close, complete, hold, open_inline
 
 
@@ -234,7 +235,7 @@ def test_mixed_writes_split_anywhere_give_the_replies_of_one_frame_at_a_time(tmp
 
 
 def _packed(reads_of_sets):
-    """(run, op, count, nbytes) of a read of SETs, as the server's compiled pass makes them."""
+    """(run, op, nbytes) of a read of SETs, as the server's compiled pass makes them."""
     kernel = _kernel()
     payload = bytearray(len(reads_of_sets) + 16)
     replies = bytearray(len(reads_of_sets))
@@ -242,7 +243,7 @@ def _packed(reads_of_sets):
     assert end == len(reads_of_sets)
     op = PackedOp(memoryview(payload)[:plen])
     _code, _db, keys, stored = msgpack.unpackb(op)
-    return dict(zip(keys, stored)), op, count, kbytes + vbytes
+    return PackedRun(keys, stored), op, kbytes + vbytes
 
 
 @pytest_twisted.ensureDeferred
@@ -255,7 +256,7 @@ async def test_packed_runs_are_merged_by_the_worker_and_replayed_after_a_stop():
         third = st.kv.write_packed(*_packed(c.encode_set(1, b"a002", b"new") + c.encode_set(2, b"a002", b"newer")))
         assert await first == [True] * 200 and await third == [True] * 2
         assert await second == [True, True]
-        assert st.kv.get_many([b"a000", b"a001", b"a002", b"b"]) == [b"", None, b"newer", b"many"]
+        assert st.kv.get_many([b"a000", b"a001", b"a002", b"b"]) == [b"000", None, b"newer", b"many"]
         await st.kv.flush()
         assert st.kv.memtable_keys() == 0
         txn = st.snapshot()

@@ -59,6 +59,7 @@ from protocols.partition.codec import (
 )
 from storage import errors
 from storage.index import KEY_KEEP, PackedOp
+from storage.kv import PackedRun
 
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
@@ -115,14 +116,6 @@ _REMOVE_OK = REMOVE << 8 | OK
 _NO_WRITE = object()  # no pending write of the key (a pending remove is None)
 _unpackb = msgpack.unpackb
 _TOTAL_FROM = _U64.unpack_from
-
-
-class _StoredRun(dict):
-    """A run's pending table made by the compiled SET pass: {key: the store's stored value} (the
-    value behind its one-byte prefix), the very dict the store enters into its memtable
-    (``kv.write_packed``); the readers of the pending table strip the prefix."""
-
-    __slots__ = ()
 
 
 class _OkReplies(bytes):
@@ -523,7 +516,8 @@ class KvServerProtocol(Protocol):
         run.values = stored
         run.nbytes = vbytes
         run.packed = (op, kbytes + vbytes)
-        run.pending = table = _StoredRun(zip(keys, stored))
+        # the pending table: the store's run itself (its dict made only if a GET looks in it)
+        run.pending = table = PackedRun(keys, stored)
         self._pending.append(table)
         slot = [None, count]
         self._slots.append(slot)
@@ -998,7 +992,7 @@ class KvServerProtocol(Protocol):
         for table in reversed(self._pending):
             value = table.get(key, _NO_WRITE)
             if value is not _NO_WRITE:
-                return value[1:] if table.__class__ is _StoredRun else value
+                return value[1:] if table.__class__ is PackedRun else value
         return _NO_WRITE
 
     def _issue_run(self):
@@ -1013,7 +1007,7 @@ class KvServerProtocol(Protocol):
                 write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
                 if run.packed is not None:
                     op, nbytes = run.packed
-                    d = self.kv.write_packed(run.pending, op, len(run.keys), nbytes)
+                    d = self.kv.write_packed(run.pending, op, nbytes)
                 elif write_sets is not None:
                     d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
                 else:
@@ -1288,7 +1282,7 @@ class KvServerProtocol(Protocol):
             # this connection's writes not yet durable are part of what it reads (issue 19)
             pending = {}
             for table in self._pending:
-                if table.__class__ is _StoredRun:
+                if table.__class__ is PackedRun:
                     pending.update((key, stored[1:]) for key, stored in table.items())
                 else:
                     pending.update(table)
