@@ -115,6 +115,9 @@ _SET_OK = SET << 8 | OK
 _REMOVE_OK = REMOVE << 8 | OK
 _NO_WRITE = object()  # no pending write of the key (a pending remove is None)
 _unpackb = msgpack.unpackb
+# The compiled SET pass's output buffers, reused by every read (the reactor thread's; what a run
+# keeps is copied out of them): its WAL op (up to the read's length + 16) and its OK replies.
+_SCRATCH = [bytearray(1 << 16), bytearray(HEADER_LEN * 1024)]
 _TOTAL_FROM = _U64.unpack_from
 
 
@@ -497,14 +500,18 @@ class KvServerProtocol(Protocol):
         """``_write_run`` over a read that starts with SETs, with no Python bytecode per SET
         (sets_compiled): one compiled pass finds the run's frames and writes its WAL op (a
         ``PackedOp``) and its OK replies, one ``msgpack.unpackb`` of that op makes the keys and
-        stored values, one ``dict`` the run's pending table, which is also the store's run
-        (``kv.write_packed``). Only where the result is exactly ``_write_run``'s: the run must
-        end the read's whole frames (or stop at the budget), else 0 (nothing done: the Python
-        loop takes the read, GETs of the run's keys, REMOVEs and refusals among the writes).
-        Returns the position after the run."""
+        stored values (each one object: no ``b"\\x00" +`` copy), and the two lists are the run's
+        pending table and the store's run at once (``kv.PackedRun``, ``kv.write_packed``). Only
+        where the result is exactly ``_write_run``'s: the run must end the read's whole frames
+        (or stop at the budget), else 0 (nothing done: the Python loop takes the read, GETs of
+        the run's keys, REMOVEs and refusals among the writes). Returns the position after the
+        run."""
         room = self.max_pending - self._waiting
-        payload = bytearray(n + 16)
-        replies = bytearray(HEADER_LEN * min(room, n // 33 + 1))
+        payload, replies = _SCRATCH
+        if len(payload) < n + 16:
+            payload = _SCRATCH[0] = bytearray(max(n + 16, 1 << 16))
+        if len(replies) < HEADER_LEN * min(room, n // 33 + 1):  # a SET frame has 33 bytes at least
+            replies = _SCRATCH[1] = bytearray(HEADER_LEN * max(room, 1024))
         count, end, plen, kbytes, vbytes, budget = sets_compiled.run(
             data, room, self.max_inflight_bytes - self._inflight_bytes, payload, replies)
         if not count or (not budget and n - end >= 28 and _TOTAL_FROM(data, end)[0] <= n - end):
