@@ -5,6 +5,8 @@ Python loop it stands in for (``_write_run``), and its WAL op against ``msgpack.
   reads of SETs, malformed SETs, other commands and cut frames, with random budgets: the same run,
   its WAL op exactly ``msgpack.packb([OP_PUTS, KV, keys, stored])``, its OK replies;
 - ``index.pack_ops`` (a ``T_OPS`` entry holding packed ops) is ``msgpack.packb`` of the ops;
+- random reads of those frames into a server with the pass and one without (hypothesis): the same
+  bytes sent, close and store;
 - a mixed buffer (SETs, empty keys, a value over the limit, a key over KEY_KEEP, GETs of the run's
   keys, REMOVEs, a SET cut by total_len, an oversize total_len at the end) read at once, split at
   every byte and in steps, with and without the compiled pass: the replies and the store of one
@@ -135,6 +137,33 @@ def test_set_run_frames_as_write_run_and_packs_as_msgpack(spec, room, room_bytes
     assert bytes(payload[:plen]) == msgpack.packb(op, use_bin_type=True)
     assert msgpack.unpackb(bytes(payload[:plen])) == op
     assert bytes(replies[: c.HEADER_LEN * count]) == b"".join(c.encode_status(cid, c.OK) for cid in cids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(frames, st.lists(st.integers(1, 4000), max_size=4), st.booleans())
+def test_servers_with_and_without_the_pass_give_the_same_replies_and_store(spec, cuts, held):
+    """Hypothesis against the Python path itself: the same reads (the frames above, cut at random
+    points) into a server with the compiled pass and one without, each over its own real store,
+    the writer held or not: the same bytes sent, the same close, the same store."""
+    kernel = _kernel()
+    wire = b"".join(_frame(*f) for f in spec)
+    bounds = sorted({0, len(wire)} | {c_ % (len(wire) + 1) for c_ in cuts})
+    reads = [wire[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    results = []
+    tmp = tempfile.mkdtemp(prefix="kv-sets-hyp-")
+    try:
+        for i, run in enumerate((kernel, None)):
+            sets_compiled.run = run
+            s = open_inline("%s/%d" % (tmp, i), task.Clock())
+            hold(s, held)
+            try:
+                results.append(_run(s, reads))
+            finally:
+                close(s)
+    finally:
+        sets_compiled.run = kernel
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 300])
