@@ -118,6 +118,10 @@ _unpackb = msgpack.unpackb
 # The compiled SET pass's output buffers, reused by every read (the reactor thread's; what a run
 # keeps is copied out of them): its WAL op (up to the read's length + 16) and its OK replies.
 _SCRATCH = [bytearray(1 << 16), bytearray(HEADER_LEN * 1024)]
+# After a read the pass could not take whole (writes mixed with other frames), the next this many
+# reads of the connection that start with a write go to the loop without trying it (the same
+# replies either way: only the wasted call is saved)
+SETS_SKIP_READS = 16
 _TOTAL_FROM = _U64.unpack_from
 
 
@@ -393,6 +397,7 @@ class KvServerProtocol(Protocol):
         self._issuing = False  # inside _issue_run: a run failing at once is answered at once
         # the store takes runs packed by the compiled SET pass (sets_compiled; not a test double)
         self._packed_writes = getattr(kv, "write_packed", None) is not None
+        self._sets_skip = 0  # reads left to take with the loop before trying the pass again
 
     @staticmethod
     def layout():
@@ -477,7 +482,12 @@ class KvServerProtocol(Protocol):
         self._busy = True
         self._handled = 1
         try:
-            pos = self._sets_compiled(data, n) if sets_compiled.run is not None and self._packed_writes else 0
+            pos = 0
+            if sets_compiled.run is not None and self._packed_writes:
+                if self._sets_skip:
+                    self._sets_skip -= 1
+                else:
+                    pos = self._sets_compiled(data, n)
             if not pos:
                 pos = self._write_run(data, 0, n)
             if pos:
@@ -515,6 +525,9 @@ class KvServerProtocol(Protocol):
         count, end, plen, kbytes, vbytes, budget = sets_compiled.run(
             data, room, self.max_inflight_bytes - self._inflight_bytes, payload, replies)
         if not count or (not budget and n - end >= 28 and _TOTAL_FROM(data, end)[0] <= n - end):
+            # this connection mixes its writes with other frames (SET k; GET k pipelined): the
+            # loop takes its next reads without trying the pass first
+            self._sets_skip = SETS_SKIP_READS
             return 0
         op = PackedOp(memoryview(payload)[:plen])
         _c, _db, keys, stored = _unpackb(op)
