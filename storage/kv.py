@@ -183,9 +183,6 @@ class PackedRun:
     def __iter__(self):
         return iter(self.mapping())
 
-    def __len__(self):
-        return len(self.mapping())
-
     def update_into(self, entries):
         entries.update(zip(self.keys, self.stored) if self._map is None else self._map)
 
