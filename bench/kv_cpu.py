@@ -28,7 +28,7 @@ sys.path.insert(0, REPO)
 from twisted.internet import defer, reactor  # noqa: E402
 from twisted.internet.testing import StringTransport  # noqa: E402
 
-from protocols.partition import codec, gets_compiled  # noqa: E402
+from protocols.partition import codec, gets_compiled, sets_compiled  # noqa: E402
 from protocols.partition.server import KvServerFactory  # noqa: E402
 from storage import Store  # noqa: E402
 
@@ -161,13 +161,19 @@ def main(argv=None):
     ap.add_argument("--fsync", default="interval:1000")
     ap.add_argument("--python-gets", action="store_true",
                     help="without the compiled GET passes a node loads (protocols/partition/gets_compiled.py)")
+    ap.add_argument("--python-sets", action="store_true",
+                    help="without the compiled SET pass a node loads (protocols/partition/sets_compiled.py)")
     args = ap.parse_args(argv)
     if not args.python_gets:
         gets_compiled.start_loading()
         gets_compiled.wait()
-    print("kv_cpu: %d keys, %d-byte values, depth %d, reads of %d, fsync %s, GETs %s, load average %.2f %.2f %.2f"
+    if not args.python_sets:
+        sets_compiled.start_loading()
+        sets_compiled.wait()
+    print("kv_cpu: %d keys, %d-byte values, depth %d, reads of %d, fsync %s, GETs %s, SETs %s, load average %.2f %.2f %.2f"
           % ((args.keys, args.value_size, args.depth, args.chunk, args.fsync,
-              "python" if args.python_gets else gets_compiled.state) + os.getloadavg()))
+              "python" if args.python_gets else gets_compiled.state,
+              "python" if args.python_sets else sets_compiled.state) + os.getloadavg()))
     failure = []
 
     def go():

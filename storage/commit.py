@@ -82,7 +82,7 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from storage import errors, index
-from storage.index import INDEX_KEY, INDEX_VAL, U64, RawTxn, apply_ops
+from storage.index import INDEX_KEY, INDEX_VAL, U64, PackedOp, RawTxn, apply_ops, pack_ops
 from storage.presync import PreSync
 from storage.record_batch import HEADER_SIZE
 from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS
@@ -692,6 +692,7 @@ class CommitCore:
             raw_txns = []
             live = index.LiveBytes(wal)
             merged = []  # consecutive Direct ops share one WAL entry (one msgpack call)
+            packed = False  # some of them are index.PackedOp (packed already: pack_ops)
             for op in work:
                 kind = type(op)
                 if kind is Direct:
@@ -703,12 +704,15 @@ class CommitCore:
                     else:
                         lmdb_changed = True
                     if ops:
+                        if ops[0].__class__ is PackedOp:
+                            packed = True
                         merged.extend(ops)
                     continue
                 lmdb_changed = True
                 if merged:
-                    wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
+                    wal.add(T_OPS, pack_ops(merged) if packed else (msgpack.packb(merged, use_bin_type=True),))
                     merged = []
+                    packed = False
                 if kind is AppendBatch:
                     sid, batch, base = op.stream_id, op.batch, op.base_offset
                     append_ms = now_ms()
@@ -784,7 +788,7 @@ class CommitCore:
                         wal.add(T_OPS, (msgpack.packb(raw.ops, use_bin_type=True),))
                     raw_txns.append(raw)
             if merged:
-                wal.add(T_OPS, (msgpack.packb(merged, use_bin_type=True),))
+                wal.add(T_OPS, pack_ops(merged) if packed else (msgpack.packb(merged, use_bin_type=True),))
             if self.packs.dirty and durable:
                 _synced("the chunk packs", self.packs.sync)  # chunk bytes are durable before the WAL entry naming them
             wal.flush()

@@ -10,6 +10,7 @@ import hashlib
 import struct
 
 import lmdb
+import msgpack
 
 # database numbers (stable: they are written into the WAL)
 SYS, STREAMS, INDEX, KV, META, CHUNKS, CHUNKSEQ, CHUNKREF, CHUNKFREE, PACKS, SEGLIVE = range(11)
@@ -20,6 +21,28 @@ OP_PUT, OP_DEL, OP_DELRANGE = 0, 1, 2
 # [OP_PUTS, db, keys, values]: one put per (key, value) of the two lists, in order (a key-value
 # write run logged as two lists: msgpack packs them without a list per put, storage/kv.py)
 OP_PUTS = 3
+
+
+class PackedOp(bytes):
+    """One raw op already packed: exactly the bytes ``msgpack.packb(op, use_bin_type=True)`` gives
+    for it (the key-value server's compiled SET pass writes an ``OP_PUTS`` op straight from a read,
+    storage/kv.py ``write_packed``). The commit core puts it in a ``T_OPS`` entry as it is
+    (``pack_ops``), so the entry is the same bytes as if the op had been packed there."""
+
+    __slots__ = ()
+
+
+def pack_ops(ops):
+    """The parts of a ``T_OPS`` entry holding ``ops`` (raw ops, some of them ``PackedOp``): the
+    same bytes as ``msgpack.packb(ops, use_bin_type=True)``, a packed op taken as it is."""
+    n = len(ops)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 65536:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return (head, *[op if op.__class__ is PackedOp else msgpack.packb(op, use_bin_type=True) for op in ops])
 
 CHECKPOINT = b"wal_checkpoint"
 STREAM_COUNTER = b"stream_n"

@@ -156,6 +156,37 @@ def _only_bytes(items):
     return len(types) == 1 and bytes in types
 
 
+class PackedRun:
+    """A run of puts as the key-value server's compiled SET pass makes it (``write_packed``): its
+    keys and stored values as two lists, and ``{key: stored value}`` (each key's last put) made
+    only when something looks a key up in it (a REMOVE's answer, a GET of the connection's own
+    pending write): the memtable takes the lists as they are (``update_into``)."""
+
+    __slots__ = ("keys", "stored", "_map")
+
+    def __init__(self, keys, stored):
+        self.keys = keys
+        self.stored = stored
+        self._map = None
+
+    def mapping(self):
+        if self._map is None:
+            self._map = dict(zip(self.keys, self.stored))
+        return self._map
+
+    def get(self, key, default=None):
+        return self.mapping().get(key, default)
+
+    def items(self):
+        return self.mapping().items()
+
+    def __iter__(self):
+        return iter(self.mapping())
+
+    def update_into(self, entries):
+        entries.update(zip(self.keys, self.stored) if self._map is None else self._map)
+
+
 class _Memtable:
     """Writes not yet merged into LMDB, on the reactor thread: ``entries`` maps a user key to its
     LMDB stored value (``_lmdb_item``: ``b"\\x00" + value`` for a key up to KEY_KEEP bytes) or None
@@ -412,6 +443,32 @@ class KeyValue:
         d.addBoth(self._landed, run, nbytes, True)
         return d
 
+    def write_packed(self, run, op, nbytes):
+        """``write_sets`` of a run whose WAL op the caller has packed already (the key-value
+        server's compiled SET pass, protocols/partition/sets_kernel.py): ``op`` (an
+        ``index.PackedOp``) is exactly ``msgpack.packb([OP_PUTS, KV_DB, keys, stored])`` of the
+        run's puts, ``run`` (a ``PackedRun``) has the same keys and stored values (every key
+        1..KEY_KEEP bytes, every stored value ``b"\\x00" +`` a value of at most 16 MiB; the
+        store keeps it as the memtable's run: the caller may read it, never change it);
+        ``nbytes`` the keys' and the values' lengths summed. Fires as ``write_sets`` does (one
+        True per put); the writer thread logs ``op`` without packing it (commit ``pack_ops``)."""
+        count = len(run.keys)
+        nbytes += ENTRY_OVERHEAD * count
+        try:
+            self._check_room(nbytes)
+        except errors.StoreError:
+            return defer.fail()
+        self._runs.append(run)
+        results = [True] * count
+        logged = [op]
+
+        def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next merge
+            return results, logged
+
+        d = self._core.submit(Direct(apply, nbytes, memtable=True))
+        d.addBoth(self._landed, run, nbytes, True)
+        return d
+
     def _landed(self, result, run, nbytes, plain=True):
         """Reactor thread, the run durable (or failed): into the active memtable, before the
         caller's callbacks run."""
@@ -427,7 +484,10 @@ class KeyValue:
         was_empty = not entries
         if active.sorted is not None:
             active.unsorted.extend([k for k in run if k not in entries])
-        entries.update(run)
+        if run.__class__ is PackedRun:
+            run.update_into(entries)
+        else:
+            entries.update(run)
         active.nbytes += nbytes
         if not plain:
             active.plain = False

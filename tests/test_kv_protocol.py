@@ -12,6 +12,7 @@ import shutil
 import struct
 import tempfile
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,7 +20,7 @@ from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 
 from protocols.partition import codec as c
-from protocols.partition import gets_compiled
+from protocols.partition import gets_compiled, sets_compiled
 from protocols.partition.server import KvServerFactory, KvServerProtocol
 from storage.kv import KeyValue
 from tests.storage_helpers.inline import close, complete, congest, hold, open_inline, pending
@@ -41,6 +42,22 @@ def gets_mode(request):
         yield request.param
     finally:
         gets_compiled.frames = loaded
+
+
+@pytest.fixture(params=["python-sets", "compiled-sets"])
+def sets_mode(request):
+    """The test runs with the server's Python loop for reads of SETs and with the compiled SET
+    pass (protocols/partition/sets_compiled.py) loaded. (Not for the hypothesis tests: run twice
+    under pytest-twisted they fail; their examples hold SETs too and take whichever is loaded.)"""
+    sets_compiled.start_loading()
+    assert sets_compiled.wait(120) and sets_compiled.state == "compiled", sets_compiled.state
+    loaded = sets_compiled.run
+    if request.param == "python-sets":
+        sets_compiled.run = None
+    try:
+        yield request.param
+    finally:
+        sets_compiled.run = loaded
 
 
 @pytest.fixture
@@ -72,8 +89,16 @@ def record_runs(store):
         runs.append([(bytes(k), bytes(v)) for k, v in zip(keys, values)])
         return real_sets(keys, values, value_bytes)
 
+    real_packed = store.kv.write_packed
+
+    def write_packed(run, op, nbytes):  # the compiled SET pass's run (server._sets_compiled)
+        _code, _db, keys, stored = msgpack.unpackb(op)
+        runs.append([(k, s[1:]) for k, s in zip(keys, stored)])
+        return real_packed(run, op, nbytes)
+
     store.kv.write_many = write_many
     store.kv.write_sets = write_sets
+    store.kv.write_packed = write_packed
     return runs
 
 
@@ -108,7 +133,7 @@ def feed(proto, data, step=None):
 
 
 @pytest.mark.parametrize("step", [None, 1, 7])
-def test_set_get_remove(store, step):
+def test_set_get_remove(store, step, sets_mode):
     proto, tr = connect(store)
     wire = (
         c.encode_set(1, b"k", b"v")
@@ -125,7 +150,7 @@ def test_set_get_remove(store, step):
     assert tr.value() == b"" and tr.connected
 
 
-def test_empty_key_rules(store):
+def test_empty_key_rules(store, sets_mode):
     proto, tr = connect(store)
     proto.dataReceived(c.encode_set(1, b"", b"v") + c.encode_get(2, b"") + c.encode_remove(3, b""))
     r = replies(tr, [c.SET, c.GET, c.REMOVE])
@@ -133,7 +158,7 @@ def test_empty_key_rules(store):
     assert r[1].cmd == r[2].cmd == c.DATA_NOT_FOUND
 
 
-def test_replies_in_order_when_acks_arrive_out_of_order(store):
+def test_replies_in_order_when_acks_arrive_out_of_order(store, sets_mode):
     hold(store)
     proto, tr = connect(store)
     # two reads: a write behind an unacked run is its own store write (two acks to reorder)
@@ -153,7 +178,7 @@ def test_replies_in_order_when_acks_arrive_out_of_order(store):
     assert r[2].items == [(b"a", b"1")] and r[4].items == [(b"b", b"2")]
 
 
-def test_set_get_pairs_in_one_read_are_one_run_and_one_reply_slot(store):
+def test_set_get_pairs_in_one_read_are_one_run_and_one_reply_slot(store, sets_mode):
     """``SET k; GET k`` pipelined (issue 19's pattern): the GETs of keys the same read wrote are
     answered in the pass, from those writes, their replies in order among the writes' (one store
     write, nothing sent before it is durable); a GET of another key ends the run and reads the
@@ -185,7 +210,7 @@ def test_set_get_pairs_in_one_read_are_one_run_and_one_reply_slot(store):
     assert contents(store) == {b"old": b"o", b"b": b"3"}
 
 
-def test_sync_replies_before_a_pending_write_are_sent_at_once(store):
+def test_sync_replies_before_a_pending_write_are_sent_at_once(store, sets_mode):
     store.kv.put(b"x", b"1")
     hold(store)
     proto, tr = connect(store)
@@ -196,7 +221,7 @@ def test_sync_replies_before_a_pending_write_are_sent_at_once(store):
     assert r[1].items == [(b"y", b"2")]
 
 
-def test_invalid_command_and_short_messages_keep_the_connection_in_sync(store):
+def test_invalid_command_and_short_messages_keep_the_connection_in_sync(store, sets_mode):
     proto, tr = connect(store)
     wire = (
         struct.pack(">QQQH", 26, 1, 0, 0)  # OK is not a request
@@ -228,7 +253,7 @@ def test_invalid_command_and_short_messages_keep_the_connection_in_sync(store):
     assert tr.connected
 
 
-def test_huge_total_len_is_refused_before_buffering_and_closes(store):
+def test_huge_total_len_is_refused_before_buffering_and_closes(store, sets_mode):
     proto, tr = connect(store)
     proto.dataReceived(c.encode_get(1, b"k"))
     # a claimed 1 TB message: ERR 3 echoing client_id as soon as 16 bytes are in, then close
@@ -243,7 +268,7 @@ def test_huge_total_len_is_refused_before_buffering_and_closes(store):
     assert tr.value() == b""
 
 
-def test_limit_is_32_mib_exactly(store):
+def test_limit_is_32_mib_exactly(store, sets_mode):
     proto, tr = connect(store)
     # total_len of exactly 32 MiB is accepted (buffered), one byte more is refused
     proto.dataReceived(struct.pack(">QQ", 32 * 1024 * 1024, 1))
@@ -253,7 +278,7 @@ def test_limit_is_32_mib_exactly(store):
     assert replies(tr2, [c.GET])[0].error_code == c.E_MSG_TOO_SHORT and tr2.disconnecting
 
 
-def test_total_len_below_8_closes_after_earlier_replies(store):
+def test_total_len_below_8_closes_after_earlier_replies(store, sets_mode):
     hold(store)
     proto, tr = connect(store)
     proto.dataReceived(c.encode_set(1, b"a", b"1") + struct.pack(">Q", 3) + b"zzzzz")
@@ -268,14 +293,14 @@ def test_total_len_below_8_closes_after_earlier_replies(store):
 
 
 @pytest.mark.parametrize("total", [0, 1, 7])
-def test_total_len_below_8_alone_is_err3_with_client_id_0(store, total):
+def test_total_len_below_8_alone_is_err3_with_client_id_0(store, total, sets_mode):
     proto, tr = connect(store)
     proto.dataReceived(struct.pack(">Q", total) + b"\x00" * 30)
     assert tr.value() == bytes.fromhex("000000000000001c" + "00" * 16 + "0001" + "0003")
     assert tr.disconnecting
 
 
-def test_values_up_to_16_mib(store):
+def test_values_up_to_16_mib(store, sets_mode):
     proto, tr = connect(store)
     big = b"v" * (16 * 1024 * 1024)
     feed(proto, c.encode_set(1, b"big", big) + c.encode_get(2, b"big"), 1 << 20)
@@ -309,7 +334,7 @@ def scan_all(proto, tr, cmd, name=b"c", count=3, prefix=b""):
 KEYS = sorted({bytes([b]) + s for b in (0x00, 0x1F, 0x20, 0x41, 0x7F, 0x80, 0xC0, 0xFF) for s in (b"", b"a", b"b\x00", b"zz")})
 
 
-def test_full_forward_scan_each_key_once_and_jump_bit(store):
+def test_full_forward_scan_each_key_once_and_jump_bit(store, sets_mode):
     fill(store, KEYS)
     proto, tr = connect(store)
     proto.dataReceived(c.encode_create_cursor(1, b"c"))
@@ -331,7 +356,7 @@ def test_full_forward_scan_each_key_once_and_jump_bit(store):
     assert scan_all(proto, tr, c.GET_FF) == []
 
 
-def test_full_backward_scan_pages_ascending(store):
+def test_full_backward_scan_pages_ascending(store, sets_mode):
     fill(store, KEYS)
     proto, tr = connect(store)
     # FB from BEGIN gives nothing; from END (after a full forward scan) starts at the last key
@@ -348,7 +373,7 @@ def test_full_backward_scan_pages_ascending(store):
     assert pages[-1].next_key == b""
 
 
-def test_boundary_is_inclusive_and_next_key_overrides(store):
+def test_boundary_is_inclusive_and_next_key_overrides(store, sets_mode):
     fill(store, [b"a", b"b", b"c", b"d"])
     proto, tr = connect(store)
     proto.dataReceived(c.encode_create_cursor(1, b"x", b"b"))
@@ -363,7 +388,7 @@ def test_boundary_is_inclusive_and_next_key_overrides(store):
     assert r[4].items == [(b"a", b"va"), (b"b", b"vb")] and r[4].next_key == b""
 
 
-def test_prefix_scan(store):
+def test_prefix_scan(store, sets_mode):
     fill(store, [b"a", b"pa", b"pb", b"pc", b"pd", b"q", b"r"])
     proto, tr = connect(store)
     proto.dataReceived(c.encode_create_cursor(1, b"c"))
@@ -373,7 +398,7 @@ def test_prefix_scan(store):
     assert pages[0].next_key == b"pd" and pages[1].next_key == b"q"  # stopped at the first non-match
 
 
-def test_cursors_are_independent_reset_and_deleted(store):
+def test_cursors_are_independent_reset_and_deleted(store, sets_mode):
     fill(store, [b"a", b"b", b"c"])
     proto, tr = connect(store)
     proto.dataReceived(
@@ -396,7 +421,7 @@ def test_cursors_are_independent_reset_and_deleted(store):
     assert replies(tr2, [4])[0].error_code == c.E_CURSOR_NOT_FOUND
 
 
-def test_scan_reply_is_bounded_by_bytes(store):
+def test_scan_reply_is_bounded_by_bytes(store, sets_mode):
     big = b"x" * (8 * 1024 * 1024)
     store.kv.write_many([(bytes([0x40 + i]), big) for i in range(6)])
     proto, tr = connect(store)
@@ -410,7 +435,7 @@ def test_scan_reply_is_bounded_by_bytes(store):
 # -- backpressure ----------------------------------------------------------------------------
 
 
-def test_pending_budget_pauses_and_resumes_reading(store):
+def test_pending_budget_pauses_and_resumes_reading(store, sets_mode):
     hold(store)
     runs = record_runs(store)
     proto, tr = connect(store)
@@ -426,7 +451,7 @@ def test_pending_budget_pauses_and_resumes_reading(store):
     assert [x.client_id for x in r] == list(range(10))
 
 
-def test_write_side_backpressure_stops_processing(store):
+def test_write_side_backpressure_stops_processing(store, sets_mode):
     proto, tr = connect(store)
     proto.gate.pauseProducing()  # the transport's send buffer is full
     proto.dataReceived(c.encode_get(1, b"k"))
@@ -501,7 +526,7 @@ class ShuffledKv(KeyValue):
 
 @pytest.mark.parametrize("cmd", [c.GET_FF, c.GET_KEYS, c.GET_FB])
 @pytest.mark.parametrize("count", [1, 3, 50])
-def test_scans_terminate_without_repeats_even_if_the_store_misorders(store, cmd, count):
+def test_scans_terminate_without_repeats_even_if_the_store_misorders(store, cmd, count, sets_mode):
     fill(store, KEYS)
     proto, tr = connect(store, ShuffledKv(store.core))
     proto.dataReceived(c.encode_create_cursor(1, b"c", b"\xff" * 8 if cmd == c.GET_FB else b""))
@@ -520,7 +545,7 @@ def test_scans_terminate_without_repeats_even_if_the_store_misorders(store, cmd,
     assert len(seen) == len(set(seen))
 
 
-def test_inflight_value_bytes_bound_reading(store):
+def test_inflight_value_bytes_bound_reading(store, sets_mode):
     hold(store)
     runs = record_runs(store)
     proto, tr = connect(store)
@@ -533,7 +558,7 @@ def test_inflight_value_bytes_bound_reading(store):
     assert tr.producerState == "producing"
 
 
-def test_store_congestion_pauses_reading_until_drained(store):
+def test_store_congestion_pauses_reading_until_drained(store, sets_mode):
     hold(store)
     congestion = congest(store)  # the real write queue, over QUEUE_HIGH
     runs = record_runs(store)
@@ -552,7 +577,7 @@ def test_store_congestion_pauses_reading_until_drained(store):
 
 
 @pytest.mark.parametrize("step", [None, 1, 5, 100])
-def test_runs_of_gets_in_one_read(store, step, gets_mode):
+def test_runs_of_gets_in_one_read(store, step, gets_mode, sets_mode):
     fill(store, [b"a", b"b", b"c"])
     proto, tr = connect(store)
     wire = b"".join(c.encode_get(i, k) for i, k in enumerate([b"a", b"x", b"b", b"c"]))
@@ -600,7 +625,7 @@ def _idle_read_store(store):
 
 
 @pytest.mark.parametrize("step", [None, 1, 2, 13, 29, 100])
-def test_idle_read_of_gets_matches_one_at_a_time(store, step, gets_mode):
+def test_idle_read_of_gets_matches_one_at_a_time(store, step, gets_mode, sets_mode):
     """A read of whole GETs on an idle connection (answered straight from the read) gives the
     same replies as the GETs sent one at a time, whatever the split: LMDB, the merging and the
     active memtable, removes, long keys, missing keys."""
@@ -642,7 +667,7 @@ def test_idle_read_of_gets_matches_one_at_a_time(store, step, gets_mode):
         assert len(runs) == 1 and [k for k, _ in runs[0]] == [b"lmdb1", b"active0", b"n", b"n"]
 
 
-def test_mixed_frames_split_at_every_byte_give_the_replies_of_one_frame_at_a_time(store, gets_mode, monkeypatch):
+def test_mixed_frames_split_at_every_byte_give_the_replies_of_one_frame_at_a_time(store, gets_mode, monkeypatch, sets_mode):
     """A buffer of many frames (runs of GETs of one length over LMDB, the memtable and missing
     keys, a GET of another length, SETs and a REMOVE with GETs of them, a malformed GET, a cursor
     and scans) gives the same replies, and leaves the same store, whether it is read one frame at
@@ -736,7 +761,7 @@ def _random_request(rnd, cid):
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed, gets_mode):
+def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed, gets_mode, sets_mode):
     """Differential: random streams of GETs, SETs, REMOVEs (long keys, empty keys), malformed
     messages and scans, split at random points, with the writer held or not and merges started
     in between, give byte for byte the replies (and the close) of the server without the read
@@ -778,7 +803,7 @@ def test_read_fast_paths_give_the_general_paths_replies(tmp_path, seed, gets_mod
             close(s)
 
 
-def test_store_read_failure_is_err0_for_each_get(store, gets_mode):
+def test_store_read_failure_is_err0_for_each_get(store, gets_mode, sets_mode):
     class FailingKv(KeyValue):
         def get_many(self, keys):
             raise OSError("disk on fire")
@@ -800,7 +825,7 @@ def test_store_read_failure_is_err0_for_each_get(store, gets_mode):
 
 
 @pytest.mark.parametrize("step", [None, 1, 7])
-def test_a_pipelined_run_of_writes_is_one_store_call(store, step):
+def test_a_pipelined_run_of_writes_is_one_store_call(store, step, sets_mode):
     store.kv.put(b"old", b"o")
     runs = record_runs(store)
     proto, tr = connect(store)
@@ -822,7 +847,7 @@ def test_a_pipelined_run_of_writes_is_one_store_call(store, step):
         assert len(runs) == 1
 
 
-def test_reads_between_writes_see_them_pending_and_do_not_split_the_run(store):
+def test_reads_between_writes_see_them_pending_and_do_not_split_the_run(store, sets_mode):
     hold(store)
     runs = record_runs(store)
     proto, tr = connect(store)
@@ -845,7 +870,7 @@ def test_reads_between_writes_see_them_pending_and_do_not_split_the_run(store):
     assert r[2].items == [(b"a", b"1")] and r[6].items == [(b"c", b"3")]
 
 
-def test_another_connection_never_reads_an_unacked_write(store):
+def test_another_connection_never_reads_an_unacked_write(store, sets_mode):
     store.kv.put(b"k", b"old")
     hold(store)
     a, ta = connect(store)
@@ -861,7 +886,7 @@ def test_another_connection_never_reads_an_unacked_write(store):
     assert replies(tb, [c.GET])[0].items == [(b"k", b"new")]
 
 
-def test_scans_and_cursor_commands_read_the_connections_pending_writes_without_waiting(store):
+def test_scans_and_cursor_commands_read_the_connections_pending_writes_without_waiting(store, sets_mode):
     store.kv.put(b"gone", b"g")
     store.kv.put(b"old", b"o")
     hold(store)
@@ -952,7 +977,7 @@ def test_pipelined_scans_and_writes_match_one_at_a_time_execution(preload, ops, 
         assert contents(s) == data
 
 
-def test_writes_behind_an_unacked_run_are_issued_at_once_in_order(store):
+def test_writes_behind_an_unacked_run_are_issued_at_once_in_order(store, sets_mode):
     hold(store)
     proto, tr = connect(store)
     proto.dataReceived(c.encode_set(1, b"k", b"1"))
@@ -964,7 +989,7 @@ def test_writes_behind_an_unacked_run_are_issued_at_once_in_order(store):
     assert contents(store) == {}
 
 
-def test_bad_writes_inside_a_run_are_answered_in_place(store):
+def test_bad_writes_inside_a_run_are_answered_in_place(store, sets_mode):
     proto, tr = connect(store)
     wire = (
         c.encode_set(1, b"a", b"1")
@@ -982,7 +1007,7 @@ def test_bad_writes_inside_a_run_are_answered_in_place(store):
     assert contents(store) == {b"b": b"2"}
 
 
-def test_an_oversized_value_behind_a_waiting_read_is_err0_alone(store):
+def test_an_oversized_value_behind_a_waiting_read_is_err0_alone(store, sets_mode):
     hold(store)
     proto, tr = connect(store)
     big = b"v" * (16 * 1024 * 1024 + 1)
@@ -996,7 +1021,7 @@ def test_an_oversized_value_behind_a_waiting_read_is_err0_alone(store):
     assert contents(store) == {b"a": b"1", b"b": b"2"}
 
 
-def test_a_failed_run_is_err0_for_each_of_its_writes(store):
+def test_a_failed_run_is_err0_for_each_of_its_writes(store, sets_mode):
     class FailingKv(KeyValue):
         runs = 0
 
@@ -1014,7 +1039,7 @@ def test_a_failed_run_is_err0_for_each_of_its_writes(store):
     assert tr.connected and dict(kv.scan_forward(None, 1 << 20)) == {b"c": b"3"}
 
 
-def test_pending_budget_counts_the_writes_of_a_run(store):
+def test_pending_budget_counts_the_writes_of_a_run(store, sets_mode):
     hold(store)
     runs = record_runs(store)
     proto, tr = connect(store)
@@ -1062,7 +1087,7 @@ def test_pipelines_match_one_at_a_time_execution(store, ops, step, manual):
     assert contents(store) == model
 
 
-def test_a_scan_queued_behind_a_write_run_is_not_taken_for_a_write(store):
+def test_a_scan_queued_behind_a_write_run_is_not_taken_for_a_write(store, sets_mode):
     """Found by bench/fuzz_wire.py: a run of queued writes stopped at a request without a key
     (cursor, scan) by reading its key, which it has none of."""
     hold(store)

@@ -28,6 +28,7 @@ import weakref
 from collections import deque
 from itertools import repeat
 
+import msgpack
 from twisted.internet import defer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -36,7 +37,7 @@ from twisted.python.failure import Failure
 from protocols import tcp_internals
 from protocols.direct_send import send_now
 from protocols.framing import Framer
-from protocols.partition import codec, gets_compiled
+from protocols.partition import codec, gets_compiled, sets_compiled
 from protocols.read_gate import BUDGET, CLOSING, ReadGate
 from protocols.partition.codec import (
     CREATE_CURSOR,
@@ -57,7 +58,8 @@ from protocols.partition.codec import (
     SET,
 )
 from storage import errors
-from storage.index import KEY_KEEP
+from storage.index import KEY_KEEP, PackedOp
+from storage.kv import PackedRun
 
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
@@ -112,6 +114,36 @@ _GET_NOT_FOUND = GET << 8 | DATA_NOT_FOUND
 _SET_OK = SET << 8 | OK
 _REMOVE_OK = REMOVE << 8 | OK
 _NO_WRITE = object()  # no pending write of the key (a pending remove is None)
+_unpackb = msgpack.unpackb
+# The compiled SET pass's output buffers, reused by every read (the reactor thread's; what a run
+# keeps is copied out of them): its WAL op (up to the read's length + 16) and its OK replies.
+_SCRATCH = [bytearray(1 << 16), bytearray(HEADER_LEN * 1024)]
+# After a read the pass could not take whole (writes mixed with other frames), the next this many
+# reads of the connection that start with a write go to the loop without trying it (the same
+# replies either way: only the wasted call is saved)
+SETS_SKIP_READS = 16
+_TOTAL_FROM = _U64.unpack_from
+
+
+class _OkReplies(bytes):
+    """The OK replies of a compiled run of SETs, one after another (``sets_kernel.set_run``): the
+    segment's reply as is once the run is stored; ``cids`` for any other answer."""
+
+    __slots__ = ()
+
+    def cids(self):
+        return [_U64.unpack_from(self, i + 8)[0] for i in range(0, len(self), HEADER_LEN)]
+
+
+def _expanded(items):
+    """A segment's items with each ``_OkReplies`` replaced by its client ids."""
+    out = []
+    for item in items:
+        if item.__class__ is _OkReplies:
+            out += item.cids()
+        else:
+            out.append(item)
+    return out
 
 
 class _Position:
@@ -313,15 +345,18 @@ class _Run:
     ``pending`` is its entry in the connection's pending table: {key: value or None}, its last
     write of each key."""
 
-    __slots__ = ("keys", "values", "segments", "nbytes", "removes", "pending")
+    __slots__ = ("keys", "values", "segments", "nbytes", "removes", "pending", "packed")
 
     def __init__(self):
         self.keys = []
-        self.values = []  # value, or None for a remove
-        self.segments = []  # [(slot, [client_id (int) or reply (bytes)])]
+        self.values = []  # value, or None for a remove (a packed run: the stored values)
+        self.segments = []  # [(slot, [client_id (int), reply (bytes) or _OkReplies])]
         self.nbytes = 0
         self.removes = 0
         self.pending = {}
+        # (PackedOp, key and value bytes) of a run the compiled SET pass took whole from a read
+        # (``_sets_compiled``): written by ``kv.write_packed``; None for any other run
+        self.packed = None
 
 
 class KvServerProtocol(Protocol):
@@ -360,6 +395,9 @@ class KvServerProtocol(Protocol):
         self._after_delivery = _due_after_delivery(store)
         self._drain_due = False
         self._issuing = False  # inside _issue_run: a run failing at once is answered at once
+        # the store takes runs packed by the compiled SET pass (sets_compiled; not a test double)
+        self._packed_writes = getattr(kv, "write_packed", None) is not None
+        self._sets_skip = 0  # reads left to take with the loop before trying the pass again
 
     @staticmethod
     def layout():
@@ -444,7 +482,14 @@ class KvServerProtocol(Protocol):
         self._busy = True
         self._handled = 1
         try:
-            pos = self._write_run(data, 0, n)
+            pos = 0
+            if sets_compiled.run is not None and self._packed_writes:
+                if self._sets_skip:
+                    self._sets_skip -= 1
+                else:
+                    pos = self._sets_compiled(data, n)
+            if not pos:
+                pos = self._write_run(data, 0, n)
             if pos:
                 self.metrics["requests"] = self.metrics.get("requests", 0) + self._handled
         except Exception:
@@ -460,6 +505,62 @@ class KvServerProtocol(Protocol):
         if self._unacked and not self._lost:
             self.gate.watch_store(self.store)
         return pos
+
+    def _sets_compiled(self, data, n):
+        """``_write_run`` over a read that starts with SETs, with no Python bytecode per SET
+        (sets_compiled): one compiled pass finds the run's frames and writes its WAL op (a
+        ``PackedOp``) and its OK replies, one ``msgpack.unpackb`` of that op makes the keys and
+        stored values (each one object: no ``b"\\x00" +`` copy), and the two lists are the run's
+        pending table and the store's run at once (``kv.PackedRun``, ``kv.write_packed``). Only
+        where the result is exactly ``_write_run``'s: the run must end the read's whole frames
+        (or stop at the budget), else 0 (nothing done: the Python loop takes the read, GETs of
+        the run's keys, REMOVEs and refusals among the writes). Returns the position after the
+        run."""
+        room = self.max_pending - self._waiting
+        payload, replies = _SCRATCH
+        if len(payload) < n + 16:
+            payload = _SCRATCH[0] = bytearray(max(n + 16, 1 << 16))
+        if len(replies) < HEADER_LEN * min(room, n // 33 + 1):  # a SET frame has 33 bytes at least
+            replies = _SCRATCH[1] = bytearray(HEADER_LEN * max(room, 1024))
+        count, end, plen, kbytes, vbytes, budget = sets_compiled.run(
+            data, room, self.max_inflight_bytes - self._inflight_bytes, payload, replies)
+        if not count or (not budget and n - end >= 28 and _TOTAL_FROM(data, end)[0] <= n - end):
+            # this connection mixes its writes with other frames (SET k; GET k pipelined): the
+            # loop takes its next reads without trying the pass first
+            self._sets_skip = SETS_SKIP_READS
+            return 0
+        op = PackedOp(memoryview(payload)[:plen])
+        _c, _db, keys, stored = _unpackb(op)
+        run = self._run = _Run()
+        run.keys = keys
+        run.values = stored
+        run.nbytes = vbytes
+        run.packed = (op, kbytes + vbytes)
+        # the pending table: the store's run itself (its dict made only if a GET looks in it)
+        run.pending = table = PackedRun(keys, stored)
+        self._pending.append(table)
+        slot = [None, count]
+        self._slots.append(slot)
+        run.segments.append((slot, [_OkReplies(memoryview(replies)[: HEADER_LEN * count])]))
+        self._waiting += count
+        self._unacked += count
+        self._inflight_bytes += vbytes
+        self._handled += count - 1
+        return end
+
+    def _unpack_run(self, run):
+        """Make a packed run (``_sets_compiled``) a plain one, values and pending table as
+        ``_write_run`` has them, so more writes can join it (none does now: such a run ends its
+        read's whole frames)."""
+        plain = {key: stored[1:] for key, stored in run.pending.items()}
+        pending = self._pending
+        for i, table in enumerate(pending):
+            if table is run.pending:
+                pending[i] = plain
+                break
+        run.pending = plain
+        run.values = [stored[1:] for stored in run.values]
+        run.packed = None
 
     def _gets_from_read(self, data):
         """Answer the run of whole, well-formed GETs at the start of ``data`` (the connection idle,
@@ -880,6 +981,8 @@ class KvServerProtocol(Protocol):
         if run is None:
             run = self._run = _Run()
             self._pending.append(run.pending)
+        elif run.packed is not None:
+            self._unpack_run(run)
         run.keys += keys
         run.values += values
         if batch is None:
@@ -909,7 +1012,7 @@ class KvServerProtocol(Protocol):
         for table in reversed(self._pending):
             value = table.get(key, _NO_WRITE)
             if value is not _NO_WRITE:
-                return value
+                return value[1:] if table.__class__ is PackedRun else value
         return _NO_WRITE
 
     def _issue_run(self):
@@ -922,7 +1025,10 @@ class KvServerProtocol(Protocol):
         try:
             try:
                 write_sets = getattr(self.kv, "write_sets", None) if not run.removes else None
-                if write_sets is not None:
+                if run.packed is not None:
+                    op, nbytes = run.packed
+                    d = self.kv.write_packed(run.pending, op, nbytes)
+                elif write_sets is not None:
                     d = write_sets(run.keys, run.values, run.nbytes)  # SETs alone: no step per SET (storage/kv.py)
                 else:
                     d = self._write_many(zip(run.keys, run.values))
@@ -972,17 +1078,21 @@ class KvServerProtocol(Protocol):
             if removes:
                 self._count(REMOVE, ERR_STATUS + E_UNKNOWN, removes)
             for slot, items in run.segments:
+                items = _expanded(items)
                 slot[0] = b"".join([codec.encode_error(cid, E_UNKNOWN) if cid.__class__ is int else cid for cid in items])
         elif not removes and result.count(True) == count:
             # SETs only, all stored (the common case): OK each
             responses[_SET_OK] = responses.get(_SET_OK, 0) + count
             for slot, items in run.segments:
+                if items[0].__class__ is _OkReplies and len(items) == 1:
+                    slot[0] = items[0]
+                    continue
                 slot[0] = b"".join([pack(HEADER_LEN, cid, 0, OK) if cid.__class__ is int else cid for cid in items])
         else:
             i = 0
             for slot, items in run.segments:
                 parts = []
-                for cid in items:
+                for cid in _expanded(items):
                     if cid.__class__ is not int:
                         parts.append(cid)  # a GET's reply, ready since the pass
                         continue
@@ -1192,7 +1302,10 @@ class KvServerProtocol(Protocol):
             # this connection's writes not yet durable are part of what it reads (issue 19)
             pending = {}
             for table in self._pending:
-                pending.update(table)
+                if table.__class__ is PackedRun:
+                    pending.update((key, stored[1:]) for key, stored in table.items())
+                else:
+                    pending.update(table)
             scan_forward = with_pending(scan_forward, pending)
             scan_backward = with_pending(scan_backward, pending, descending=True)
             scan_keys = with_pending(scan_keys, pending, keys_only=True)
@@ -1252,6 +1365,15 @@ def start_compiled_gets(node):
         gets_compiled.start_loading()
 
 
+def start_compiled_sets(node):
+    """Load the compiled SET pass (sets_compiled) on a thread; the node's ready file waits for it."""
+    reactor = getattr(node, "reactor", None)
+    if reactor is not None and hasattr(node, "before_ready"):
+        node.before_ready(sets_compiled.start_loading(reactor), "compiled kv SETs")
+    else:
+        sets_compiled.start_loading()
+
+
 def build_factory(node):
     if getattr(node, "cluster", None) is not None:
         # cluster mode (issue 20): every key, whichever node leads its partition
@@ -1262,5 +1384,6 @@ def build_factory(node):
     factory = KvServerFactory(node.store.kv, metrics, node.store)
     factory.observe_latency = getattr(node, "observe_latency", _ignore_latency)
     start_compiled_gets(node)
+    start_compiled_sets(node)
     node.on_shutdown(factory.when_idle)
     return factory

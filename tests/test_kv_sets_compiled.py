@@ -1,0 +1,349 @@
+"""The compiled SET pass (protocols/partition/sets_kernel.py, server ``_sets_compiled``) against the
+Python loop it stands in for (``_write_run``), and its WAL op against ``msgpack.packb``.
+
+- the kernel's framing, fuzzed with hypothesis against a model of ``_write_run``'s checks on
+  reads of SETs, malformed SETs, other commands and cut frames, with random budgets: the same run,
+  its WAL op exactly ``msgpack.packb([OP_PUTS, KV, keys, stored])``, its OK replies;
+- ``index.pack_ops`` (a ``T_OPS`` entry holding packed ops) is ``msgpack.packb`` of the ops;
+- random reads of those frames into a server with the pass and one without (hypothesis): the same
+  bytes sent, close and store;
+- a mixed buffer (SETs, empty keys, a value over the limit, a key over KEY_KEEP, GETs of the run's
+  keys, REMOVEs, a SET cut by total_len, an oversize total_len at the end) read at once, split at
+  every byte and in steps, with and without the compiled pass: the replies and the store of one
+  frame at a time;
+- packed runs through the real writer thread and merge worker, and a reopen that replays them.
+"""
+
+import random
+import shutil
+import struct
+import tempfile
+
+import msgpack
+import pytest
+import pytest_twisted
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.internet import reactor, task
+from twisted.internet.testing import StringTransport
+
+from protocols.partition import codec as c
+from protocols.partition import server, sets_compiled
+from protocols.partition.server import KvServerFactory, KvServerProtocol
+from storage import Store, index
+from storage.index import KEY_KEEP, PackedOp, pack_ops
+from storage.kv import PackedRun
+from tests.storage_helpers.inline import close, complete, hold, open_inline
+
+
+def _kernel():
+    sets_compiled.start_loading()
+    assert sets_compiled.wait(120) and sets_compiled.state == "compiled", sets_compiled.state
+    return sets_compiled.run
+
+
+@pytest.fixture(params=["python", "compiled"])
+def sets_mode(request):
+    loaded = _kernel()
+    if request.param == "python":
+        sets_compiled.run = None
+    try:
+        yield request.param
+    finally:
+        sets_compiled.run = loaded
+
+
+def model_run(buf, room, room_bytes):
+    """``_write_run``'s loop over SETs alone (a key over KEY_KEEP ends the run, as in the kernel):
+    ``(cids, keys, values, end, budget)``."""
+    n = len(buf)
+    pos = 0
+    cids, keys, values = [], [], []
+    nbytes = 0
+    budget = 0
+    while n - pos >= 28:
+        total, cid, _n, cmd, klen = struct.unpack_from(">QQQHH", buf, pos)
+        if not klen or total > n - pos or total > c.MAX_MESSAGE or cmd != c.SET or klen > KEY_KEEP:
+            break
+        kend = pos + 28 + klen
+        if kend + 4 > pos + total:
+            break
+        (vlen,) = struct.unpack_from(">I", buf, kend)
+        if vlen > c.MAX_VALUE or kend + 4 + vlen > pos + total:
+            break
+        cids.append(cid)
+        keys.append(buf[pos + 28 : kend])
+        values.append(buf[kend + 4 : kend + 4 + vlen])
+        nbytes += vlen
+        pos += total
+        if len(cids) >= room or nbytes >= room_bytes:
+            budget = 1
+            break
+    return cids, keys, values, pos, budget
+
+
+def _frame(kind, cid, key, value, extra):
+    if kind == "set":
+        return c.encode_set(cid, key, value)
+    if kind == "get":
+        return c.encode_get(cid, key)
+    if kind == "remove":
+        return c.encode_remove(cid, key)
+    b = bytearray(c.encode_set(cid, key, value))
+    if kind == "long-total":  # trailing bytes inside the frame: taken, skipped
+        b += b"\x00" * (extra % 5 + 1)
+        struct.pack_into(">Q", b, 0, len(b))
+    elif kind == "short-total" and len(b) > 28:  # total_len cuts the value or the value_len
+        struct.pack_into(">Q", b, 0, max(28, len(b) - 1 - extra % 6))
+    elif kind == "big-vlen":
+        struct.pack_into(">I", b, 28 + len(key), c.MAX_VALUE + 1 + extra % 3)
+    elif kind == "bad-klen" and len(b) > 28:
+        struct.pack_into(">H", b, 26, extra % 700)
+    elif kind == "huge-total":
+        struct.pack_into(">Q", b, 0, [c.MAX_MESSAGE + 1, 1 << 40, 7][extra % 3])
+    return bytes(b)
+
+
+frames = st.lists(
+    st.tuples(
+        st.sampled_from(["set"] * 6 + ["get", "remove", "long-total", "short-total", "big-vlen", "bad-klen", "huge-total"]),
+        st.integers(0, (1 << 64) - 1),
+        st.one_of(st.binary(min_size=0, max_size=12), st.sampled_from([b"k" * 440, b"k" * 441])),
+        st.one_of(st.binary(max_size=40), st.sampled_from([b"v" * 254, b"v" * 255, b"v" * 300, b"v" * 65535, b"v" * 70000])),
+        st.integers(0, 100),
+    ),
+    min_size=1,
+    max_size=24,
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(frames, st.integers(1, 40), st.integers(1, 200000), st.integers(0, 60))
+def test_set_run_frames_as_write_run_and_packs_as_msgpack(spec, room, room_bytes, cut):
+    kernel = _kernel()
+    buf = b"".join(_frame(*f) for f in spec)
+    if cut:
+        buf = buf[: max(0, len(buf) - cut)]
+    payload = bytearray(len(buf) + 16)
+    replies = bytearray(c.HEADER_LEN * min(room, len(buf) // 33 + 1))
+    count, end, plen, kbytes, vbytes, budget = kernel(buf, room, room_bytes, payload, replies)
+    cids, keys, values, want_end, want_budget = model_run(buf, room, room_bytes)
+    assert count == len(cids)
+    if not count:
+        return
+    assert (end, budget) == (want_end, want_budget)
+    assert (kbytes, vbytes) == (sum(map(len, keys)), sum(map(len, values)))
+    op = [index.OP_PUTS, index.KV, keys, [b"\x00" + v for v in values]]
+    assert bytes(payload[:plen]) == msgpack.packb(op, use_bin_type=True)
+    assert msgpack.unpackb(bytes(payload[:plen])) == op
+    assert bytes(replies[: c.HEADER_LEN * count]) == b"".join(c.encode_status(cid, c.OK) for cid in cids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(frames, st.lists(st.integers(1, 4000), max_size=4), st.booleans())
+def test_servers_with_and_without_the_pass_give_the_same_replies_and_store(spec, cuts, held):
+    """Hypothesis against the Python path itself: the same reads (the frames above, cut at random
+    points) into a server with the compiled pass and one without, each over its own real store,
+    the writer held or not: the same bytes sent, the same close, the same store."""
+    kernel = _kernel()
+    skip, server.SETS_SKIP_READS = server.SETS_SKIP_READS, 0  # the pass tried on every read
+    wire = b"".join(_frame(*f) for f in spec)
+    bounds = sorted({0, len(wire)} | {c_ % (len(wire) + 1) for c_ in cuts})
+    reads = [wire[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    results = []
+    tmp = tempfile.mkdtemp(prefix="kv-sets-hyp-")
+    try:
+        for i, run in enumerate((kernel, None)):
+            sets_compiled.run = run
+            s = open_inline("%s/%d" % (tmp, i), task.Clock())
+            hold(s, held)
+            try:
+                results.append(_run(s, reads))
+            finally:
+                close(s)
+    finally:
+        sets_compiled.run = kernel
+        server.SETS_SKIP_READS = skip
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 300])
+def test_pack_ops_is_msgpack_of_the_ops(n):
+    rnd = random.Random(n)
+    ops = []
+    for i in range(n):
+        keys = [b"k%d" % j for j in range(rnd.randrange(1, 20))]
+        stored = [b"\x00" + b"v" * rnd.choice([0, 3, 300]) for _ in keys]
+        if rnd.random() < 0.5:
+            ops.append(PackedOp(msgpack.packb([index.OP_PUTS, index.KV, keys, stored], use_bin_type=True)))
+        else:
+            ops.append((index.OP_PUT, index.KV, keys[0], stored[0]))
+    plain = [msgpack.unpackb(op) if op.__class__ is PackedOp else op for op in ops]
+    assert b"".join(pack_ops(ops)) == msgpack.packb(plain, use_bin_type=True)
+
+
+def _mixed_frames():
+    f = []
+    f += [c.encode_set(1 + i, b"key%02d" % i, b"value%d" % i) for i in range(6)]
+    f.append(c.encode_get(10, b"key01"))  # a GET of the run's key
+    f += [c.encode_set(11, b"key06", b"x" * 300), c.encode_set(12, b"key00", b"again")]
+    f.append(c.encode_set(13, b"", b"empty"))  # empty key: ERR 0
+    f += [c.encode_set(14, b"key07", b"seven"), c.encode_remove(15, b"key02"), c.encode_remove(16, b"nope")]
+    b = bytearray(c.encode_set(17, b"key08", b"v"))
+    struct.pack_into(">I", b, 28 + 5, c.MAX_VALUE + 1)  # a value over the limit
+    f.append(bytes(b))
+    f += [c.encode_set(18, b"L" * 441, b"long key"), c.encode_set(19, b"key09", b"")]
+    f += [c.encode_get(20, b"key02"), c.encode_get(21, b"L" * 441)]
+    b = bytearray(c.encode_set(22, b"key10", b"cut"))
+    struct.pack_into(">Q", b, 0, len(b) - 2)  # total_len cuts the value: ERR
+    f.append(bytes(b))
+    f += [c.encode_set(23 + i, b"key1%d" % i, b"w%d" % i) for i in range(5)]
+    f += [c.encode_get(30, b"key13"), c.encode_remove(31, b"key11"), c.encode_set(32, b"key11", b"back")]
+    f += [c.encode_set(33 + i, b"key2%d" % i, b"z" * i) for i in range(4)]
+    b = bytearray(c.encode_set(40, b"key99", b"v"))
+    struct.pack_into(">Q", b, 0, c.MAX_MESSAGE + 1)  # refused: ERR 3 and the close
+    f.append(bytes(b)[:28])
+    return f
+
+
+def _run(store, reads):
+    factory = KvServerFactory(store.kv, store=store)
+    proto = factory.buildProtocol(None)
+    tr = StringTransport()
+    proto.makeConnection(tr)
+    for data in reads:
+        proto.dataReceived(data)
+    complete(store, None)
+    return tr.value(), tr.disconnecting, dict(store.kv.scan_forward(None, 1 << 20))
+
+
+def test_mixed_writes_split_anywhere_give_the_replies_of_one_frame_at_a_time(tmp_path, sets_mode, monkeypatch):
+    frames = _mixed_frames()
+    wire = b"".join(frames)
+    n = [0]
+
+    def fresh():
+        n[0] += 1
+        s = open_inline(tmp_path / str(n[0]), task.Clock())
+        s.kv.put(b"key05", b"old")
+        complete(s, None)
+        return s
+
+    python, sets_compiled.run = sets_compiled.run, None
+    try:
+        s = fresh()
+        want = _run(s, frames)  # one frame at a time, the Python loop
+        close(s)
+    finally:
+        sets_compiled.run = python
+    assert want[1]  # the oversize total_len closes
+    assert want[2][b"key00"] == b"again" and b"key02" not in want[2] and want[2][b"L" * 441] == b"long key"
+    taken = []
+    real = KvServerProtocol._sets_compiled
+
+    def spy(self, data, n):
+        pos = real(self, data, n)
+        taken.append(pos)
+        return pos
+
+    monkeypatch.setattr(KvServerProtocol, "_sets_compiled", spy)
+    monkeypatch.setattr(server, "SETS_SKIP_READS", 0)  # the pass tried on every read
+    cases = [[wire]] + [[wire[:i], wire[i:]] for i in range(1, len(wire))]
+    cases += [[wire[i : i + step] for i in range(0, len(wire), step)] for step in (1, 7, 29, 33, 64, 129, 500)]
+    for reads in cases:
+        s = fresh()
+        hold(s, len(reads) % 2 == 0)  # acks at once, or all at the end
+        got = _run(s, reads)
+        close(s)
+        assert got == want, [len(r) for r in reads]
+    if sets_mode == "compiled":
+        assert sum(1 for pos in taken if pos) >= 200  # the splits inside the first run of SETs, and steps
+    else:
+        assert not taken
+
+
+def test_after_a_read_it_cannot_take_the_pass_waits_some_reads(tmp_path, monkeypatch):
+    """``SET k; GET k`` pipelined: the pass cannot take such reads whole (a GET of the run's key
+    follows), so after one try the next SETS_SKIP_READS reads go to the loop without trying it;
+    reads of SETs alone are taken again after that. The replies are the loop's throughout."""
+    _kernel()
+    calls = []
+    real = KvServerProtocol._sets_compiled
+    monkeypatch.setattr(KvServerProtocol, "_sets_compiled", lambda self, data, n: calls.append(n) or real(self, data, n))
+    s = open_inline(tmp_path / "s", task.Clock())
+    try:
+        proto = KvServerFactory(s.kv, store=s).buildProtocol(None)
+        tr = StringTransport()
+        proto.makeConnection(tr)
+        want = []
+        for i in range(server.SETS_SKIP_READS + 2):
+            key = b"p%d" % i
+            proto.dataReceived(c.encode_set(2 * i, key, b"v") + c.encode_get(2 * i + 1, key))
+            want += [c.encode_status(2 * i, c.OK), c.encode_get_reply(2 * i + 1, key, b"v")]
+        assert len(calls) == 2  # the first read and the one after SETS_SKIP_READS skipped
+        proto.dataReceived(c.encode_set(100, b"a", b"1") + c.encode_set(101, b"b", b"2"))
+        assert len(calls) == 2  # still skipping: the second try bailed too
+        complete(s, None)
+        assert tr.value() == b"".join(want) + c.encode_status(100, c.OK) + c.encode_status(101, c.OK)
+    finally:
+        close(s)
+
+
+# -- the store: packed runs through the writer thread, the merge worker, and a replay -----------
+
+
+def _packed(reads_of_sets):
+    """(run, op, nbytes) of a read of SETs, as the server's compiled pass makes them."""
+    kernel = _kernel()
+    payload = bytearray(len(reads_of_sets) + 16)
+    replies = bytearray(len(reads_of_sets))
+    count, end, plen, kbytes, vbytes, budget = kernel(reads_of_sets, 1024, 1 << 30, payload, replies)
+    assert end == len(reads_of_sets)
+    op = PackedOp(memoryview(payload)[:plen])
+    _code, _db, keys, stored = msgpack.unpackb(op)
+    return PackedRun(keys, stored), op, kbytes + vbytes
+
+
+@pytest_twisted.ensureDeferred
+async def test_packed_runs_are_merged_by_the_worker_and_replayed_after_a_stop():
+    d = tempfile.mkdtemp(prefix="kv-sets-")
+    st = Store.open(d, fsync="always", reactor=reactor, node_id=1, retention_check_s=0)
+    try:
+        first = st.kv.write_packed(*_packed(b"".join(c.encode_set(i, b"a%03d" % i, b"%d" % i * 3) for i in range(200))))
+        second = st.kv.write_many([(b"a001", None), (b"b", b"many")])  # the same group, likely: one T_OPS entry
+        third = st.kv.write_packed(*_packed(c.encode_set(1, b"a002", b"new") + c.encode_set(2, b"a002", b"newer")))
+        assert await first == [True] * 200 and await third == [True] * 2
+        assert await second == [True, True]
+        assert st.kv.get_many([b"a000", b"a001", b"a002", b"b"]) == [b"000", None, b"newer", b"many"]
+        await st.kv.flush()
+        assert st.kv.memtable_keys() == 0
+        txn = st.snapshot()
+        assert txn.get(b"a199", db=st.dbs[index.KV]) == b"\x00" + b"199" * 3
+        assert txn.get(b"a002", db=st.dbs[index.KV]) == b"\x00newer" and txn.get(b"a001", db=st.dbs[index.KV]) is None
+        assert await st.kv.write_packed(*_packed(c.encode_set(3, b"c", b"last") + c.encode_set(4, b"a000", b"x"))) == [True] * 2
+        await st.core.close()  # no merge of the last run: the WAL replays it
+        st = Store.open(d, fsync="always", reactor=reactor, node_id=1, retention_check_s=0)
+        assert st.kv.get_many([b"a000", b"a001", b"a002", b"a150", b"b", b"c"]) == [
+            b"x", None, b"newer", b"150" * 3, b"many", b"last"]
+    finally:
+        await st.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_packed_run_refused_for_room_fails_whole(tmp_path, monkeypatch):
+    import storage.kv as kvmod
+
+    monkeypatch.setattr(kvmod, "HARD_BYTES", 10)
+    s = open_inline(tmp_path / "s", task.Clock())
+    try:
+        proto = KvServerFactory(s.kv, store=s).buildProtocol(None)
+        tr = StringTransport()
+        proto.makeConnection(tr)
+        _kernel()
+        proto.dataReceived(c.encode_set(5, b"k1", b"v" * 20) + c.encode_set(6, b"k2", b"v"))
+        complete(s, None)
+        assert tr.value() == c.encode_error(5, c.E_UNKNOWN) + c.encode_error(6, c.E_UNKNOWN)
+        assert s.kv.get_many([b"k1", b"k2"]) == [None, None]
+    finally:
+        close(s)
