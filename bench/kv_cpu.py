@@ -147,6 +147,9 @@ def run(args):
                   % (phase.upper(), n, n / (t1 - t0), (c1 - c0) * 1e6 / n, react, others[0] if others else 0.0, worker),
                   flush=True)
             del reqs
+        cache = getattr(store.kv, "row_cache", None)
+        if cache is not None:
+            print("row cache: %s" % cache.stats())
     finally:
         yield store.close()
         shutil.rmtree(tmp, ignore_errors=True)

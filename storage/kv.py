@@ -275,7 +275,9 @@ class KeyValue:
         return cache
 
     def _drop_row_cache(self):
-        self.row_cache = None
+        cache, self.row_cache = self.row_cache, None
+        if cache is not None:
+            cache.stop()
 
     def get_many(self, keys):
         """[value or None] for each key (any bytes-like object), from one snapshot."""
@@ -601,7 +603,7 @@ class KeyValue:
         frozen, self._flushing = self._flushing, None
         if self.row_cache is not None and frozen is not None:
             if self._core.closed:
-                self.row_cache = None
+                self._drop_row_cache()
             else:
                 self.row_cache.merged(frozen.entries)
         self.flushes += 1

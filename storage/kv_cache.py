@@ -76,9 +76,11 @@ class RowCache:
         self.failed = False  # an update raised (a bug): the cache stays busy for good
         self.updates = 0  # merged memtables applied
         self._call_from_thread = call_from_thread
-        self._lock = threading.Lock()
-        self._queue = collections.deque()  # memtables landed, not yet applied (under _lock)
-        self._running = False  # the update thread runs (under _lock)
+        self._lock = threading.Condition()
+        self._queue = collections.deque()  # memtables landed, not yet taken by the update thread (under _lock)
+        self._pending = 0  # memtables landed whose update has not been settled on the reactor (under _lock)
+        self._thread = None  # the update thread, once the first merge landed
+        self._stopped = False
 
     def merged(self, entries):
         """Reactor thread: a memtable (``{key: stored value, or None for a remove}``) has landed in
@@ -92,28 +94,39 @@ class RowCache:
         self.busy = True
         with self._lock:
             self._queue.append(entries)
-            if self._running:
-                return
-            self._running = True
-        threading.Thread(target=self._run, name="kv-row-cache", daemon=True).start()
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-row-cache", daemon=True)
+                self._thread.start()
+            self._lock.notify()
 
-    def _run(self):  # the update thread
+    def stop(self):
+        """The store is closing: the update thread ends (after the update it is running)."""
+        with self._lock:
+            self._stopped = True
+            self._queue.clear()
+            self._lock.notify()
+
+    def _run(self):  # the update thread: one for the cache's life, idle between merges
         while True:
             with self._lock:
-                if not self._queue or self.failed:
-                    self._running = False
-                    break
+                while not self._queue and not self._stopped:
+                    self._lock.wait()
+                if self._stopped:
+                    return
                 entries = self._queue.popleft()
             try:
-                self._update(entries)
+                if not self.failed:
+                    self._update(entries)
             except Exception:
                 self.failed = True
                 self.log.failure("the kv row cache's update failed; the cache is off from now on")
-        self._call_from_thread(self._settled)
+            self._call_from_thread(self._settled)
 
-    def _settled(self):  # reactor thread
+    def _settled(self):  # reactor thread: one update done
         with self._lock:
-            if not self._running and not self._queue and not self.failed:
+            self._pending -= 1
+            if not self._pending and not self.failed:
                 self.busy = False
 
     def _update(self, entries):
