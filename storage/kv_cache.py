@@ -43,6 +43,13 @@ DEFAULT_BYTES = 256 << 20  # --kv-cache-mb's default (docs/operations.md)
 MIN_BYTES = 4096
 SLOT_SHARE = 8  # a generation's slots take 1/SLOT_SHARE of its bytes; its arena the rest
 LOAD_LIMIT = 0.7  # a generation is full at this share of its slots used
+# A GET the cache misses costs more than one straight to LMDB (the probe and the insert, ~0.7-1 us
+# at 1M keys: docs/benchmarks.md). When, over WINDOW GETs read through it, fewer than BYPASS_BELOW
+# were hits (a working set past the cache, or no key read twice), the server sends only one read
+# in SAMPLE through it (the others straight to LMDB) until a window of those is above it again.
+WINDOW = 32768
+BYPASS_BELOW = 0.35
+SAMPLE = 64
 
 
 def kernels():
@@ -72,6 +79,10 @@ class RowCache:
         meta[kernel.M_ARENA] = gen - 8 * slots
         meta[kernel.M_MAX_USED] = int(slots * LOAD_LIMIT)
         self.hits = self.misses = 0  # GETs answered from the cache, and looked up in LMDB (counted by the server)
+        self.bypass = False  # reactor thread: the hit rate is low; one read in SAMPLE comes here
+        self.reads = 0  # reads of GETs while bypassed (the server counts them)
+        self.window = WINDOW  # GETs left in this window (the server counts them down)
+        self._judged = (0, 0)  # (hits, misses) at the last judgement
         self.busy = False  # reactor thread: an update is queued or running; nothing reads the arrays
         self.failed = False  # an update raised (a bug): the cache stays busy for good
         self.updates = 0  # merged memtables applied
@@ -81,6 +92,14 @@ class RowCache:
         self._pending = 0  # memtables landed whose update has not been settled on the reactor (under _lock)
         self._thread = None  # the update thread, once the first merge landed
         self._stopped = False
+
+    def judge(self):
+        """Reactor thread, once per WINDOW GETs read through the cache: bypass it (but for one read
+        in SAMPLE) while its hit rate is below BYPASS_BELOW."""
+        hits, misses = self.hits - self._judged[0], self.misses - self._judged[1]
+        self._judged = (self.hits, self.misses)
+        self.window = WINDOW
+        self.bypass = hits < BYPASS_BELOW * (hits + misses)
 
     def merged(self, entries):
         """Reactor thread: a memtable (``{key: stored value, or None for a remove}``) has landed in
@@ -162,6 +181,7 @@ class RowCache:
             "limit": self.limit,
             "arena_used": int(meta[k.M_POS] + meta[k.M_POS + 1]),
             "dropped_generations": int(meta[k.M_DROPS]),
+            "bypass": self.bypass,
             "hits": self.hits,
             "updates": self.updates,
             "misses": self.misses,

@@ -200,3 +200,28 @@ def test_big_replies_grow_the_scratch(tmp_path, kernel):
     store.kv.start_row_cache().clear()
     assert get_all(store, keys) == {k: bytes([i]) * 60000 for i, k in enumerate(keys)}
     close(store)
+
+
+def test_a_low_hit_rate_bypasses_the_cache_and_a_high_one_comes_back(tmp_path, kernel, monkeypatch):
+    """Reads whose keys the cache keeps missing (a scan over more than it holds) turn the bypass on
+    (one read in SAMPLE through the cache); reads of a few keys again and again turn it off.
+    Replies right throughout."""
+    monkeypatch.setattr(kv_cache, "WINDOW", 256)
+    monkeypatch.setattr(kv_cache, "SAMPLE", 4)
+    store = open_inline(tmp_path / "store", task.Clock())
+    store.kv.row_cache_bytes = 4096
+    cache = store.kv.start_row_cache()
+    cache.window = 256
+    keys = [struct.pack(">I", i) for i in range(4000)]
+    store.kv.write_sets(keys, [b"v%d" % i for i in range(4000)])
+    wait_merged(store)
+    cache.clear()
+    for i in range(0, 4000, 32):
+        assert get_all(store, keys[i : i + 32]) == {k: b"v%d" % (i + j) for j, k in enumerate(keys[i : i + 32])}
+    assert cache.bypass
+    passed = cache.hits + cache.misses
+    for _ in range(200):
+        assert get_all(store, keys[:16]) == {k: b"v%d" % j for j, k in enumerate(keys[:16])}
+    assert not cache.bypass
+    assert cache.hits + cache.misses - passed < 200 * 16  # (bypassed reads went straight to LMDB)
+    close(store)

@@ -57,7 +57,7 @@ from protocols.partition.codec import (
     REMOVE,
     SET,
 )
-from storage import errors
+from storage import errors, kv_cache
 from storage.index import KEY_KEEP
 
 _U16 = struct.Struct(">H")
@@ -674,6 +674,10 @@ class KvServerProtocol(Protocol):
         cache = getattr(kv, "row_cache", None)
         if cache is None:
             cache = start_row_cache(kv)
+        if cache is not None and cache.bypass:
+            cache.reads += 1
+            if cache.reads % kv_cache.SAMPLE:
+                cache = None  # its hit rate is low: this read straight to LMDB (kv_cache.judge)
         if cache is not None and not cache.busy and not kv.unmerged():
             # no memtable holds anything: the row cache stands for LMDB (storage/kv_cache.py)
             pos = self._answer_read_gets_cached(data, cache, reader)
@@ -758,6 +762,9 @@ class KvServerProtocol(Protocol):
                 count, end, frame_len, misses, size = gets_compiled.cached(data, slots, arena, meta, KEY_KEEP, _WHERE, _MISSED, out)
             self._out.append(out[:size].tobytes())
             cache.hits += count
+            cache.window -= count
+            if cache.window <= 0:
+                cache.judge()
             self._handled += count - 1
             self._gets_answered(count, 0, t0)
             return end
@@ -783,6 +790,9 @@ class KvServerProtocol(Protocol):
         self._out.append(out[:size].tobytes())
         cache.hits += count - misses
         cache.misses += misses
+        cache.window -= count
+        if cache.window <= 0:
+            cache.judge()
         self._handled += count - 1
         self._gets_answered(found, count - found, t0)
         return end
