@@ -52,6 +52,15 @@ BYPASS_BELOW = 0.35
 SAMPLE = 64
 
 
+def _malloc_trim():
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)  # (the GIL is released during the call)
+    except Exception:  # pragma: no cover - glibc has it
+        pass
+
+
 def kernels():
     """The kernel module if it has been imported (by the loader of the compiled GET passes, on its
     thread); None otherwise. Never imports it: importing numba holds the GIL for most of a second."""
@@ -137,6 +146,8 @@ class RowCache:
             try:
                 if not self.failed:
                     self._update(entries)
+                    del entries
+                    _malloc_trim()  # the update's joined copies (~20 MB per memtable) back to the system
             except Exception:
                 self.failed = True
                 self.log.failure("the kv row cache's update failed; the cache is off from now on")
