@@ -216,8 +216,8 @@ class KeyValue:
         self._worker = None  # the MergeWorker, once the first merge needed it
         self._worker_failures = 0  # in a row
         self._inline = core.inline  # no writer thread, no worker: the merge runs in place (tests)
-        # The row cache (storage/kv_cache.py), made by the first compiled GET pass that asks for it
-        # (start_row_cache); at most row_cache_bytes (0: none; Store.open's kv_cache_bytes)
+        # The row cache (storage/kv_cache.py), made once the kv server's compiled GET passes have
+        # loaded (start_row_cache); at most row_cache_bytes (0: none; the node's --kv-cache-mb)
         self.row_cache = None
         self.row_cache_bytes = kv_cache.DEFAULT_BYTES
         core.on_close.insert(0, self._cancel_idle_flush)
