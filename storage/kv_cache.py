@@ -164,16 +164,15 @@ class RowCache:
         n = len(entries)
         if not n:
             return
-        keys = list(entries)
-        values = list(entries.values())
-        klens = np.fromiter(map(len, keys), np.int64, n)
+        values = entries.values()  # (a dict's keys and values iterate in one order)
+        klens = np.fromiter(map(len, entries), np.int64, n)
         if None in values:
             vlens = np.array([-1 if v is None else len(v) for v in values], np.int64)
             joined = b"".join([v for v in values if v is not None])
         else:
             vlens = np.fromiter(map(len, values), np.int64, n)
             joined = b"".join(values)
-        self.k.update(self.slots, self.arena, self.meta, b"".join(keys), klens, joined, vlens, KEY_KEEP)
+        self.k.update(self.slots, self.arena, self.meta, b"".join(entries), klens, joined, vlens, KEY_KEEP)
         self.updates += 1
 
     def clear(self):
