@@ -21,7 +21,7 @@ touch keep their value. The cache is consulted after both memtables, never for a
 
 A merge's update of the cache (a kernel call per merged memtable, ~0.3 us of Python and ~0.4 us
 compiled per key) runs on a thread of its own, the kernel without the GIL, not on the reactor: a
-memtable of 160k keys would hold the reactor ~120 ms. Meanwhile the cache is ``busy``: the server
+memtable of 160k keys would hold the reactor ~120 ms; sliced, UPDATE_SLICE keys per call. Meanwhile the cache is ``busy``: the server
 does not read or fill it (its GETs take the LMDB path), so nothing reads the table while it
 changes; it is readable again once every merge landed so far has been applied, in landing order.
 
@@ -32,6 +32,7 @@ kernel (numpy's zeroed and uninitialised arrays are untouched pages until writte
 import collections
 import sys
 import threading
+from itertools import islice
 
 import numpy as np
 from twisted.logger import Logger
@@ -43,6 +44,7 @@ DEFAULT_BYTES = 256 << 20  # --kv-cache-mb's default (docs/operations.md)
 MIN_BYTES = 4096
 SLOT_SHARE = 8  # a generation's slots take 1/SLOT_SHARE of its bytes; its arena the rest
 LOAD_LIMIT = 0.7  # a generation is full at this share of its slots used
+UPDATE_SLICE = 4096  # keys of a merged memtable per kernel call of its update
 # A GET the cache misses costs more than one straight to LMDB (the probe and the insert, ~0.7-1 us
 # at 1M keys: docs/benchmarks.md). When, over WINDOW GETs read through it, fewer than BYPASS_BELOW
 # were hits (a working set past the cache, or no key read twice), the server sends only one read
@@ -50,15 +52,6 @@ LOAD_LIMIT = 0.7  # a generation is full at this share of its slots used
 WINDOW = 32768
 BYPASS_BELOW = 0.35
 SAMPLE = 64
-
-
-def _malloc_trim():
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)  # (the GIL is released during the call)
-    except Exception:  # pragma: no cover - glibc has it
-        pass
 
 
 def kernels():
@@ -146,8 +139,7 @@ class RowCache:
             try:
                 if not self.failed:
                     self._update(entries)
-                    del entries
-                    _malloc_trim()  # the update's joined copies (~20 MB per memtable) back to the system
+                del entries
             except Exception:
                 self.failed = True
                 self.log.failure("the kv row cache's update failed; the cache is off from now on")
@@ -160,19 +152,24 @@ class RowCache:
                 self.busy = False
 
     def _update(self, entries):
-        """Apply one merged memtable, in one kernel call (the GIL released inside it)."""
-        n = len(entries)
-        if not n:
-            return
-        values = entries.values()  # (a dict's keys and values iterate in one order)
-        klens = np.fromiter(map(len, entries), np.int64, n)
-        if None in values:
-            vlens = np.array([-1 if v is None else len(v) for v in values], np.int64)
-            joined = b"".join([v for v in values if v is not None])
-        else:
-            vlens = np.fromiter(map(len, values), np.int64, n)
-            joined = b"".join(values)
-        self.k.update(self.slots, self.arena, self.meta, b"".join(entries), klens, joined, vlens, KEY_KEEP)
+        """Apply one merged memtable, UPDATE_SLICE keys per kernel call (the GIL released inside
+        it): the Python between the calls (listing, measuring and joining the slice's keys and
+        values, ~0.3 us per key) holds the GIL, in pieces of ~1-2 ms rather than one of tens of ms
+        that would stall the reactor."""
+        keys, values = iter(entries), iter(entries.values())  # (a dict's keys and values iterate in one order)
+        while True:
+            ks = list(islice(keys, UPDATE_SLICE))
+            if not ks:
+                break
+            vs = list(islice(values, len(ks)))
+            klens = np.fromiter(map(len, ks), np.int64, len(ks))
+            if None in vs:
+                vlens = np.array([-1 if v is None else len(v) for v in vs], np.int64)
+                joined = b"".join([v for v in vs if v is not None])
+            else:
+                vlens = np.fromiter(map(len, vs), np.int64, len(vs))
+                joined = b"".join(vs)
+            self.k.update(self.slots, self.arena, self.meta, b"".join(ks), klens, joined, vlens, KEY_KEEP)
         self.updates += 1
 
     def clear(self):
