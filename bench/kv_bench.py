@@ -460,6 +460,8 @@ def main(argv=None):
     ap.add_argument("--redis-fsync", choices=["none", "everysec", "always"], default=None,
                     help="redis persistence (default: always with --durable, else none)")
     ap.add_argument("--pairs", type=int, default=100_000, help="SET k; GET k pairs of the SETGET phase (0: skip)")
+    ap.add_argument("--kv-cache-mb", type=int, default=None,
+                    help="the node's --kv-cache-mb (its row cache; default: the node's default)")
     ap.add_argument("--only", choices=["kv", "redis"], default=None, help="run one side only")
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="the node's --metrics (A/B of their cost, docs/benchmarks.md)")
     ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
@@ -490,7 +492,9 @@ def main(argv=None):
     node = redis = None
     try:
         if args.only != "redis":
-            node = NodeProcess(tmp, name="bench", fsync=fsync, metrics=args.metrics, sbp="none", meta="none", chunks="none", swarm="none", http="none").start()
+            cache = {} if args.kv_cache_mb is None else {"kv_cache_mb": args.kv_cache_mb}
+            node = NodeProcess(tmp, name="bench", fsync=fsync, metrics=args.metrics, sbp="none", meta="none", chunks="none",
+                               swarm="none", http="none", **cache).start()
             port = node.ports["kv"]
             pid = node.proc.pid
             sets = kv_requests_set(keys, value)

@@ -113,6 +113,8 @@ def drive(proto, tr, requests, reply_len, depth, chunk):
 def run(args):
     tmp = tempfile.mkdtemp(prefix="kv-cpu-")
     store = Store.open(tmp, fsync=args.fsync, reactor=reactor, node_id=1, retention_check_s=0)
+    if args.kv_cache_mb is not None:
+        store.kv.row_cache_bytes = args.kv_cache_mb << 20  # as the node's --kv-cache-mb
     try:
         factory = KvServerFactory(store.kv, store=store)
         proto = factory.buildProtocol(None)
@@ -147,6 +149,9 @@ def run(args):
                   % (phase.upper(), n, n / (t1 - t0), (c1 - c0) * 1e6 / n, react, others[0] if others else 0.0, worker),
                   flush=True)
             del reqs
+        cache = getattr(store.kv, "row_cache", None)
+        if cache is not None:
+            print("row cache: %s" % cache.stats())
     finally:
         yield store.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -159,6 +164,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--value-size", type=int, default=100)
     ap.add_argument("--fsync", default="interval:1000")
+    ap.add_argument("--kv-cache-mb", type=int, default=None, help="the row cache's size, as the node's --kv-cache-mb")
     ap.add_argument("--python-gets", action="store_true",
                     help="without the compiled GET passes a node loads (protocols/partition/gets_compiled.py)")
     ap.add_argument("--python-sets", action="store_true",

@@ -67,6 +67,7 @@ class NodeConfig:
     metrics_token: Optional[str] = None  # --metrics-token: bearer token for /metrics and the status page
     metrics_streams: int = 100  # --metrics-streams: streams that get their own label
     kv_reads: str = "leader"  # --kv-reads leader|replica: who answers a cluster GET (docs/cluster.md)
+    kv_cache_mb: int = 256  # --kv-cache-mb: the key-value row cache's memory (storage/kv_cache.py); 0: none
 
     def endpoint(self, name: str) -> Optional[str]:
         return with_backlog(getattr(self, name))
@@ -246,5 +247,6 @@ def from_options(opts) -> NodeConfig:
         metrics_token=opts["metrics-token"],
         metrics_streams=parse_non_negative_int("metrics-streams", opts["metrics-streams"]),
         kv_reads=parse_kv_reads(opts["kv-reads"]),
+        kv_cache_mb=parse_non_negative_int("kv-cache-mb", opts["kv-cache-mb"]),
         **{name: parse_endpoint(option_name(name), opts[option_name(name)]) for name in LISTENERS},
     )

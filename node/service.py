@@ -137,6 +137,7 @@ class NodeService(service.MultiService):
                 reactor=node.reactor,
                 node_id=node.node_id,
             )
+            node.store.kv.row_cache_bytes = self.config.kv_cache_mb << 20  # --kv-cache-mb (storage/kv_cache.py)
         except Exception as e:
             self.log.failure("could not open the store")
             self._lock.release()

@@ -43,6 +43,7 @@ class Options(usage.Options):
         ["metrics", None, "on", "on: Prometheus metrics at GET /metrics and the status page at GET / on the --http listener; off: neither, and no latency timing."],
         ["metrics-token", None, None, "Require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on /metrics and the status page (default: open)."],
         ["kv-reads", None, "leader", "Cluster mode: who answers a key-value GET: leader (linearizable) or replica (this node's applied copy when it holds one: acknowledged values, possibly stale; docs/cluster.md)."],
+        ["kv-cache-mb", None, "256", "MiB of memory for the key-value row cache (LMDB's values of recently merged or read keys, for the kv listener's GETs); 0: none."],
         ["metrics-streams", None, "100", "Streams given their own `stream` label in the metrics (the biggest by records); the rest are summed as stream=\"_other\"."],
     ]
 

@@ -47,7 +47,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from storage import errors, index
+from storage import errors, index, kv_cache
 from storage.commit import Direct
 from storage.kv_merge import MergeWorker, chunk_cut
 from storage.index import (KEY_KEEP, OP_DEL, OP_PUT, OP_PUTS, decode_value, encode_key, encode_value, iter_ordered,
@@ -247,7 +247,12 @@ class KeyValue:
         self._worker = None  # the MergeWorker, once the first merge needed it
         self._worker_failures = 0  # in a row
         self._inline = core.inline  # no writer thread, no worker: the merge runs in place (tests)
+        # The row cache (storage/kv_cache.py), made once the kv server's compiled GET passes have
+        # loaded (start_row_cache); at most row_cache_bytes (0: none; the node's --kv-cache-mb)
+        self.row_cache = None
+        self.row_cache_bytes = kv_cache.DEFAULT_BYTES
         core.on_close.insert(0, self._cancel_idle_flush)
+        core.on_close.append(self._drop_row_cache)
         core.on_close.append(self._stop_worker)
 
     # -- reads --------------------------------------------------------------------------------
@@ -281,6 +286,29 @@ class KeyValue:
         active = self._active.entries
         flushing = self._flushing.entries if self._flushing is not None else None
         return (active or None), (flushing or None), self._core.snapshot().get, self._db
+
+    def unmerged(self) -> bool:
+        """A memtable holds something (a read must look there before LMDB and the row cache)."""
+        return bool(self._active.entries) or (self._flushing is not None and bool(self._flushing.entries))
+
+    def start_row_cache(self):
+        """Reactor thread: the row cache (storage/kv_cache.py), made now if there is none, the
+        limit is not 0 and its kernels are loaded (by the compiled GET passes' loader; never
+        imported here); None otherwise. A new cache is empty, so it is right from the start:
+        every later merge landing updates it (``_merged``)."""
+        cache = self.row_cache
+        if cache is None and self.row_cache_bytes > 0 and not self._core.closed:
+            kernel = kv_cache.kernels()
+            if kernel is not None:
+                reactor = self._core.reactor
+                cache = self.row_cache = kv_cache.RowCache(
+                    self.row_cache_bytes, kernel, None if self._inline else reactor.callFromThread)
+        return cache
+
+    def _drop_row_cache(self):
+        cache, self.row_cache = self.row_cache, None
+        if cache is not None:
+            cache.stop()
 
     def get_many(self, keys):
         """[value or None] for each key (any bytes-like object), from one snapshot."""
@@ -630,8 +658,14 @@ class KeyValue:
 
     def _merged(self):
         """Reactor thread: the running merge landed (or the store is closing without it: the
-        WAL replays the frozen memtable at the next open)."""
-        self._flushing = None
+        WAL replays the frozen memtable at the next open). The row cache takes the merged values
+        (the one change to LMDB's key-value table after the open, storage/kv_cache.py)."""
+        frozen, self._flushing = self._flushing, None
+        if self.row_cache is not None and frozen is not None:
+            if self._core.closed:
+                self._drop_row_cache()
+            else:
+                self.row_cache.merged(frozen.entries)
         self.flushes += 1
         waiters, self._flush_waiters = self._flush_waiters, []
         for w in waiters:

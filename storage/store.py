@@ -160,6 +160,7 @@ class Store:
             "chunk_last_seq": self.chunks.last_seq(),
             "kv_keys": entries["kv"] + self.kv.memtable_keys(),  # memtable: puts, counted once merged
             "kv_memtable_bytes": self.kv.memtable_bytes(),
+            "kv_row_cache": self.kv.row_cache.stats() if self.kv.row_cache is not None else None,
             "meta_keys": entries["meta"],
             "queued_bytes": self.core.queued_bytes(),
             "failed": self.core.failed,

@@ -104,6 +104,8 @@ def test_second_node_on_the_same_data_dir_refuses_to_start(node, tmp_path):
         (["--idle-timeout", "-1"], "--idle-timeout"),
         (["--max-connections", "none"], "--max-connections"),
         (["--max-unsent-bytes", "-5"], "--max-unsent-bytes"),
+        (["--kv-cache-mb", "-1"], "--kv-cache-mb"),
+        (["--kv-cache-mb", "lots"], "--kv-cache-mb"),
     ],
 )
 def test_bad_options_give_a_clear_error_and_a_non_zero_exit(tmp_path, args, message):
@@ -143,7 +145,7 @@ def test_help_documents_every_option(tmp_path):
     result = run_twistd(["--help"], cwd=tmp_path)
     assert result.returncode == 0
     for option in ["data-dir", "node-id", "peer", "fsync", "http-token", "max-batch-bytes", "ready-file", "log-level",
-                   "idle-timeout", "max-connections", "max-unsent-bytes"] + [n.replace("_", "-") for n in LISTENERS]:
+                   "idle-timeout", "max-connections", "max-unsent-bytes", "kv-cache-mb"] + [n.replace("_", "-") for n in LISTENERS]:
         assert "--%s=" % option in result.stdout, option
 
 

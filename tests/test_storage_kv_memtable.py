@@ -1,6 +1,8 @@
 """The kv memtable (issue 19) against a plain dict: a hypothesis state machine of SET/REMOVE/GET
 and scans with merges (waited for or still running, done by the merge worker process, which is
-also killed now and then) and restarts in between; then kill -9 of a real node while merges run."""
+also killed now and then) and restarts in between, GETs also through the key-value server's
+compiled pass and a tiny row cache (storage/kv_cache.py: generations dropped every few entries,
+cleared, bypassed); then kill -9 of a real node while merges run."""
 
 import os
 import random
@@ -12,9 +14,12 @@ import pytest
 import pytest_twisted
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from twisted.internet import reactor
+from twisted.internet import reactor, task
+from twisted.internet.testing import StringTransport
 
 import storage.kv as kvmod
+from protocols.partition import codec, gets_compiled
+from protocols.partition.server import KvServerFactory
 from storage import Store
 
 LONG = b"p" * 436
@@ -37,7 +42,64 @@ class MemtableMachine(RuleBasedStateMachine):
         self.running = []  # merges started and not waited for
 
     def _open(self):
-        return Store.open(self.dir, fsync="never", reactor=reactor, node_id=1, retention_check_s=0)
+        store = Store.open(self.dir, fsync="never", reactor=reactor, node_id=1, retention_check_s=0)
+        store.kv.row_cache_bytes = 4096  # a few dozen entries per generation: dropped all the time
+        assert store.kv.start_row_cache() is not None
+        return store
+
+    @rule(ks=st.one_of(st.lists(st.sampled_from([b"a", b"b", b"c", b"\x00", b"\x7f", b"\xff"]), min_size=1, max_size=8),
+                       st.lists(keys, min_size=1, max_size=8)))
+    def server_gets(self, ks):
+        """GETs in one read on an idle connection of the key-value server: the compiled pass, through
+        the row cache when no memtable holds anything (and the cache is not updating)."""
+        proto = KvServerFactory(self.store.kv, store=self.store).buildProtocol(None)
+        tr = StringTransport()
+        proto.makeConnection(tr)
+        proto.dataReceived(b"".join(codec.encode_get(i, k) for i, k in enumerate(ks)))
+        data, pos = tr.value(), 0
+        for i, k in enumerate(ks):
+            r = codec.decode_reply(data, codec.GET, pos)
+            assert r.client_id == i
+            want = self.model.get(k)
+            if want is None:
+                assert r.cmd == codec.DATA_NOT_FOUND and not r.items, (k, r)
+            else:
+                assert r.items == [(k, want)], (k, r.items, want)
+            pos += int.from_bytes(data[pos : pos + 8], "big")
+        assert pos == len(data)
+        proto.connectionLost(None)
+
+    @rule(ks=st.lists(st.sampled_from([b"a", b"b", b"c", b"\x00", b"\x7f", b"\xff"]), min_size=1, max_size=8))
+    def merge_all_then_server_gets_twice(self, ks):
+        """Every write merged and the cache's updates done: GETs answered from the merge's
+        entries in the cache, or missed, looked up and cached, then hits."""
+        wait(self.store.kv.flush())
+        wait(self.store.kv.flush())
+        self.settle_the_cache()
+        self.server_gets(ks)
+        self.server_gets(ks)
+
+    @rule()
+    def settle_the_cache(self):
+        """Wait for the row cache's updates (merges landed): the next GETs may read it."""
+        cache = self.store.kv.row_cache
+        for _ in range(2000):
+            if cache is None or not cache.busy:
+                return
+            wait(task.deferLater(reactor, 0.001, lambda: None))
+        raise AssertionError("the row cache stayed busy")
+
+    @rule()
+    def clear_the_cache(self):
+        cache = self.store.kv.row_cache
+        if cache is not None and not cache.busy:
+            cache.clear()
+
+    @rule()
+    def bypass_the_cache(self):
+        cache = self.store.kv.row_cache
+        if cache is not None:
+            cache.bypass = not cache.bypass
 
     @rule(ops=st.lists(st.tuples(keys, st.one_of(st.none(), st.binary(max_size=4))), min_size=1, max_size=6))
     def write_run(self, ops):
@@ -136,6 +198,8 @@ class TestMemtableModel(MemtableMachine.TestCase):
     settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
     def setUp(self):
+        gets_compiled.start_loading()  # the compiled GET passes and the row cache's kernels
+        assert gets_compiled.wait(120) and gets_compiled.state == "compiled", gets_compiled.state
         # tiny memtables: size-triggered merges happen every few writes, each merge a few
         # LMDB transactions of 3 keys (reads and scans run between them)
         self._saved = kvmod.FLUSH_BYTES, kvmod.MERGE_CHUNK_KEYS, kvmod.MAX_WORKER_FAILURES

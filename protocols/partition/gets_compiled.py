@@ -16,10 +16,12 @@ from storage.jit import BackgroundLoad, import_compiled
 
 log = Logger()
 
-# The loaded kernels (gets_kernel.get_frames and get_replies); None until loaded (or for good,
-# without numba).
+# The loaded kernels (gets_kernel.get_frames, get_replies, and cached_replies and mixed_replies
+# over the store's row cache, storage/kv_cache.py); None until loaded (or for good, without numba).
 frames = None
 replies = None
+cached = None
+mixed = None
 # "python" (the server's loop), "loading" (the loop meanwhile), "compiled"
 state = "python"
 
@@ -42,7 +44,7 @@ def _loading():
 
 
 def load():
-    global frames, replies, state
+    global frames, replies, cached, mixed, state
     try:
         mod, why = import_compiled("protocols.partition.gets_kernel")
         if mod is None:
@@ -60,11 +62,36 @@ def load():
         get_replies(probe, count, frame_len, b"\x00v", b"\x02\x00\x00\x00", out)
         if (count, end, frame_len) != (1, 29, 29) or bytes(out) != codec.encode_get_reply(7, b"k", b"v"):
             raise AssertionError("the compiled GET passes answered a probe wrongly")
-        frames, replies = get_frames, get_replies
+        _probe_cache(mod, probe)
+        frames, replies, cached, mixed = get_frames, get_replies, mod.cached_replies, mod.mixed_replies
         state = "compiled"
     except Exception as e:  # a broken numba/llvmlite install must not stop the node
         state = "python"
         log.warn("kv GETs stay with the Python loop: the compiled pass failed to load: {error!r}", error=e)
+
+
+def _probe_cache(mod, probe):
+    """Compile (or load) the row cache's kernels with the signatures the server and the store call:
+    a merge's update, a read missed then found, then answered from the cache."""
+    import numpy as np
+
+    from protocols.partition import codec
+    from storage import kv_cache
+    from storage.index import KEY_KEEP
+
+    cache = kv_cache.RowCache(kv_cache.MIN_BYTES, kv_cache.kernels())
+    cache.merged({b"j": b"\x00w", b"i": None})
+    where, missed, out = np.empty(4, np.int64), np.empty(4, np.int64), np.empty(64, np.uint8)
+    args = (cache.slots, cache.arena, cache.meta)
+    if mod.cached_replies(probe, *args, KEY_KEEP, where, missed, out)[3:] != (1, 0):
+        raise AssertionError("the row cache answered a probe of an absent key")
+    size, found = mod.mixed_replies(probe, 1, 29, where, *args, b"\x00v", np.array([2], np.int64), out)
+    want = codec.encode_get_reply(7, b"k", b"v")
+    if (size, found) != (len(want), 1) or out[:size].tobytes() != want:
+        raise AssertionError("the row cache's mixed replies answered a probe wrongly")
+    count, _end, _len, misses, size = mod.cached_replies(probe, *args, KEY_KEEP, where, missed, out)
+    if (count, misses) != (1, 0) or out[:size].tobytes() != want:
+        raise AssertionError("the row cache answered a probe wrongly")
 
 
 _loader = BackgroundLoad("kv-gets", load, _loading, lambda: state)

@@ -29,6 +29,7 @@ from collections import deque
 from itertools import repeat
 
 import msgpack
+import numpy
 from twisted.internet import defer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -57,7 +58,7 @@ from protocols.partition.codec import (
     REMOVE,
     SET,
 )
-from storage import errors
+from storage import errors, kv_cache
 from storage.index import KEY_KEEP, PackedOp
 from storage.kv import PackedRun
 
@@ -79,6 +80,21 @@ def _get_reply_head(klen):
 _U32_FROM = struct.Struct(">I").unpack_from
 _KEYS_OF_FRAMES = {}  # (key_len, count) -> the unpack of the keys of count GETs of that key_len
 KEYS_OF_FRAMES_MAX = 256  # reads of more GETs take their keys by a slicing comprehension
+
+
+# Scratch of the row cache's kernel calls (reactor thread; one read at a time): per GET of a read
+# its entry's arena position or -1, the indices of the GETs missed, the replies (grown as needed;
+# copied out with one tobytes).
+_WHERE = numpy.empty(65536, numpy.int64)
+_MISSED = numpy.empty(65536, numpy.int64)
+_REPLIES = [numpy.empty(1 << 20, numpy.uint8)]
+
+
+def _replies_scratch(size):
+    out = _REPLIES[0]
+    if size > len(out):
+        out = _REPLIES[0] = numpy.empty(max(size, 2 * len(out)), numpy.uint8)
+    return out
 
 
 _LENGTHS = {}  # count -> the pack of count lengths as little-endian u32 (gets_kernel.get_replies)
@@ -755,6 +771,20 @@ class KvServerProtocol(Protocol):
         length, exactly 28 + key_len with a key of at most KEY_KEEP bytes (the rest of the read
         goes on as any read's); 0 (nothing done: the Python loop takes the read) if the first
         frame is not such a GET. Returns the position after the frames answered."""
+        kv = self.kv
+        cache = getattr(kv, "row_cache", None)
+        if cache is None:
+            cache = start_row_cache(kv)
+        if cache is not None and cache.bypass:
+            cache.reads += 1
+            if cache.reads % kv_cache.SAMPLE:
+                cache = None  # its hit rate is low: this read straight to LMDB (kv_cache.judge)
+        if cache is not None and not cache.busy and not kv.unmerged():
+            # no memtable holds anything: the row cache stands for LMDB (storage/kv_cache.py)
+            pos = self._answer_read_gets_cached(data, cache, reader)
+            if pos is not None:
+                return pos
+            cache = None
         t0 = time.perf_counter()
         count, end, frame_len = gets_compiled.frames(data)
         klen = frame_len - 28
@@ -773,6 +803,11 @@ class KvServerProtocol(Protocol):
                 newer = active.keys() & keys
             if flushing is not None and not flushing.keys().isdisjoint(keys):
                 newer = flushing.keys() & keys if newer is None else newer | (flushing.keys() & keys)
+            if newer is None and cache is not None and not cache.busy:
+                # none of the read's keys is in a memtable: the row cache stands for LMDB
+                pos = self._answer_read_gets_cached(data, cache, reader)
+                if pos is not None:
+                    return pos
             if newer is None:
                 stored = list(map(get, keys, repeat(None, count), repeat(db, count)))
             else:
@@ -807,6 +842,60 @@ class KvServerProtocol(Protocol):
             found, missing = count, 0
         self._handled += count - 1
         self._gets_answered(found, missing, t0)
+        return end
+
+    def _answer_read_gets_cached(self, data, cache, reader):
+        """``_answer_read_gets_compiled`` from the row cache (storage/kv_cache.py), for a read none
+        of whose keys a memtable holds: one compiled call looks every GET of the run up in the
+        cache and, all found, writes their replies; else the keys missed (only they) are looked up
+        in LMDB by one ``map`` and a second call writes every reply in order and caches the values
+        found. None (nothing done) if the keys are longer than KEY_KEEP; else the position after
+        the frames answered."""
+        t0 = time.perf_counter()
+        out = _REPLIES[0]
+        slots, arena, meta = cache.slots, cache.arena, cache.meta
+        count, end, frame_len, misses, size = gets_compiled.cached(data, slots, arena, meta, KEY_KEEP, _WHERE, _MISSED, out)
+        if not count or misses < 0:
+            return None
+        if not misses:
+            if size > len(out):
+                out = _replies_scratch(size)
+                count, end, frame_len, misses, size = gets_compiled.cached(data, slots, arena, meta, KEY_KEEP, _WHERE, _MISSED, out)
+            self._out.append(out[:size].tobytes())
+            cache.hits += count
+            cache.window -= count
+            if cache.window <= 0:
+                cache.judge()
+            self._handled += count - 1
+            self._gets_answered(count, 0, t0)
+            return end
+        klen = frame_len - 28
+        keys = [data[p : p + klen] for p in (_MISSED[:misses] * frame_len + 28).tolist()]
+        try:
+            get, db = reader()[2:]
+            stored = list(map(get, keys, repeat(None, misses), repeat(db, misses)))
+        except Exception as e:
+            self._gets_failed(self._cids(data, count, frame_len), e, self._out)
+            self._handled += count - 1
+            return end
+        if None in stored:
+            vlens = numpy.array([-1 if v is None else len(v) for v in stored], numpy.int64)
+            values = b"".join([v for v in stored if v is not None])
+        else:
+            vlens = numpy.fromiter(map(len, stored), numpy.int64, misses)
+            values = b"".join(stored)
+        size, found = gets_compiled.mixed(data, count, frame_len, _WHERE, slots, arena, meta, values, vlens, out)
+        if size < 0:
+            out = _replies_scratch(-size)
+            size, found = gets_compiled.mixed(data, count, frame_len, _WHERE, slots, arena, meta, values, vlens, out)
+        self._out.append(out[:size].tobytes())
+        cache.hits += count - misses
+        cache.misses += misses
+        cache.window -= count
+        if cache.window <= 0:
+            cache.judge()
+        self._handled += count - 1
+        self._gets_answered(found, count - found, t0)
         return end
 
     @staticmethod
@@ -1341,6 +1430,8 @@ class KvServerFactory(Factory):
         self.connections = set()
 
     def buildProtocol(self, addr):
+        if gets_compiled.cached is not None:
+            start_row_cache(self.kv)
         p = KvServerProtocol(self.kv, self.metrics, self.store)
         p.factory = self
         p.observe_latency = self.observe_latency
@@ -1355,12 +1446,26 @@ class KvServerFactory(Factory):
         return defer.DeferredList([p.whenIdle() for p in list(self.connections)])
 
 
+def start_row_cache(kv):
+    """Make the store's row cache (storage/kv_cache.py) once the compiled passes that read it are
+    loaded: from then on every merge landing fills it, before any GET asks for a key."""
+    start = getattr(kv, "start_row_cache", None)
+    return start() if start is not None else None
+
+
 def start_compiled_gets(node):
     """Load the compiled GET passes (gets_compiled) on a thread; the node's ready file waits for
-    them."""
+    them; then the store's row cache is made."""
     reactor = getattr(node, "reactor", None)
     if reactor is not None and hasattr(node, "before_ready"):
-        node.before_ready(gets_compiled.start_loading(reactor), "compiled kv GETs")
+        d = gets_compiled.start_loading(reactor)
+
+        def loaded(state):
+            if gets_compiled.cached is not None:
+                start_row_cache(node.store.kv)
+            return state
+
+        node.before_ready(d.addCallback(loaded), "compiled kv GETs")
     else:
         gets_compiled.start_loading()
 
