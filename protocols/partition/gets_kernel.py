@@ -13,24 +13,11 @@ with unsigned integers: numba then skips its negative-index wraparound.
 import numpy as np
 from numba import njit
 
+from protocols.partition.bytes_kernel import be as _be, put_be as _put_be
 from protocols.partition.codec import DATA_NOT_FOUND, GET, MAX_MESSAGE, OK
 from storage import kv_cache_kernel as ck
 
 JIT = dict(cache=True, nogil=True)
-
-
-@njit(**JIT)
-def _be(buf, p, n):
-    v = np.int64(0)
-    for k in range(n):
-        v = (v << 8) | np.int64(buf[np.uint64(p + k)])
-    return v
-
-
-@njit(**JIT)
-def _put_be(out, p, v, n):
-    for k in range(n):
-        out[np.uint64(p + n - 1 - k)] = np.uint8((v >> (8 * k)) & 0xFF)
 
 
 @njit(**JIT)
@@ -74,41 +61,6 @@ def get_frames(buf):
 
 
 @njit(**JIT)
-def get_replies(buf, count, frame_len, values, lens, out):
-    """The replies of ``count`` GETs of ``frame_len`` bytes each from the start of ``buf`` (key_len
-    = frame_len - 28), every one found, into ``out`` (a bytearray of exactly ``count * (frame_len +
-    3) + len(values)`` bytes): header (total_len, the request's client_id, num_elems 1, OK), u16
-    key_len, key, u32 value_len, value (CONTRACT §4). ``values`` (bytes) holds the stored values
-    one after another, each as long as the ``i``-th little-endian u32 of ``lens`` (bytes) says, of
-    which the first byte is the store's prefix (not sent)."""
-    klen = frame_len - 28
-    p = np.int64(0)  # in out
-    v = np.int64(0)  # in values
-    for i in range(count):
-        f = i * frame_len
-        vlen = _le_u32(lens, 4 * i) - 1
-        _put_be(out, p, 32 + klen + vlen, 8)
-        for k in range(8):
-            out[np.uint64(p + 8 + k)] = buf[np.uint64(f + 8 + k)]
-        _put_be(out, p + 16, 1, 8)
-        _put_be(out, p + 24, OK, 2)
-        _put_be(out, p + 26, klen, 2)
-        for k in range(klen):
-            out[np.uint64(p + 28 + k)] = buf[np.uint64(f + 28 + k)]
-        q = p + 28 + klen
-        _put_be(out, q, vlen, 4)
-        q += 4
-        for k in range(vlen):
-            out[np.uint64(q + k)] = values[np.uint64(v + 1 + k)]
-        p = q + vlen
-        v += vlen + 1
-    return p
-
-
-# -- the row cache (storage/kv_cache.py): a read's GETs answered from it ----------------------------
-
-
-@njit(**JIT)
 def _put_reply(out, p, buf, f, klen, src, sp, vlen):
     """The reply (CONTRACT §4: OK, num_elems 1, u16 key_len, key, u32 value_len, value) to the GET
     frame at ``buf[f]`` with the value ``src[sp : sp + vlen]``, at ``out[p]``; the position after."""
@@ -126,6 +78,28 @@ def _put_reply(out, p, buf, f, klen, src, sp, vlen):
     for k in range(vlen):
         out[np.uint64(q + k)] = src[np.uint64(sp + k)]
     return q + vlen
+
+
+@njit(**JIT)
+def get_replies(buf, count, frame_len, values, lens, out):
+    """The replies of ``count`` GETs of ``frame_len`` bytes each from the start of ``buf`` (key_len
+    = frame_len - 28), every one found, into ``out`` (a bytearray of exactly ``count * (frame_len +
+    3) + len(values)`` bytes): header (total_len, the request's client_id, num_elems 1, OK), u16
+    key_len, key, u32 value_len, value (CONTRACT §4). ``values`` (bytes) holds the stored values
+    one after another, each as long as the ``i``-th little-endian u32 of ``lens`` (bytes) says, of
+    which the first byte is the store's prefix (not sent)."""
+    klen = frame_len - 28
+    p = np.int64(0)  # in out
+    v = np.int64(0)  # in values
+    for i in range(count):
+        vlen = _le_u32(lens, 4 * i) - 1
+        p = _put_reply(out, p, buf, i * frame_len, klen, values, v + 1, vlen)
+        v += vlen + 1
+    return p
+
+
+# -- the row cache (storage/kv_cache.py): a read's GETs answered from it ----------------------------
+
 
 
 @njit(**JIT)

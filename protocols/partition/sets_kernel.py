@@ -22,24 +22,11 @@ unsigned integers: numba then skips its negative-index wraparound.
 import numpy as np
 from numba import njit
 
+from protocols.partition.bytes_kernel import be as _be, put_be as _put_be
 from protocols.partition.codec import HEADER_LEN, MAX_MESSAGE, MAX_VALUE, OK, SET
 from storage.index import KEY_KEEP, KV, OP_PUTS
 
 JIT = dict(cache=True, nogil=True)
-
-
-@njit(**JIT)
-def _be(buf, p, n):
-    v = np.int64(0)
-    for k in range(n):
-        v = (v << 8) | np.int64(buf[np.uint64(p + k)])
-    return v
-
-
-@njit(**JIT)
-def _put_be(out, p, v, n):
-    for k in range(n):
-        out[np.uint64(p + n - 1 - k)] = np.uint8((v >> (8 * k)) & 0xFF)
 
 
 @njit(**JIT)
