@@ -1042,8 +1042,13 @@ class CommitCore:
         stop.done.addBoth(finish)
         if self._writer is None:  # inline: the caller's thread writes what is queued, then stops
             self.run_queued()
-        elif not self._writer.is_alive():  # it died (logged then): nobody will take the stop
+        elif not self._writer.is_alive():
+            # It died (logged then), or it has taken the stop and ended already (woken above, it
+            # can finish before this line runs): a stop it took, it delivers; one still queued,
+            # nobody will take
             with self._cond:
+                waiting = stop in self._queue
                 self._queue.clear()
-            stop.done.callback(None)
+            if waiting:
+                stop.done.callback(None)
         return done

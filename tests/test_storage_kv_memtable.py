@@ -148,7 +148,10 @@ class MemtableMachine(RuleBasedStateMachine):
         for): the writer thread merges that memtable, a new worker the next one."""
         pid = self.store.kv.merge_worker_pid()
         if pid is not None:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it has just ended and been reaped (its pid is read before the reap is seen)
 
     @rule()
     def restart(self):

@@ -354,3 +354,43 @@ async def test_io_error_fails_the_group_and_later_writes(tmp_path):
     st = open_store(tmp_path)
     assert st.log.stream(sid).next_offset == 1
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_close_when_the_writer_ends_before_close_looks_at_it(tmp_path):
+    """``close`` wakes the writer with its stop; the writer may take the stop, deliver it and end
+    before ``close`` asks whether it is alive. The stop is then delivered once (by the writer), not
+    also by ``close``: no AlreadyCalledError in the delivery, the close fires once."""
+    from twisted.logger import globalLogPublisher
+
+    st = open_store(tmp_path)
+    await st.kv.put(b"k", b"v")
+    core = st.core
+    wake = core._wake_writer
+
+    def wake_and_wait_for_the_end():
+        wake()
+        if core.closed:  # close's wake-up, its stop queued
+            core._writer.join(10)  # the writer has taken the stop and ended: close looks only now
+            assert not core._writer.is_alive()
+
+    core._wake_writer = wake_and_wait_for_the_end
+    errors_seen = []
+
+    def observer(event):
+        if event.get("log_failure") is not None or event.get("isError"):
+            errors_seen.append(event)
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        await st.close()
+        d = defer.Deferred()
+        reactor.callLater(0.05, d.callback, None)  # let the writer's delivery run, if queued
+        await d
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert not [e for e in errors_seen if "AlreadyCalled" in repr(e)], errors_seen
+    assert core.closed
+    st = open_store(tmp_path)
+    assert st.kv.get(b"k") == b"v"
+    await st.close()
