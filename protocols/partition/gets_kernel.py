@@ -13,7 +13,7 @@ with unsigned integers: numba then skips its negative-index wraparound.
 import numpy as np
 from numba import njit
 
-from protocols.partition.bytes_kernel import be as _be, put_be as _put_be
+from protocols.partition.bytes_kernel import frame_head as _frame_head, put_be as _put_be
 from protocols.partition.codec import DATA_NOT_FOUND, GET, MAX_MESSAGE, OK
 from storage import kv_cache_kernel as ck
 
@@ -40,12 +40,8 @@ def get_frames(buf):
     count = np.int64(0)
     frame_len = np.int64(0)
     while n - pos >= 28:
-        if _be(buf, pos, 4) != 0:  # total_len >= 2**32: over any limit
-            break
-        total = _be(buf, pos + 4, 4)
-        cmd = _be(buf, pos + 24, 2)
-        klen = _be(buf, pos + 26, 2)
-        if cmd != GET or klen == 0 or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
+        total, cmd, klen = _frame_head(buf, pos)
+        if total < 0 or cmd != GET or klen == 0 or 28 + klen > total or total > n - pos or total > MAX_MESSAGE:
             break
         if count == 0:
             if total != 28 + klen:

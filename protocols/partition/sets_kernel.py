@@ -22,7 +22,7 @@ unsigned integers: numba then skips its negative-index wraparound.
 import numpy as np
 from numba import njit
 
-from protocols.partition.bytes_kernel import be as _be, put_be as _put_be
+from protocols.partition.bytes_kernel import be as _be, frame_head as _frame_head, put_be as _put_be
 from protocols.partition.codec import HEADER_LEN, MAX_MESSAGE, MAX_VALUE, OK, SET
 from storage.index import KEY_KEEP, KV, OP_PUTS
 
@@ -79,12 +79,8 @@ def set_run(buf, room, room_bytes, payload, replies):
     vbytes = np.int64(0)
     budget = np.int64(0)
     while n - pos >= 28:
-        if _be(buf, pos, 4) != 0:  # total_len >= 2**32: over any limit
-            break
-        total = _be(buf, pos + 4, 4)
-        cmd = _be(buf, pos + 24, 2)
-        klen = _be(buf, pos + 26, 2)
-        if klen == 0 or total > n - pos or total > MAX_MESSAGE or cmd != SET or klen > KEY_KEEP:
+        total, cmd, klen = _frame_head(buf, pos)
+        if total < 0 or klen == 0 or total > n - pos or total > MAX_MESSAGE or cmd != SET or klen > KEY_KEEP:
             break
         kend = pos + 28 + klen
         if kend + 4 > pos + total:
