@@ -60,6 +60,16 @@ def kernels():
     return sys.modules.get(KERNELS)
 
 
+def joined_values(values):
+    """``(joined, lengths)`` of stored values (bytes, or None for a key without one) as the
+    kernels take them: the values one after another, and an int64 array of their lengths (-1 for
+    None)."""
+    if None in values:
+        return (b"".join([v for v in values if v is not None]),
+                np.array([-1 if v is None else len(v) for v in values], np.int64))
+    return b"".join(values), np.fromiter(map(len, values), np.int64, len(values))
+
+
 class RowCache:
     """The arrays of the cache and the calls on them: on the reactor thread, except a merge's
     update, on the cache's own thread while ``busy`` (the reactor then leaves the arrays alone)."""
@@ -161,14 +171,8 @@ class RowCache:
             ks = list(islice(keys, UPDATE_SLICE))
             if not ks:
                 break
-            vs = list(islice(values, len(ks)))
             klens = np.fromiter(map(len, ks), np.int64, len(ks))
-            if None in vs:
-                vlens = np.array([-1 if v is None else len(v) for v in vs], np.int64)
-                joined = b"".join([v for v in vs if v is not None])
-            else:
-                vlens = np.fromiter(map(len, vs), np.int64, len(vs))
-                joined = b"".join(vs)
+            joined, vlens = joined_values(list(islice(values, len(ks))))
             self.k.update(self.slots, self.arena, self.meta, b"".join(ks), klens, joined, vlens, KEY_KEEP)
         self.updates += 1
 

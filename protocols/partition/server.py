@@ -878,12 +878,7 @@ class KvServerProtocol(Protocol):
             self._gets_failed(self._cids(data, count, frame_len), e, self._out)
             self._handled += count - 1
             return end
-        if None in stored:
-            vlens = numpy.array([-1 if v is None else len(v) for v in stored], numpy.int64)
-            values = b"".join([v for v in stored if v is not None])
-        else:
-            vlens = numpy.fromiter(map(len, stored), numpy.int64, misses)
-            values = b"".join(stored)
+        values, vlens = kv_cache.joined_values(stored)
         size, found = gets_compiled.mixed(data, count, frame_len, _WHERE, slots, arena, meta, values, vlens, out)
         if size < 0:
             out = _replies_scratch(-size)
