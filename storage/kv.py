@@ -459,17 +459,7 @@ class KeyValue:
             self._check_room(nbytes)
         except errors.StoreError:
             return defer.fail()
-        run = dict(zip(keys, stored))
-        self._runs.append(run)
-        results = [True] * n
-        logged = [(OP_PUTS, KV_DB, keys, stored)]
-
-        def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next merge
-            return results, logged
-
-        d = self._core.submit(Direct(apply, nbytes, memtable=True))
-        d.addBoth(self._landed, run, nbytes, True)
-        return d
+        return self._submit_puts(dict(zip(keys, stored)), n, nbytes, [(OP_PUTS, KV_DB, keys, stored)])
 
     def write_packed(self, run, op, nbytes):
         """``write_sets`` of a run whose WAL op the caller has packed already (the key-value
@@ -486,9 +476,14 @@ class KeyValue:
             self._check_room(nbytes)
         except errors.StoreError:
             return defer.fail()
+        return self._submit_puts(run, count, nbytes, [op])
+
+    def _submit_puts(self, run, count, nbytes, logged):
+        """``write_sets``' and ``write_packed``'s run of ``count`` puts, room checked: ``run`` (its
+        memtable entry) is read by GETs until durable and then lands in the memtable (``_landed``);
+        the WAL gets ``logged``. Fires with one True per put."""
         self._runs.append(run)
         results = [True] * count
-        logged = [op]
 
         def apply(txn):  # writer thread: the WAL entry is all; LMDB gets it at the next merge
             return results, logged
