@@ -7,10 +7,12 @@ Python loop it stands in for (``_write_run``), and its WAL op against ``msgpack.
 - ``index.pack_ops`` (a ``T_OPS`` entry holding packed ops) is ``msgpack.packb`` of the ops;
 - random reads of those frames into a server with the pass and one without (hypothesis): the same
   bytes sent, close and store;
-- a mixed buffer (SETs, empty keys, a value over the limit, a key over KEY_KEEP, GETs of the run's
-  keys, REMOVEs, a SET cut by total_len, an oversize total_len at the end) read at once, split at
-  every byte and in steps, with and without the compiled pass: the replies and the store of one
-  frame at a time;
+- the kernel's GETs of the run's keys (``SET k; GET k``): the newest SET's value, the lookback's
+  edge, replies outgrowing the reply buffer, budgets (hypothesis, against the model);
+- mixed buffers (SETs, empty keys, a value over the limit, a key over KEY_KEEP, GETs of the run's
+  keys and of keys in LMDB, the row cache, the memtable or missing, REMOVEs, a SET or GET cut by
+  total_len, total_len < 8 or oversize at the end) read at once, split at every byte and in steps,
+  with and without the compiled pass: the replies and the store of one frame at a time;
 - packed runs through the real writer thread and merge worker, and a reopen that replays them.
 """
 
@@ -320,6 +322,106 @@ def test_mixed_writes_split_anywhere_give_the_replies_of_one_frame_at_a_time(tmp
         assert got == want, [len(r) for r in reads]
     if sets_mode == "compiled":
         assert sum(1 for pos in taken if pos) >= 200  # the splits inside the first run of SETs, and steps
+    else:
+        assert not taken
+
+
+def _setget_frames(ending):
+    """SETs with GETs of the run's keys (the pass's shape), then GETs of keys the store holds in
+    LMDB only, in LMDB and the row cache, in the memtable, and of a missing key, REMOVEs (a missing
+    key's too), GETs after them, malformed frames (an empty key, a value over the limit, a GET
+    whose total_len cuts its key), more SET/GET pairs, and ``ending``: total_len < 8 or over 32
+    MiB (ERR 3 and the close)."""
+    f = []
+    for i in range(4):
+        f += [c.encode_set(1 + 2 * i, b"a%d" % i, b"one%d" % i), c.encode_get(2 + 2 * i, b"a%d" % i)]
+    f += [c.encode_get(9, b"a0"), c.encode_set(10, b"a0", b"two" * 90), c.encode_get(11, b"a0")]
+    f += [c.encode_set(12, b"a1", b"three"), c.encode_get(13, b"lm01"), c.encode_get(14, b"a1")]
+    f += [c.encode_get(15, b"rc01"), c.encode_get(16, b"mt01"), c.encode_get(17, b"missing")]
+    f += [c.encode_set(18, b"lm01", b"over"), c.encode_get(19, b"lm01"), c.encode_remove(20, b"a2")]
+    f += [c.encode_get(21, b"a2"), c.encode_remove(22, b"nope"), c.encode_set(23, b"a2", b"back")]
+    f += [c.encode_get(24, b"a2"), c.encode_set(25, b"", b"empty"), c.encode_get(26, b"a3")]
+    b = bytearray(c.encode_set(27, b"a4", b"v"))
+    struct.pack_into(">I", b, 28 + 2, c.MAX_VALUE + 1)  # a value over the limit
+    f += [bytes(b), c.encode_get(28, b"a4")]
+    b = bytearray(c.encode_get(29, b"a1"))
+    struct.pack_into(">Q", b, 0, len(b) - 1)  # total_len cuts the GET's key
+    f.append(bytes(b))
+    for i in range(5):
+        f += [c.encode_set(30 + 2 * i, b"p%d" % i, b"x" * (50 * i)), c.encode_get(31 + 2 * i, b"p%d" % i)]
+    f += [c.encode_get(40, b"rc02"), c.encode_set(41, b"rc02", b"new"), c.encode_get(42, b"rc02")]
+    b = bytearray(c.encode_set(43, b"zz", b"v"))
+    if ending == "short":
+        struct.pack_into(">Q", b, 0, 7)  # total_len < 8: ERR 3 (client_id 0), then the close
+    else:
+        struct.pack_into(">Q", b, 0, c.MAX_MESSAGE + 1)  # refused: ERR 3 and the close
+    f.append(bytes(b)[:28])
+    return f
+
+
+@pytest.mark.parametrize("ending", ["short", "oversize"])
+def test_set_get_mixes_split_anywhere_give_the_replies_of_one_frame_at_a_time(tmp_path, sets_mode, monkeypatch, ending):
+    """SETs and GETs of the run's keys taken by the pass, mixed with GETs of keys in LMDB only, in
+    LMDB and the row cache, in the memtable and missing, REMOVEs and malformed frames: read at
+    once, split at every byte and in steps, with and without the pass, the replies, the close and
+    the store are those of one frame at a time through the Python loop."""
+    from protocols.partition import gets_compiled
+
+    gets_compiled.start_loading()
+    assert gets_compiled.wait(120) and gets_compiled.state == "compiled", gets_compiled.state
+    frames = _setget_frames(ending)
+    wire = b"".join(frames)
+    n = [0]
+
+    def fresh():
+        n[0] += 1
+        s = open_inline(tmp_path / str(n[0]), task.Clock())
+        s.kv.write_sets([b"lm%02d" % i for i in range(4)], [b"lmdb%d" % i for i in range(4)])
+        s.kv.flush()
+        s.kv.flush()  # in LMDB, not in the row cache (made after this merge)
+        cache = s.kv.start_row_cache()
+        s.kv.write_sets([b"rc%02d" % i for i in range(4)], [b"cached%d" % i for i in range(4)])
+        s.kv.flush()
+        s.kv.flush()  # in LMDB and the row cache (the merge fills it)
+        s.kv.write_sets([b"mt%02d" % i for i in range(4)], [b"memtable%d" % i for i in range(4)])
+        complete(s, None)
+        return s, cache
+
+    python, sets_compiled.run = sets_compiled.run, None
+    try:
+        s, cache = fresh()
+        want = _run(s, frames)  # one frame at a time, the Python loop
+        close(s)
+    finally:
+        sets_compiled.run = python
+    assert want[1]  # the ending closes
+    assert want[2][b"a0"] == b"two" * 90 and want[2][b"a2"] == b"back" and want[2][b"lm01"] == b"over"
+    assert c.encode_get_reply(15, b"rc01", b"cached1") in want[0] and c.encode_get_reply(13, b"lm01", b"lmdb1") in want[0]
+    assert c.encode_get_reply(16, b"mt01", b"memtable1") in want[0] and c.encode_status(17, c.DATA_NOT_FOUND) in want[0]
+    taken = []
+    real = KvServerProtocol._sets_compiled
+
+    def spy(self, data, n):
+        pos = real(self, data, n)
+        taken.append(pos)
+        return pos
+
+    monkeypatch.setattr(KvServerProtocol, "_sets_compiled", spy)
+    monkeypatch.setattr(server, "SETS_SKIP_READS", 0)  # the pass tried on every read
+    cases = [[wire]] + [[wire[:i], wire[i:]] for i in range(1, len(wire))]
+    cases += [[wire[i : i + step] for i in range(0, len(wire), step)] for step in (1, 7, 29, 33, 64, 129, 500)]
+    cases += [frames]
+    hits = 0
+    for reads in cases:
+        s, cache = fresh()
+        hold(s, len(reads) % 2 == 0)  # acks at once, or all at the end
+        got = _run(s, reads)
+        hits += cache.hits
+        close(s)
+        assert got == want, [len(r) for r in reads]
+    assert hits  # the row cache answered some GETs
+    if sets_mode == "compiled":
+        assert sum(1 for pos in taken if pos) >= 100  # the splits inside the first run, and steps
     else:
         assert not taken
 
