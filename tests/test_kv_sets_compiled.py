@@ -548,3 +548,25 @@ def test_a_packed_run_refused_for_room_fails_whole(tmp_path, monkeypatch):
         assert s.kv.get_many([b"k1", b"k2"]) == [None, None]
     finally:
         close(s)
+
+
+def test_a_failed_run_with_gets_answers_as_the_loop(tmp_path, monkeypatch, sets_mode):
+    """A run of ``SET k; GET k`` the store refuses: its SETs get ERR 0, its GETs the replies the
+    read gave them (what the loop's failed run sends), in order; nothing stored."""
+    import storage.kv as kvmod
+
+    monkeypatch.setattr(kvmod, "HARD_BYTES", 10)
+    s = open_inline(tmp_path / "s", task.Clock())
+    try:
+        proto = KvServerFactory(s.kv, store=s).buildProtocol(None)
+        tr = StringTransport()
+        proto.makeConnection(tr)
+        proto.dataReceived(c.encode_set(5, b"k1", b"v" * 20) + c.encode_get(6, b"k1")
+                           + c.encode_set(7, b"k2", b"w") + c.encode_get(8, b"k1") + c.encode_get(9, b"k2"))
+        complete(s, None)
+        assert tr.value() == b"".join([
+            c.encode_error(5, c.E_UNKNOWN), c.encode_get_reply(6, b"k1", b"v" * 20), c.encode_error(7, c.E_UNKNOWN),
+            c.encode_get_reply(8, b"k1", b"v" * 20), c.encode_get_reply(9, b"k2", b"w")])
+        assert s.kv.get_many([b"k1", b"k2"]) == [None, None]
+    finally:
+        close(s)
