@@ -570,3 +570,29 @@ def test_a_failed_run_with_gets_answers_as_the_loop(tmp_path, monkeypatch, sets_
         assert s.kv.get_many([b"k1", b"k2"]) == [None, None]
     finally:
         close(s)
+
+
+def test_gets_of_a_big_value_past_the_replies_scratch_go_to_the_loop(tmp_path, monkeypatch, sets_mode):
+    """A read that SETs a 60 KB value and GETs it 100 times (6 MB of replies, past
+    REPLIES_SCRATCH_MAX): the pass leaves it to the loop, the scratch stays within its bound, the
+    replies are the loop's; a read of a few such GETs is taken (the scratch grown)."""
+    taken = []
+    real = KvServerProtocol._sets_compiled
+    monkeypatch.setattr(KvServerProtocol, "_sets_compiled", lambda self, data, n: taken.append(real(self, data, n)) or taken[-1])
+    s = open_inline(tmp_path / "s", task.Clock())
+    try:
+        proto = KvServerFactory(s.kv, store=s).buildProtocol(None)
+        tr = StringTransport()
+        proto.makeConnection(tr)
+        big = bytes(range(256)) * 240
+        proto.dataReceived(c.encode_set(1, b"big", big) + b"".join(c.encode_get(2 + i, b"big") for i in range(100)))
+        proto.dataReceived(c.encode_set(200, b"big", big[::-1]) + b"".join(c.encode_get(201 + i, b"big") for i in range(3)))
+        complete(s, None)
+        assert tr.value() == b"".join(
+            [c.encode_status(1, c.OK)] + [c.encode_get_reply(2 + i, b"big", big) for i in range(100)]
+            + [c.encode_status(200, c.OK)] + [c.encode_get_reply(201 + i, b"big", big[::-1]) for i in range(3)])
+        assert len(server._SCRATCH[1]) <= server.REPLIES_SCRATCH_MAX
+        if sets_mode == "compiled":
+            assert taken[0] == 0 and taken[1] > 0
+    finally:
+        close(s)

@@ -139,6 +139,8 @@ _SCRATCH = [bytearray(1 << 16), bytearray(1 << 16), numpy.empty(2 * 2341 + 2, nu
 # reads of the connection that start with a write go to the loop without trying it (the same
 # replies either way: only the wasted call is saved)
 SETS_SKIP_READS = 16
+# The largest the pass's replies scratch grows to (a read's GET replies past it: the loop answers)
+REPLIES_SCRATCH_MAX = 4 << 20
 _TOTAL_FROM = _U64.unpack_from
 
 
@@ -555,8 +557,12 @@ class KvServerProtocol(Protocol):
                 data, room, self.max_inflight_bytes - self._inflight_bytes, payload, replies, where)
             if not full:
                 break
-            # a GET's reply did not fit (the replies of a read's GETs can outgrow the read)
-            replies = _SCRATCH[1] = bytearray(2 * len(replies) + n)
+            # a GET's reply did not fit (the replies of a read's GETs can outgrow the read): grow
+            # the scratch, up to REPLIES_SCRATCH_MAX (then the loop takes the read: a read that
+            # GETs a big value it set many times, kept out of a scratch that never shrinks)
+            if len(replies) >= REPLIES_SCRATCH_MAX:
+                return 0
+            replies = _SCRATCH[1] = bytearray(min(2 * len(replies) + n, REPLIES_SCRATCH_MAX))
         if not count or (not budget and n - end >= 28 and _TOTAL_FROM(data, end)[0] <= n - end):
             # this connection mixes its writes with other frames (GETs of other keys, REMOVEs):
             # the loop takes its next reads without trying the pass first
