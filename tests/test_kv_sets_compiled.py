@@ -7,10 +7,12 @@ Python loop it stands in for (``_write_run``), and its WAL op against ``msgpack.
 - ``index.pack_ops`` (a ``T_OPS`` entry holding packed ops) is ``msgpack.packb`` of the ops;
 - random reads of those frames into a server with the pass and one without (hypothesis): the same
   bytes sent, close and store;
-- a mixed buffer (SETs, empty keys, a value over the limit, a key over KEY_KEEP, GETs of the run's
-  keys, REMOVEs, a SET cut by total_len, an oversize total_len at the end) read at once, split at
-  every byte and in steps, with and without the compiled pass: the replies and the store of one
-  frame at a time;
+- the kernel's GETs of the run's keys (``SET k; GET k``): the newest SET's value, the lookback's
+  edge, replies outgrowing the reply buffer, budgets (hypothesis, against the model);
+- mixed buffers (SETs, empty keys, a value over the limit, a key over KEY_KEEP, GETs of the run's
+  keys and of keys in LMDB, the row cache, the memtable or missing, REMOVEs, a SET or GET cut by
+  total_len, total_len < 8 or oversize at the end) read at once, split at every byte and in steps,
+  with and without the compiled pass: the replies and the store of one frame at a time;
 - packed runs through the real writer thread and merge worker, and a reopen that replays them.
 """
 
@@ -20,6 +22,7 @@ import struct
 import tempfile
 
 import msgpack
+import numpy
 import pytest
 import pytest_twisted
 from hypothesis import given, settings
@@ -28,7 +31,7 @@ from twisted.internet import reactor, task
 from twisted.internet.testing import StringTransport
 
 from protocols.partition import codec as c
-from protocols.partition import server, sets_compiled
+from protocols.partition import server, sets_compiled, sets_kernel
 from protocols.partition.server import KvServerFactory, KvServerProtocol
 from storage import Store, index
 from storage.index import KEY_KEEP, PackedOp, pack_ops
@@ -54,32 +57,57 @@ def sets_mode(request):
 
 
 def model_run(buf, room, room_bytes):
-    """``_write_run``'s loop over SETs alone (a key over KEY_KEEP ends the run, as in the kernel):
-    ``(cids, keys, values, end, budget)``."""
+    """``_write_run``'s loop over SETs and GETs of keys the run set (a key over KEY_KEEP ends the
+    run, as in the kernel, and so does a GET of a key none of the run's last GET_LOOKBACK SETs
+    set): ``(items, end, budget)``, items ``("set", cid, key, value)`` or ``("get", cid, key,
+    value the GET is answered with)``."""
     n = len(buf)
     pos = 0
-    cids, keys, values = [], [], []
+    items = []
     nbytes = 0
     budget = 0
     while n - pos >= 28:
         total, cid, _n, cmd, klen = struct.unpack_from(">QQQHH", buf, pos)
-        if not klen or total > n - pos or total > c.MAX_MESSAGE or cmd != c.SET or klen > KEY_KEEP:
+        if not klen or total > n - pos or total > c.MAX_MESSAGE:
             break
         kend = pos + 28 + klen
-        if kend + 4 > pos + total:
+        key = buf[pos + 28 : kend]
+        if cmd == c.SET:
+            if klen > KEY_KEEP or kend + 4 > pos + total:
+                break
+            (vlen,) = struct.unpack_from(">I", buf, kend)
+            if vlen > c.MAX_VALUE or kend + 4 + vlen > pos + total:
+                break
+            items.append(("set", cid, key, buf[kend + 4 : kend + 4 + vlen]))
+            nbytes += vlen
+        elif cmd == c.GET and items:
+            if kend > pos + total:
+                break
+            sets = [it for it in items if it[0] == "set"][-sets_kernel.GET_LOOKBACK :]
+            found = [it[3] for it in reversed(sets) if it[2] == key]
+            if not found:
+                break
+            items.append(("get", cid, key, found[0]))
+        else:
             break
-        (vlen,) = struct.unpack_from(">I", buf, kend)
-        if vlen > c.MAX_VALUE or kend + 4 + vlen > pos + total:
-            break
-        cids.append(cid)
-        keys.append(buf[pos + 28 : kend])
-        values.append(buf[kend + 4 : kend + 4 + vlen])
-        nbytes += vlen
         pos += total
-        if len(cids) >= room or nbytes >= room_bytes:
+        if len(items) >= room or nbytes >= room_bytes:
             budget = 1
             break
-    return cids, keys, values, pos, budget
+    return items, pos, budget
+
+
+def _kernel_call(kernel, buf, room, room_bytes, replies_size=None):
+    """The kernel over ``buf`` as the server calls it, its replies buffer grown while it says
+    ``full``: ``(count, end, plen, kbytes, vbytes, budget, items, rlen), payload, replies``."""
+    payload = bytearray(len(buf) + 16)
+    replies = bytearray(c.HEADER_LEN * min(room, len(buf) // 33 + 1) if replies_size is None else replies_size)
+    where = numpy.empty(2 * (len(buf) // 28 + 1), numpy.int64)
+    while True:
+        got = kernel(buf, room, room_bytes, payload, replies, where)
+        if not got[8]:
+            return got[:8], payload, replies
+        replies = bytearray(2 * len(replies) + len(buf))
 
 
 def _frame(kind, cid, key, value, extra):
@@ -89,6 +117,14 @@ def _frame(kind, cid, key, value, extra):
         return c.encode_get(cid, key)
     if kind == "remove":
         return c.encode_remove(cid, key)
+    if kind == "get-long":  # trailing bytes after the GET's key: taken
+        b = bytearray(c.encode_get(cid, key)) + b"\x00" * (extra % 5 + 1)
+        struct.pack_into(">Q", b, 0, len(b))
+        return bytes(b)
+    if kind == "get-short" and key:  # total_len cuts the GET's key
+        b = bytearray(c.encode_get(cid, key))
+        struct.pack_into(">Q", b, 0, len(b) - 1 - extra % len(key))
+        return bytes(b)
     b = bytearray(c.encode_set(cid, key, value))
     if kind == "long-total":  # trailing bytes inside the frame: taken, skipped
         b += b"\x00" * (extra % 5 + 1)
@@ -106,9 +142,11 @@ def _frame(kind, cid, key, value, extra):
 
 frames = st.lists(
     st.tuples(
-        st.sampled_from(["set"] * 6 + ["get", "remove", "long-total", "short-total", "big-vlen", "bad-klen", "huge-total"]),
+        st.sampled_from(["set"] * 6 + ["get"] * 4 + ["get-long", "get-short", "remove", "long-total", "short-total",
+                                                      "big-vlen", "bad-klen", "huge-total"]),
         st.integers(0, (1 << 64) - 1),
-        st.one_of(st.binary(min_size=0, max_size=12), st.sampled_from([b"k" * 440, b"k" * 441])),
+        # a few keys often, so that GETs of the run's keys (and of keys set before it) come up
+        st.one_of(st.binary(min_size=0, max_size=12), st.sampled_from([b"a", b"b", b"ab", b"k" * 440, b"k" * 441])),
         st.one_of(st.binary(max_size=40), st.sampled_from([b"v" * 254, b"v" * 255, b"v" * 300, b"v" * 65535, b"v" * 70000])),
         st.integers(0, 100),
     ),
@@ -124,19 +162,44 @@ def test_set_run_frames_as_write_run_and_packs_as_msgpack(spec, room, room_bytes
     buf = b"".join(_frame(*f) for f in spec)
     if cut:
         buf = buf[: max(0, len(buf) - cut)]
-    payload = bytearray(len(buf) + 16)
-    replies = bytearray(c.HEADER_LEN * min(room, len(buf) // 33 + 1))
-    count, end, plen, kbytes, vbytes, budget = kernel(buf, room, room_bytes, payload, replies)
-    cids, keys, values, want_end, want_budget = model_run(buf, room, room_bytes)
-    assert count == len(cids)
+    (count, end, plen, kbytes, vbytes, budget, items, rlen), payload, replies = _kernel_call(kernel, buf, room, room_bytes)
+    want, want_end, want_budget = model_run(buf, room, room_bytes)
+    sets = [it for it in want if it[0] == "set"]
+    assert (count, items) == (len(sets), len(want))
     if not count:
         return
     assert (end, budget) == (want_end, want_budget)
-    assert (kbytes, vbytes) == (sum(map(len, keys)), sum(map(len, values)))
-    op = [index.OP_PUTS, index.KV, keys, [b"\x00" + v for v in values]]
+    assert (kbytes, vbytes) == (sum(len(it[2]) for it in sets), sum(len(it[3]) for it in sets))
+    op = [index.OP_PUTS, index.KV, [it[2] for it in sets], [b"\x00" + it[3] for it in sets]]
     assert bytes(payload[:plen]) == msgpack.packb(op, use_bin_type=True)
     assert msgpack.unpackb(bytes(payload[:plen])) == op
-    assert bytes(replies[: c.HEADER_LEN * count]) == b"".join(c.encode_status(cid, c.OK) for cid in cids)
+    assert bytes(replies[:rlen]) == b"".join(
+        c.encode_status(cid, c.OK) if kind == "set" else c.encode_get_reply(cid, key, value)
+        for kind, cid, key, value in want)
+    assert server._OkReplies(replies[:rlen]).cids() == [
+        cid if kind == "set" else c.encode_get_reply(cid, key, value) for kind, cid, key, value in want]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b"a", b"b", b"c"]), min_size=1, max_size=90), st.integers(1, 60000),
+       st.integers(0, 40), st.integers(1, 300))
+def test_set_run_answers_gets_of_the_runs_keys_from_the_newest_set(keys, value_size, replies_size, room):
+    """``SET k; GET k`` shapes: GETs of keys set 1..90 SETs back (the lookback's edge), repeated
+    keys, values up to 60 KB so that the GETs' replies outgrow the reply buffer (``full``, the
+    buffer grown), budgets cutting the run anywhere."""
+    kernel = _kernel()
+    frames = []
+    for i, key in enumerate(keys):
+        frames.append(c.encode_set(2 * i, key, (b"%d:" % i) * (value_size // 8 + 1)))
+        frames.append(c.encode_get(2 * i + 1, keys[(i * 7) % (i + 1)]))
+    buf = b"".join(frames)
+    (count, end, plen, kbytes, vbytes, budget, items, rlen), payload, replies = _kernel_call(
+        kernel, buf, room, 1 << 30, replies_size)
+    want, want_end, want_budget = model_run(buf, room, 1 << 30)
+    assert (items, end, budget) == (len(want), want_end, want_budget)
+    assert bytes(replies[:rlen]) == b"".join(
+        c.encode_status(cid, c.OK) if kind == "set" else c.encode_get_reply(cid, key, value)
+        for kind, cid, key, value in want)
 
 
 @settings(max_examples=150, deadline=None)
@@ -263,10 +326,113 @@ def test_mixed_writes_split_anywhere_give_the_replies_of_one_frame_at_a_time(tmp
         assert not taken
 
 
+def _setget_frames(ending):
+    """SETs with GETs of the run's keys (the pass's shape), then GETs of keys the store holds in
+    LMDB only, in LMDB and the row cache, in the memtable, and of a missing key, REMOVEs (a missing
+    key's too), GETs after them, malformed frames (an empty key, a value over the limit, a GET
+    whose total_len cuts its key), more SET/GET pairs, and ``ending``: total_len < 8 or over 32
+    MiB (ERR 3 and the close)."""
+    f = []
+    for i in range(4):
+        f += [c.encode_set(1 + 2 * i, b"a%d" % i, b"one%d" % i), c.encode_get(2 + 2 * i, b"a%d" % i)]
+    f += [c.encode_get(9, b"a0"), c.encode_set(10, b"a0", b"two" * 90), c.encode_get(11, b"a0")]
+    f += [c.encode_set(12, b"a1", b"three"), c.encode_get(13, b"lm01"), c.encode_get(14, b"a1")]
+    f += [c.encode_get(15, b"rc01"), c.encode_get(16, b"mt01"), c.encode_get(17, b"missing")]
+    f += [c.encode_set(18, b"lm01", b"over"), c.encode_get(19, b"lm01"), c.encode_remove(20, b"a2")]
+    f += [c.encode_get(21, b"a2"), c.encode_remove(22, b"nope"), c.encode_set(23, b"a2", b"back")]
+    f += [c.encode_get(24, b"a2"), c.encode_set(25, b"", b"empty"), c.encode_get(26, b"a3")]
+    b = bytearray(c.encode_set(27, b"a4", b"v"))
+    struct.pack_into(">I", b, 28 + 2, c.MAX_VALUE + 1)  # a value over the limit
+    f += [bytes(b), c.encode_get(28, b"a4")]
+    b = bytearray(c.encode_get(29, b"a1"))
+    struct.pack_into(">Q", b, 0, len(b) - 1)  # total_len cuts the GET's key
+    f.append(bytes(b))
+    for i in range(5):
+        f += [c.encode_set(30 + 2 * i, b"p%d" % i, b"x" * (50 * i)), c.encode_get(31 + 2 * i, b"p%d" % i)]
+    f += [c.encode_get(40, b"rc02"), c.encode_set(41, b"rc02", b"new"), c.encode_get(42, b"rc02")]
+    b = bytearray(c.encode_set(43, b"zz", b"v"))
+    if ending == "short":
+        struct.pack_into(">Q", b, 0, 7)  # total_len < 8: ERR 3 (client_id 0), then the close
+    else:
+        struct.pack_into(">Q", b, 0, c.MAX_MESSAGE + 1)  # refused: ERR 3 and the close
+    f.append(bytes(b)[:28])
+    return f
+
+
+@pytest.mark.parametrize("ending", ["short", "oversize"])
+def test_set_get_mixes_split_anywhere_give_the_replies_of_one_frame_at_a_time(tmp_path, sets_mode, monkeypatch, ending):
+    """SETs and GETs of the run's keys taken by the pass, mixed with GETs of keys in LMDB only, in
+    LMDB and the row cache, in the memtable and missing, REMOVEs and malformed frames: read at
+    once, split at every byte and in steps, with and without the pass, the replies, the close and
+    the store are those of one frame at a time through the Python loop."""
+    from protocols.partition import gets_compiled
+
+    gets_compiled.start_loading()
+    assert gets_compiled.wait(120) and gets_compiled.state == "compiled", gets_compiled.state
+    frames = _setget_frames(ending)
+    wire = b"".join(frames)
+    n = [0]
+
+    def fresh():
+        n[0] += 1
+        s = open_inline(tmp_path / str(n[0]), task.Clock())
+        s.kv.write_sets([b"lm%02d" % i for i in range(4)], [b"lmdb%d" % i for i in range(4)])
+        s.kv.flush()
+        s.kv.flush()  # in LMDB, not in the row cache (made after this merge)
+        cache = s.kv.start_row_cache()
+        s.kv.write_sets([b"rc%02d" % i for i in range(4)], [b"cached%d" % i for i in range(4)])
+        s.kv.flush()
+        s.kv.flush()  # in LMDB and the row cache (the merge fills it)
+        s.kv.write_sets([b"mt%02d" % i for i in range(4)], [b"memtable%d" % i for i in range(4)])
+        complete(s, None)
+        return s, cache
+
+    python, sets_compiled.run = sets_compiled.run, None
+    try:
+        s, cache = fresh()
+        want = _run(s, frames)  # one frame at a time, the Python loop
+        close(s)
+    finally:
+        sets_compiled.run = python
+    assert want[1]  # the ending closes
+    assert want[2][b"a0"] == b"two" * 90 and want[2][b"a2"] == b"back" and want[2][b"lm01"] == b"over"
+    assert c.encode_get_reply(15, b"rc01", b"cached1") in want[0] and c.encode_get_reply(13, b"lm01", b"lmdb1") in want[0]
+    assert c.encode_get_reply(16, b"mt01", b"memtable1") in want[0] and c.encode_status(17, c.DATA_NOT_FOUND) in want[0]
+    taken = []
+    real = KvServerProtocol._sets_compiled
+
+    def spy(self, data, n):
+        pos = real(self, data, n)
+        taken.append(pos)
+        return pos
+
+    monkeypatch.setattr(KvServerProtocol, "_sets_compiled", spy)
+    monkeypatch.setattr(server, "SETS_SKIP_READS", 0)  # the pass tried on every read
+    # every byte for one ending; for the other (the same frames before it) the bytes of its end
+    first = 1 if ending == "short" else len(wire) - 64
+    cases = [[wire]] + [[wire[:i], wire[i:]] for i in range(first, len(wire))]
+    cases += [[wire[i : i + step] for i in range(0, len(wire), step)] for step in (1, 7, 29, 33, 64, 129, 500)]
+    cases += [frames]
+    hits = 0
+    for reads in cases:
+        s, cache = fresh()
+        hold(s, len(reads) % 2 == 0)  # acks at once, or all at the end
+        got = _run(s, reads)
+        hits += cache.hits
+        close(s)
+        assert got == want, [len(r) for r in reads]
+    assert hits  # the row cache answered some GETs
+    if sets_mode == "compiled":
+        assert sum(1 for pos in taken if pos) >= (100 if ending == "short" else 10)  # the splits inside the first run, and steps
+    else:
+        assert not taken
+
+
 def test_after_a_read_it_cannot_take_the_pass_waits_some_reads(tmp_path, monkeypatch):
-    """``SET k; GET k`` pipelined: the pass cannot take such reads whole (a GET of the run's key
-    follows), so after one try the next SETS_SKIP_READS reads go to the loop without trying it;
-    reads of SETs alone are taken again after that. The replies are the loop's throughout."""
+    """``SET k; GET j`` pipelined, j set by an earlier read (or never): the pass cannot take such
+    reads whole (the GET reads the pending table or the store), so after one try the next
+    SETS_SKIP_READS reads go to the loop without trying it; reads of SETs alone are taken again
+    after that. The replies are the loop's throughout."""
     _kernel()
     calls = []
     real = KvServerProtocol._sets_compiled
@@ -278,9 +444,10 @@ def test_after_a_read_it_cannot_take_the_pass_waits_some_reads(tmp_path, monkeyp
         proto.makeConnection(tr)
         want = []
         for i in range(server.SETS_SKIP_READS + 2):
-            key = b"p%d" % i
-            proto.dataReceived(c.encode_set(2 * i, key, b"v") + c.encode_get(2 * i + 1, key))
-            want += [c.encode_status(2 * i, c.OK), c.encode_get_reply(2 * i + 1, key, b"v")]
+            key, prev = b"p%d" % i, b"p%d" % (i - 1) if i else b"none"
+            proto.dataReceived(c.encode_set(2 * i, key, b"v") + c.encode_get(2 * i + 1, prev))
+            want += [c.encode_status(2 * i, c.OK),
+                     c.encode_get_reply(2 * i + 1, prev, b"v") if i else c.encode_status(1, c.DATA_NOT_FOUND)]
         assert len(calls) == 2  # the first read and the one after SETS_SKIP_READS skipped
         proto.dataReceived(c.encode_set(100, b"a", b"1") + c.encode_set(101, b"b", b"2"))
         assert len(calls) == 2  # still skipping: the second try bailed too
@@ -290,15 +457,51 @@ def test_after_a_read_it_cannot_take_the_pass_waits_some_reads(tmp_path, monkeyp
         close(s)
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_set_get_pairs_of_the_runs_keys_are_taken_by_the_pass(tmp_path, monkeypatch, held):
+    """``SET k; GET k`` pipelined (issue 19's SETGET): every read is taken by the pass, the GETs
+    answered from the read and held behind the SETs' replies until the run is durable; the replies
+    and the store are the loop's, and the GETs are counted."""
+    kernel = _kernel()
+    taken = []
+    real = KvServerProtocol._sets_compiled
+    monkeypatch.setattr(KvServerProtocol, "_sets_compiled", lambda self, data, n: taken.append(real(self, data, n)) or taken[-1])
+    reads = []
+    for r in range(20):
+        reads.append(b"".join(c.encode_set(100 * r + 2 * i, b"k%d" % (i % 5), b"v%d.%d" % (r, i))
+                              + c.encode_get(100 * r + 2 * i + 1, b"k%d" % (i % 5)) for i in range(8)))
+    results = []
+    for i, run in enumerate((kernel, None)):
+        sets_compiled.run = run
+        s = open_inline(tmp_path / str(i), task.Clock())
+        hold(s, held)
+        try:
+            factory = KvServerFactory(s.kv, store=s)
+            proto = factory.buildProtocol(None)
+            tr = StringTransport()
+            proto.makeConnection(tr)
+            for data in reads:
+                proto.dataReceived(data)
+                if held:
+                    assert tr.value() == b""  # nothing leaves before the run is durable
+            complete(s, None)
+            results.append((tr.value(), dict(s.kv.scan_forward(None, 1 << 20)), factory.metrics["responses"]))
+        finally:
+            close(s)
+            sets_compiled.run = kernel
+    assert taken == [len(r) for r in reads]
+    assert results[0] == results[1]
+    assert results[0][2][server._GET_OK] == 160
+
+
 # -- the store: packed runs through the writer thread, the merge worker, and a replay -----------
 
 
 def _packed(reads_of_sets):
     """(run, op, nbytes) of a read of SETs, as the server's compiled pass makes them."""
     kernel = _kernel()
-    payload = bytearray(len(reads_of_sets) + 16)
-    replies = bytearray(len(reads_of_sets))
-    count, end, plen, kbytes, vbytes, budget = kernel(reads_of_sets, 1024, 1 << 30, payload, replies)
+    (count, end, plen, kbytes, vbytes, budget, items, rlen), payload, replies = _kernel_call(
+        kernel, reads_of_sets, 1024, 1 << 30)
     assert end == len(reads_of_sets)
     op = PackedOp(memoryview(payload)[:plen])
     _code, _db, keys, stored = msgpack.unpackb(op)
@@ -345,5 +548,53 @@ def test_a_packed_run_refused_for_room_fails_whole(tmp_path, monkeypatch):
         complete(s, None)
         assert tr.value() == c.encode_error(5, c.E_UNKNOWN) + c.encode_error(6, c.E_UNKNOWN)
         assert s.kv.get_many([b"k1", b"k2"]) == [None, None]
+    finally:
+        close(s)
+
+
+def test_a_failed_run_with_gets_answers_as_the_loop(tmp_path, monkeypatch, sets_mode):
+    """A run of ``SET k; GET k`` the store refuses: its SETs get ERR 0, its GETs the replies the
+    read gave them (what the loop's failed run sends), in order; nothing stored."""
+    import storage.kv as kvmod
+
+    monkeypatch.setattr(kvmod, "HARD_BYTES", 10)
+    s = open_inline(tmp_path / "s", task.Clock())
+    try:
+        proto = KvServerFactory(s.kv, store=s).buildProtocol(None)
+        tr = StringTransport()
+        proto.makeConnection(tr)
+        proto.dataReceived(c.encode_set(5, b"k1", b"v" * 20) + c.encode_get(6, b"k1")
+                           + c.encode_set(7, b"k2", b"w") + c.encode_get(8, b"k1") + c.encode_get(9, b"k2"))
+        complete(s, None)
+        assert tr.value() == b"".join([
+            c.encode_error(5, c.E_UNKNOWN), c.encode_get_reply(6, b"k1", b"v" * 20), c.encode_error(7, c.E_UNKNOWN),
+            c.encode_get_reply(8, b"k1", b"v" * 20), c.encode_get_reply(9, b"k2", b"w")])
+        assert s.kv.get_many([b"k1", b"k2"]) == [None, None]
+    finally:
+        close(s)
+
+
+def test_gets_of_a_big_value_past_the_replies_scratch_go_to_the_loop(tmp_path, monkeypatch, sets_mode):
+    """A read that SETs a 60 KB value and GETs it 100 times (6 MB of replies, past
+    REPLIES_SCRATCH_MAX): the pass leaves it to the loop, the scratch stays within its bound, the
+    replies are the loop's; a read of a few such GETs is taken (the scratch grown)."""
+    taken = []
+    real = KvServerProtocol._sets_compiled
+    monkeypatch.setattr(KvServerProtocol, "_sets_compiled", lambda self, data, n: taken.append(real(self, data, n)) or taken[-1])
+    s = open_inline(tmp_path / "s", task.Clock())
+    try:
+        proto = KvServerFactory(s.kv, store=s).buildProtocol(None)
+        tr = StringTransport()
+        proto.makeConnection(tr)
+        big = bytes(range(256)) * 240
+        proto.dataReceived(c.encode_set(1, b"big", big) + b"".join(c.encode_get(2 + i, b"big") for i in range(100)))
+        proto.dataReceived(c.encode_set(200, b"big", big[::-1]) + b"".join(c.encode_get(201 + i, b"big") for i in range(3)))
+        complete(s, None)
+        assert tr.value() == b"".join(
+            [c.encode_status(1, c.OK)] + [c.encode_get_reply(2 + i, b"big", big) for i in range(100)]
+            + [c.encode_status(200, c.OK)] + [c.encode_get_reply(201 + i, b"big", big[::-1]) for i in range(3)])
+        assert len(server._SCRATCH[1]) <= server.REPLIES_SCRATCH_MAX
+        if sets_mode == "compiled":
+            assert taken[0] == 0 and taken[1] > 0
     finally:
         close(s)

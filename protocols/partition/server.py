@@ -132,27 +132,39 @@ _REMOVE_OK = REMOVE << 8 | OK
 _NO_WRITE = object()  # no pending write of the key (a pending remove is None)
 _unpackb = msgpack.unpackb
 # The compiled SET pass's output buffers, reused by every read (the reactor thread's; what a run
-# keeps is copied out of them): its WAL op (up to the read's length + 16) and its OK replies.
-_SCRATCH = [bytearray(1 << 16), bytearray(HEADER_LEN * 1024)]
+# keeps is copied out of them): its WAL op (up to the read's length + 16), its replies (grown when
+# a run's GET replies need more) and the frames' positions (2 per frame).
+_SCRATCH = [bytearray(1 << 16), bytearray(1 << 16), numpy.empty(2 * 2341 + 2, numpy.int64)]
 # After a read the pass could not take whole (writes mixed with other frames), the next this many
 # reads of the connection that start with a write go to the loop without trying it (the same
 # replies either way: only the wasted call is saved)
 SETS_SKIP_READS = 16
+# The largest the pass's replies scratch grows to (a read's GET replies past it: the loop answers)
+REPLIES_SCRATCH_MAX = 4 << 20
 _TOTAL_FROM = _U64.unpack_from
 
 
 class _OkReplies(bytes):
-    """The OK replies of a compiled run of SETs, one after another (``sets_kernel.set_run``): the
+    """The replies of a compiled run (``sets_kernel.set_run``), one after another: its SETs' OK
+    replies (26 bytes each) and the ready replies of its GETs (longer: each holds a value). The
     segment's reply as is once the run is stored; ``cids`` for any other answer."""
 
     __slots__ = ()
 
     def cids(self):
-        return [_U64.unpack_from(self, i + 8)[0] for i in range(0, len(self), HEADER_LEN)]
+        """The run's items as ``_write_run`` keeps them: a SET's client id, a GET's reply."""
+        out = []
+        pos = 0
+        end = len(self)
+        while pos < end:
+            total = _U64.unpack_from(self, pos)[0]
+            out.append(_U64.unpack_from(self, pos + 8)[0] if total == HEADER_LEN else self[pos : pos + total])
+            pos += total
+        return out
 
 
 def _expanded(items):
-    """A segment's items with each ``_OkReplies`` replaced by its client ids."""
+    """A segment's items with each ``_OkReplies`` replaced by its items (client ids, GET replies)."""
     out = []
     for item in items:
         if item.__class__ is _OkReplies:
@@ -523,26 +535,37 @@ class KvServerProtocol(Protocol):
         return pos
 
     def _sets_compiled(self, data, n):
-        """``_write_run`` over a read that starts with SETs, with no Python bytecode per SET
-        (sets_compiled): one compiled pass finds the run's frames and writes its WAL op (a
-        ``PackedOp``) and its OK replies, one ``msgpack.unpackb`` of that op makes the keys and
-        stored values (each one object: no ``b"\\x00" +`` copy), and the two lists are the run's
-        pending table and the store's run at once (``kv.PackedRun``, ``kv.write_packed``). Only
-        where the result is exactly ``_write_run``'s: the run must end the read's whole frames
-        (or stop at the budget), else 0 (nothing done: the Python loop takes the read, GETs of
-        the run's keys, REMOVEs and refusals among the writes). Returns the position after the
-        run."""
+        """``_write_run`` over a read that starts with SETs, with no Python bytecode per request
+        (sets_compiled): one compiled pass finds the run's frames (SETs, and GETs of keys the run
+        set: ``SET k; GET k`` pipelined) and writes the SETs' WAL op (a ``PackedOp``) and the
+        replies of all, in order (a GET's answered from the read, as ``_write_run``'s ``batch``
+        answers it, and held behind the SETs' until the run is durable), one ``msgpack.unpackb``
+        of that op makes the keys and stored values (each one object: no ``b"\\x00" +`` copy),
+        and the two lists are the run's pending table and the store's run at once
+        (``kv.PackedRun``, ``kv.write_packed``). Only where the result is exactly
+        ``_write_run``'s: the run must end the read's whole frames (or stop at the budget), else
+        0 (nothing done: the Python loop takes the read, GETs of other keys, REMOVEs and refusals
+        among the writes). Returns the position after the run."""
         room = self.max_pending - self._waiting
-        payload, replies = _SCRATCH
+        payload, replies, where = _SCRATCH
         if len(payload) < n + 16:
             payload = _SCRATCH[0] = bytearray(max(n + 16, 1 << 16))
-        if len(replies) < HEADER_LEN * min(room, n // 33 + 1):  # a SET frame has 33 bytes at least
-            replies = _SCRATCH[1] = bytearray(HEADER_LEN * max(room, 1024))
-        count, end, plen, kbytes, vbytes, budget = sets_compiled.run(
-            data, room, self.max_inflight_bytes - self._inflight_bytes, payload, replies)
+        if len(where) < 2 * (n // 28 + 1):
+            where = _SCRATCH[2] = numpy.empty(2 * (n // 28 + 1), numpy.int64)
+        while True:
+            count, end, plen, kbytes, vbytes, budget, items, rlen, full = sets_compiled.run(
+                data, room, self.max_inflight_bytes - self._inflight_bytes, payload, replies, where)
+            if not full:
+                break
+            # a GET's reply did not fit (the replies of a read's GETs can outgrow the read): grow
+            # the scratch, up to REPLIES_SCRATCH_MAX (then the loop takes the read: a read that
+            # GETs a big value it set many times, kept out of a scratch that never shrinks)
+            if len(replies) >= REPLIES_SCRATCH_MAX:
+                return 0
+            replies = _SCRATCH[1] = bytearray(min(2 * len(replies) + n, REPLIES_SCRATCH_MAX))
         if not count or (not budget and n - end >= 28 and _TOTAL_FROM(data, end)[0] <= n - end):
-            # this connection mixes its writes with other frames (SET k; GET k pipelined): the
-            # loop takes its next reads without trying the pass first
+            # this connection mixes its writes with other frames (GETs of other keys, REMOVEs):
+            # the loop takes its next reads without trying the pass first
             self._sets_skip = SETS_SKIP_READS
             return 0
         op = PackedOp(memoryview(payload)[:plen])
@@ -555,13 +578,15 @@ class KvServerProtocol(Protocol):
         # the pending table: the store's run itself (its dict made only if a GET looks in it)
         run.pending = table = PackedRun(keys, stored)
         self._pending.append(table)
-        slot = [None, count]
+        slot = [None, items]
         self._slots.append(slot)
-        run.segments.append((slot, [_OkReplies(memoryview(replies)[: HEADER_LEN * count])]))
-        self._waiting += count
+        run.segments.append((slot, [_OkReplies(memoryview(replies)[:rlen])]))
+        self._waiting += items
         self._unacked += count
         self._inflight_bytes += vbytes
-        self._handled += count - 1
+        self._handled += items - 1
+        if items != count:
+            self._gets_answered(items - count, 0)
         return end
 
     def _unpack_run(self, run):

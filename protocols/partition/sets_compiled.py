@@ -4,6 +4,9 @@ passes (importing numba holds the GIL for most of a second; the node's ready fil
 Until then (and for good without numba) the server takes SETs with its Python loop
 (``_write_run``), to the same replies and the same store contents.
 
+The pass also takes the GETs among the SETs of keys the run set (``SET k; GET k`` pipelined:
+issue 19's tenth pass), their replies written in order among the SETs'.
+
 Why (docs/benchmarks.md, issue 19's ninth pass): with the merge in a worker process the node's
 one serial part is the reactor, ~5 us of CPU per SET, a third of it per-SET Python (header
 unpack, key and value slices, the stored value's ``b"\\x00" +`` copy, three dict inserts, the
@@ -54,14 +57,18 @@ def load():
 
         set_run = mod.set_run
         # compile (or load from the cache) the signature the server calls, here and not on the
-        # reactor: a read (bytes) of one SET, the budget, the payload and reply buffers
-        probe = codec.encode_set(7, b"k", b"v")
+        # reactor: a read (bytes) of one SET and a GET of its key, the budget, the payload, reply
+        # and position buffers
+        import numpy
+
+        probe = codec.encode_set(7, b"k", b"v") + codec.encode_get(8, b"k")
         payload = bytearray(len(probe) + 16)
-        replies = bytearray(codec.HEADER_LEN)
-        count, end, plen, kbytes, vbytes, budget = set_run(probe, 1024, 1 << 26, payload, replies)
-        if (count, end, kbytes, vbytes, budget) != (1, len(probe), 1, 1, 0) \
-                or bytes(payload[:plen]) != msgpack.packb([OP_PUTS, KV, [b"k"], [b"\x00v"]], use_bin_type=True) \
-                or bytes(replies) != codec.encode_status(7, codec.OK):
+        replies = bytearray(codec.HEADER_LEN + 34)
+        where = numpy.empty(8, numpy.int64)
+        got = set_run(probe, 1024, 1 << 26, payload, replies, where)
+        if tuple(got[:2]) + tuple(got[3:]) != (1, len(probe), 1, 1, 0, 2, len(replies), 0) \
+                or bytes(payload[: got[2]]) != msgpack.packb([OP_PUTS, KV, [b"k"], [b"\x00v"]], use_bin_type=True) \
+                or bytes(replies) != codec.encode_status(7, codec.OK) + codec.encode_get_reply(8, b"k", b"v"):
             raise AssertionError("the compiled SET pass answered a probe wrongly")
         run = set_run
         state = "compiled"
