@@ -43,6 +43,16 @@ _BATCH_MAGIC = 0x22
 IOV_MAX = 1024  # Linux's limit on buffers per pwritev
 SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
+# Drop-behind (HDFS datanodes' "drop cache behind writes"): after a sync, the page cache pages of
+# WAL bytes more than DROP_BEHIND_BYTES behind the end are dropped (they are clean then), at most
+# once per DROP_STEP_BYTES written. The WAL's pages are then a bounded set the kernel hands out
+# again for the next writes, instead of a page cache growing into memory never written before:
+# on this VM each first write of such a page costs the hypervisor a fault, and a writer thread's
+# page-cache copy ran 4-5x slower once the freed memory it had been reusing ran out
+# (docs/benchmarks.md, issue 17 part 10). Readers behind that far are read in by the read pool
+# as after any eviction (log.read_spans and Wal.uncached: cachestat).
+DROP_BEHIND_BYTES = 256 << 20
+DROP_STEP_BYTES = 8 << 20
 
 
 def entry_crc(base: int, etype: int, parts, crc32=crc32, tail_crc=None) -> int:
@@ -234,6 +244,10 @@ class Wal:
         # wrote bytes; on_sync(seconds) is told each fdatasync's duration (the node's histogram).
         self.flushes = 0
         self.on_sync = None
+        # writer thread: drop-behind (see DROP_BEHIND_BYTES; None: off) and the WAL position below
+        # which the synced pages were dropped (what an earlier run left cached is left as it is)
+        self.drop_behind = DROP_BEHIND_BYTES
+        self._dropped = self.end
         # Every write, sync and cut of a segment goes through ``ops`` (storage/fileops.py: the
         # disk-fault seam; tests replace it).
         self.ops = fileops.from_environment()
@@ -411,6 +425,29 @@ class Wal:
                 fdatasync(fd)
                 on_sync(time.perf_counter() - t0)
         self._dirty.clear()
+        if self.drop_behind is not None and self.end - self.drop_behind - self._dropped >= DROP_STEP_BYTES:
+            self._drop_synced_behind(self.end - self.drop_behind)
+
+    def _drop_synced_behind(self, target: int):
+        """Writer thread, after a sync: drop the page cache pages of the WAL from where the last
+        drop ended up to ``target`` (every byte below the end is synced now; advice only)."""
+        bases = self.bases
+        fds = self.fds
+        lo = self._dropped
+        i = max(0, bisect.bisect_right(bases, lo) - 1)
+        for j in range(i, len(bases)):
+            base = bases[j]
+            if base >= target:
+                break
+            stop = min(target, bases[j + 1]) if j + 1 < len(bases) else target
+            start = max(lo, base)
+            fd = fds.get(base)
+            if fd is not None and start < stop:
+                try:
+                    os.posix_fadvise(fd, start - base, stop - start, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+        self._dropped = target
 
     @property
     def dirty(self) -> bool:
