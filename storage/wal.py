@@ -43,15 +43,16 @@ _BATCH_MAGIC = 0x22
 IOV_MAX = 1024  # Linux's limit on buffers per pwritev
 SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
-# Drop-behind (HDFS datanodes' "drop cache behind writes"): after a sync, the page cache pages of
-# WAL bytes more than DROP_BEHIND_BYTES behind the end are dropped (they are clean then), at most
-# once per DROP_STEP_BYTES written. The WAL's pages are then a bounded set the kernel hands out
+# Drop-behind (HDFS datanodes' "drop cache behind writes"): once a group is handed back, the page
+# cache pages of synced WAL bytes more than DROP_BEHIND_BYTES behind the last sync's end are dropped
+# (they are clean), at most once per DROP_STEP_BYTES written (``drop_behind_synced``). The WAL's pages are then a bounded set the kernel hands out
 # again for the next writes, instead of a page cache growing into memory never written before:
 # on this VM each first write of such a page costs the hypervisor a fault, and a writer thread's
 # page-cache copy ran 4-5x slower once the freed memory it had been reusing ran out
 # (docs/benchmarks.md, issue 17 part 10). Readers behind that far are read in by the read pool
-# as after any eviction (log.read_spans and Wal.uncached: cachestat).
-DROP_BEHIND_BYTES = 256 << 20
+# as after any eviction (log.read_spans and Wal.uncached: cachestat). 1 GiB keeps a stream of a
+# million 1 KiB records (issue 24's read-back, bench/sbp_bench.py) cached as it was written.
+DROP_BEHIND_BYTES = 1 << 30
 DROP_STEP_BYTES = 8 << 20
 
 
@@ -248,6 +249,7 @@ class Wal:
         # which the synced pages were dropped (what an earlier run left cached is left as it is)
         self.drop_behind = DROP_BEHIND_BYTES
         self._dropped = self.end
+        self.synced_end = self.end  # writer thread: the WAL end at the last sync
         # Every write, sync and cut of a segment goes through ``ops`` (storage/fileops.py: the
         # disk-fault seam; tests replace it).
         self.ops = fileops.from_environment()
@@ -425,12 +427,17 @@ class Wal:
                 fdatasync(fd)
                 on_sync(time.perf_counter() - t0)
         self._dirty.clear()
-        if self.drop_behind is not None and self.end - self.drop_behind - self._dropped >= DROP_STEP_BYTES:
-            self._drop_synced_behind(self.end - self.drop_behind)
+        self.synced_end = self.end
 
-    def _drop_synced_behind(self, target: int):
-        """Writer thread, after a sync: drop the page cache pages of the WAL from where the last
-        drop ended up to ``target`` (every byte below the end is synced now; advice only)."""
+    def drop_behind_synced(self):
+        """Writer thread, once a group is handed back (off its latency): drop the page cache pages
+        of synced WAL bytes more than ``drop_behind`` behind the last sync's end (DROP_BEHIND_BYTES;
+        advice only), once at least DROP_STEP_BYTES more are that far behind."""
+        if self.drop_behind is None:
+            return
+        target = self.synced_end - self.drop_behind
+        if target - self._dropped < DROP_STEP_BYTES:
+            return
         bases = self.bases
         fds = self.fds
         lo = self._dropped
