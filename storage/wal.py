@@ -43,16 +43,18 @@ _BATCH_MAGIC = 0x22
 IOV_MAX = 1024  # Linux's limit on buffers per pwritev
 SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
-# Drop-behind (HDFS datanodes' "drop cache behind writes"): once a group is handed back, the page
-# cache pages of synced WAL bytes more than DROP_BEHIND_BYTES behind the last sync's end are dropped
-# (they are clean), at most once per DROP_STEP_BYTES written (``drop_behind_synced``). The WAL's pages are then a bounded set the kernel hands out
-# again for the next writes, instead of a page cache growing into memory never written before:
-# on this VM each first write of such a page costs the hypervisor a fault, and a writer thread's
-# page-cache copy ran 4-5x slower once the freed memory it had been reusing ran out
-# (docs/benchmarks.md, issue 17 part 10). Readers behind that far are read in by the read pool
-# as after any eviction (log.read_spans and Wal.uncached: cachestat). 1 GiB keeps a stream of a
-# million 1 KiB records (issue 24's read-back, bench/sbp_bench.py) cached as it was written.
-DROP_BEHIND_BYTES = 1 << 30
+# Drop-behind (HDFS datanodes' "drop cache behind writes"), off unless a caller sets
+# ``Wal.drop_behind``: once a group is handed back, the page cache pages of synced WAL bytes more
+# than ``drop_behind`` bytes behind the last sync's end are dropped (they are clean), at most once
+# per DROP_STEP_BYTES written (``drop_behind_synced``). The WAL's pages are then a bounded set the
+# kernel hands out again, instead of a page cache growing into memory not written before: on the
+# benchmark VM each first write of such a page costs a hypervisor fault, and the writers'
+# page-cache copy ran 4-5x slower once the memory they had been reusing ran out; with 256 MiB the
+# replicated path's CPU per record fell 20-24% in that state. Off by default because readers that
+# far behind are read from the disk (the read pool, as after any eviction): issue 24's read-back
+# of a fresh ~1 GB stream (bench/sbp_bench.py --pipelined) cost +35% CPU per record even with
+# 1 GiB (docs/benchmarks.md, issue 17 part 10).
+DROP_BEHIND_BYTES = None
 DROP_STEP_BYTES = 8 << 20
 
 
