@@ -67,7 +67,9 @@ def serve(tree, base):
 
 
 def threads(pid):
-    """{tid: (comm, cpu seconds)} of every thread of ``pid``."""
+    """{tid: (comm, cpu seconds)} of every thread of ``pid``: its time on a CPU in nanoseconds from
+    ``schedstat`` (utime + stime in ``stat`` count 10 ms ticks: at 1,000 APPENDs a run a tick is
+    0.16 us per record, as much as the differences measured), else from ``stat``."""
     out = {}
     for tid in os.listdir("/proc/%d/task" % pid):
         try:
@@ -76,8 +78,13 @@ def threads(pid):
         except OSError:
             continue
         comm = raw[raw.index("(") + 1:raw.rindex(")")]
-        fields = raw.rsplit(")", 1)[1].split()
-        out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / TICK)
+        try:
+            with open("/proc/%d/task/%s/schedstat" % (pid, tid)) as f:
+                cpu = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            fields = raw.rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / TICK
+        out[int(tid)] = (comm, cpu)
     return out
 
 

@@ -135,6 +135,41 @@ class Framer:
             return None
         return self._joined(avail)
 
+    def next_pieces(self):
+        """``next``, except that a frame cut by the end of a read is not joined: ``(None, pieces,
+        size)``, its pieces (memoryviews of the reads, in order, ``size`` bytes in all) once all
+        of it is in. A frame inside one read comes as ``next`` gives it, ``(buf, start, end)``.
+        For a reader that can use the frame in pieces (a replica's ``B`` message: only a batch
+        cut by a read's end is joined, not the whole message)."""
+        buf = self._buf
+        pos = self._pos
+        avail = len(buf) - pos
+        if not avail or not self._more_len:
+            return self.next()
+        if avail >= self._head_size:
+            size = self._frame_size(buf, pos, self._peek)
+            if size is not None and pos + size <= len(buf):
+                return self.next()
+        have = avail + self._more_len
+        if have < self._head_size:
+            return None
+        size = self._frame_size(self._peek(self._head_size), 0, self._peek)
+        if size is None or have < size:
+            return None
+        pieces = [memoryview(buf)[pos:]]
+        need = size - avail
+        more = self._more
+        while True:
+            piece = more.popleft()
+            self._more_len -= len(piece)
+            if len(piece) >= need:
+                break
+            pieces.append(memoryview(piece))
+            need -= len(piece)
+        pieces.append(memoryview(piece)[:need])
+        self._buf, self._pos = piece, need
+        return None, pieces, size
+
     def spans(self) -> Iterator[Tuple[bytes, int, int]]:
         """Every whole frame buffered now, as ``next`` gives them (stop early: the rest stays)."""
         while True:

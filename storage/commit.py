@@ -575,6 +575,7 @@ class CommitCore:
                 last_sync = time.monotonic()
             if group:
                 self.reactor.callFromThread(self._deliver, group, self.wal.end)
+                self.wal.drop_behind_synced()  # (after the hand-off: off the group's latency)
 
     def _write(self, group, sync_due) -> (bool, bool):
         """Commit ``group`` and sync as the policy says (``sync_due()``: the interval's sync is

@@ -43,6 +43,19 @@ _BATCH_MAGIC = 0x22
 IOV_MAX = 1024  # Linux's limit on buffers per pwritev
 SUFFIX = ".wal"
 GRAVE_S = 30.0  # deleted segments' fds stay open this long
+# Drop-behind (HDFS datanodes' "drop cache behind writes"), off unless a caller sets
+# ``Wal.drop_behind``: once a group is handed back, the page cache pages of synced WAL bytes more
+# than ``drop_behind`` bytes behind the last sync's end are dropped (they are clean), at most once
+# per DROP_STEP_BYTES written (``drop_behind_synced``). The WAL's pages are then a bounded set the
+# kernel hands out again, instead of a page cache growing into memory not written before: on the
+# benchmark VM each first write of such a page costs a hypervisor fault, and the writers'
+# page-cache copy ran 4-5x slower once the memory they had been reusing ran out; with 256 MiB the
+# replicated path's CPU per record fell 20-24% in that state. Off by default because readers that
+# far behind are read from the disk (the read pool, as after any eviction): issue 24's read-back
+# of a fresh ~1 GB stream (bench/sbp_bench.py --pipelined) cost +35% CPU per record even with
+# 1 GiB (docs/benchmarks.md, issue 17 part 10).
+DROP_BEHIND_BYTES = None
+DROP_STEP_BYTES = 8 << 20
 
 
 def entry_crc(base: int, etype: int, parts, crc32=crc32, tail_crc=None) -> int:
@@ -234,6 +247,11 @@ class Wal:
         # wrote bytes; on_sync(seconds) is told each fdatasync's duration (the node's histogram).
         self.flushes = 0
         self.on_sync = None
+        # writer thread: drop-behind (see DROP_BEHIND_BYTES; None: off) and the WAL position below
+        # which the synced pages were dropped (what an earlier run left cached is left as it is)
+        self.drop_behind = DROP_BEHIND_BYTES
+        self._dropped = self.end
+        self.synced_end = self.end  # writer thread: the WAL end at the last sync
         # Every write, sync and cut of a segment goes through ``ops`` (storage/fileops.py: the
         # disk-fault seam; tests replace it).
         self.ops = fileops.from_environment()
@@ -411,6 +429,34 @@ class Wal:
                 fdatasync(fd)
                 on_sync(time.perf_counter() - t0)
         self._dirty.clear()
+        self.synced_end = self.end
+
+    def drop_behind_synced(self):
+        """Writer thread, once a group is handed back (off its latency): drop the page cache pages
+        of synced WAL bytes more than ``drop_behind`` behind the last sync's end (DROP_BEHIND_BYTES;
+        advice only), once at least DROP_STEP_BYTES more are that far behind."""
+        if self.drop_behind is None:
+            return
+        target = self.synced_end - self.drop_behind
+        if target - self._dropped < DROP_STEP_BYTES:
+            return
+        bases = self.bases
+        fds = self.fds
+        lo = self._dropped
+        i = max(0, bisect.bisect_right(bases, lo) - 1)
+        for j in range(i, len(bases)):
+            base = bases[j]
+            if base >= target:
+                break
+            stop = min(target, bases[j + 1]) if j + 1 < len(bases) else target
+            start = max(lo, base)
+            fd = fds.get(base)
+            if fd is not None and start < stop:
+                try:
+                    os.posix_fadvise(fd, start - base, stop - start, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+        self._dropped = target
 
     @property
     def dirty(self) -> bool:

@@ -96,6 +96,23 @@ def test_a_big_rest_of_a_read_is_not_copied_for_one_cut_frame():
     assert buf is last and buf[s:e] == rest[:60004]
 
 
+def test_next_pieces_hands_a_cut_frame_over_in_its_pieces():
+    f = Framer(Layout(struct.Struct(">I"), 0, 4))
+    frame = struct.pack(">I", 10) + b"0123456789"
+    small = struct.pack(">I", 1) + b"x"
+    f.feed(small + frame[:6])
+    f.feed(frame[6:9])
+    assert f.next_pieces() == (f._buf, 0, 5)  # inside one read: a span, as next gives it
+    assert f.next_pieces() is None  # not all in yet
+    f.feed(frame[9:] + small)
+    buf, pieces, size = f.next_pieces()
+    assert buf is None and size == 14 and b"".join(pieces) == frame and len(pieces) == 3
+    assert all(type(p) is memoryview for p in pieces)  # not joined
+    b, start, end = f.next_pieces()
+    assert b[start:end] == small
+    assert f.next_pieces() is None
+
+
 def test_length_is_refused_before_the_body_is_buffered():
     framer = Framer(SIMPLE)
     framer.feed(U32.pack(1001)[:3])

@@ -72,6 +72,21 @@ def test_messages_split_and_joined_across_reads_are_each_delivered_once():
     assert len(rec.messages) == 6
 
 
+def test_a_batches_message_cut_by_reads_is_taken_in_its_pieces():
+    ch, _, rec, _ = channel()
+    batches = [bytes([i]) * 65536 for i in range(6)]
+    msg = b"".join(codec.encode_batches(3, 1, batches))
+    wire = struct.pack(">I", len(msg)) + msg + struct.pack(">I", 4) + codec.encode(codec.SYNC, 3)
+    cut = 100000  # inside the second batch
+    ch.dataReceived(wire[:cut])
+    assert rec.messages == []
+    ch.dataReceived(wire[cut:])
+    assert rec.messages == [["B", 3, 1, batches], ["S", 3]]
+    got = rec.messages[0][3]
+    # the batches lie where they were received: only the one cut by the read's end was copied
+    assert [type(b) for b in got] == [memoryview, bytes] + [memoryview] * 4
+
+
 def test_a_bad_or_oversized_message_closes_the_connection():
     ch, tr, rec, _ = channel()
     ch.dataReceived(struct.pack(">I", 2) + b"\xc1\xc1")

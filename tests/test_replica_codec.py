@@ -1,6 +1,7 @@
 """The replica channel's messages (protocols/replica/codec.py): byte vectors."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from protocols.replica import codec
 
@@ -39,6 +40,32 @@ def test_batches_message_parts_join_to_the_msgpack_array(batches):
     assert raw == msgpack.packb(["B", 1 << 40, 300, batches], use_bin_type=True)
     assert codec.decode(memoryview(raw)) == ["B", 1 << 40, 300, batches]
     assert any(p is batches[0] for p in parts)  # the batches are handed over, not copied
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=8), st.data())
+def test_a_batches_message_in_pieces_decodes_as_the_whole_copying_only_cut_batches(batches, data):
+    # a B message cut by reads' ends (framing.Framer.next_pieces): the same message, each batch a
+    # view of the piece it lies in; only one cut between two pieces is joined
+    raw = b"".join(codec.encode_batches(1 << 40, 300, batches))
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(raw) - 1), max_size=6)))
+    bounds = [0] + cuts + [len(raw)]
+    pieces = [memoryview(raw)[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert codec.decode_pieces(pieces) == codec.decode(raw)
+
+
+def test_only_a_batch_cut_between_pieces_is_copied():
+    batches = [b"a" * 70000, b"b" * 70000, b"c" * 70000]
+    raw = b"".join(codec.encode_batches(9, 1, batches))
+    cut = raw.index(b"b" * 100) + 100  # inside the second batch
+    msg = codec.decode_pieces([memoryview(raw)[:cut], memoryview(raw)[cut:]])
+    assert msg == ["B", 9, 1, batches]
+    assert [type(b) for b in msg[3]] == [memoryview, bytes, memoryview]
+    # not a B message, or a head cut short: joined and decoded as a whole
+    assert codec.decode_pieces([memoryview(b"\x92\xa1"), memoryview(b"S\x07")]) == ["S", 7]
+    assert codec.decode_pieces([memoryview(raw)[:5], memoryview(raw)[5:]]) == ["B", 9, 1, batches]
+    with pytest.raises(codec.BadMessage):
+        codec.decode_pieces([])
 
 
 @pytest.mark.parametrize("raw", [

@@ -337,3 +337,28 @@ async def test_reads_of_pieces_still_being_prefetched_go_to_the_read_pool(tmp_pa
     assert st.wal.fetching == {}
     assert st.log.read_spans(sid, 0, 1 << 20).called
     await st.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_synced_wal_pages_far_behind_the_end_are_dropped_and_still_read(tmp_path, monkeypatch):
+    # drop-behind (storage/wal.py DROP_BEHIND_BYTES): after a sync the pages of WAL bytes far
+    # behind the end leave the page cache; reads of them come from the disk through the read pool
+    monkeypatch.setattr(wal_module, "DROP_STEP_BYTES", 64 << 10)
+    st = Store.open(str(tmp_path), fsync="always", reactor=reactor, node_id=1, retention_check_s=0,
+                    segment_bytes=256 << 10)
+    try:
+        st.wal.drop_behind = 300 << 10
+        sid = await fill(st, 30)  # ~1.2 MB over five segments, each append synced
+        first = wal_files(tmp_path)[0]
+        assert not cached(tmp_path)  # the first segment's pages are gone
+        fd = os.open(wal_files(tmp_path)[-1], os.O_RDONLY)
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)  # the newest bytes stay cached
+        finally:
+            os.close(fd)
+        got = as_bytes([b for r in await read_all(st, sid, st.log.read_spans, 1 << 20) for b in r])
+        want = [b for r in await read_all(st, sid, st.log.read, 1 << 20) for b in r]
+        assert got == want and len(want) == 30
+        assert first in wal_files(tmp_path)
+    finally:
+        await st.close()

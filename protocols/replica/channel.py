@@ -6,8 +6,9 @@ A frame is a 4-byte big-endian length and the message. Record batches are most o
 they are not copied on the way: ``queue_batch`` collects the batches of one reactor turn per
 stream into one ``B`` message whose batches go to the socket as they are (no re-encoding, no
 join), and the receiving side reads up to ``READ_SIZE`` bytes at a time and decodes each message
-where it lies (``framing.Framer``: a message cut by a read's end is joined once; a ``B``
-message's batches are views of the received bytes, stored without a copy). Everything a channel
+where it lies (``framing.Framer``; a ``B`` message's batches are views of the received bytes,
+stored without a copy; of a ``B`` message cut by a read's end only the batch cut is joined,
+``codec.decode_pieces``, other messages cut so are joined once). Everything a channel
 is given in one reactor turn (``B`` messages, acks, confirms) leaves at the turn's end in the
 order given, with one ``sendmsg`` when the socket holds nothing unsent: one system call per peer
 per turn, not one per message.
@@ -88,7 +89,7 @@ class ReplicaChannel(protocol.Protocol):
         try:
             while not self.lost:
                 try:
-                    span = framer.next()
+                    span = framer.next_pieces()
                 except framing.FrameRefused as e:
                     self.log.warn("replica channel: message of {n} bytes; closing", n=e.length)
                     self._close()
@@ -97,8 +98,12 @@ class ReplicaChannel(protocol.Protocol):
                     return
                 buf, start, end = span
                 try:
-                    # (in place: a B message's batches are views of the read, which stays as it is)
-                    msg = codec.decode(memoryview(buf)[start + 4:end])
+                    # (in place: a B message's batches are views of the read, which stays as it is;
+                    # one cut by a read's end is taken in its pieces, only a batch cut is joined)
+                    if buf is not None:
+                        msg = codec.decode(memoryview(buf)[start + 4:end])
+                    else:
+                        msg = codec.decode_pieces(_skip_prefix(start))
                 except codec.BadMessage as e:
                     self.log.warn("replica channel: {error}; closing", error=str(e))
                     self._close()
@@ -284,6 +289,19 @@ class ReplicaChannel(protocol.Protocol):
             self.transport.startWriting()
             return None
         return self._orig_do_write()
+
+
+def _skip_prefix(pieces):
+    """The pieces of a message without its 4-byte length prefix."""
+    n = 4
+    while n:
+        first = pieces[0]
+        if len(first) > n:
+            pieces[0] = first[n:]
+            break
+        n -= len(first)
+        del pieces[0]
+    return pieces
 
 
 class ReplicaChannelFactory(protocol.Factory):

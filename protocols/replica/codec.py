@@ -156,6 +156,95 @@ def _batches_in_place(view) -> list:
     return [BATCHES, sid, epoch, batches]
 
 
+class _Cursor:
+    """Reads consecutive pieces (memoryviews of bytes) as one byte string."""
+
+    __slots__ = ("pieces", "k", "cur", "pos")
+
+    def __init__(self, pieces, k, pos):
+        self.pieces = pieces
+        self.k = k
+        self.cur = pieces[k]
+        self.pos = pos
+
+    def take(self, n):
+        """The next ``n`` bytes: a view where they lie in one piece, else joined (bytes)."""
+        cur, pos = self.cur, self.pos
+        if pos == len(cur) and self.k + 1 < len(self.pieces):
+            self.k += 1
+            cur = self.cur = self.pieces[self.k]
+            pos = 0
+        end = pos + n
+        if end <= len(cur):
+            self.pos = end
+            return cur[pos:end]
+        parts = []
+        while n:
+            if pos == len(cur):
+                self.k += 1
+                if self.k >= len(self.pieces):
+                    raise _NotPlain()
+                cur = self.cur = self.pieces[self.k]
+                pos = 0
+            m = min(n, len(cur) - pos)
+            parts.append(cur[pos:pos + m])
+            pos += m
+            n -= m
+        self.pos = pos
+        return b"".join(parts)
+
+    def at_end(self) -> bool:
+        return self.k == len(self.pieces) - 1 and self.pos == len(self.cur)
+
+
+# a B message's head (["B", stream_id, epoch, then its array's head) is at most this long
+_B_HEAD_MAX = 3 + 9 + 9 + 5
+
+
+def _batches_in_pieces(pieces) -> list:
+    """``_batches_in_place`` of a message given in pieces: each batch a view of the piece it lies
+    in; a batch cut between two pieces is joined (one batch copied, not the message)."""
+    first = pieces[0]
+    if len(first) < _B_HEAD_MAX:
+        raise _NotPlain()
+    sid, pos = _int_at(first, 3)
+    epoch, pos = _int_at(first, pos)
+    t = first[pos]
+    if 0x91 <= t <= 0x9f:
+        count, pos = t & 0x0f, pos + 1
+    elif t == 0xdc or t == 0xdd:
+        n = 2 if t == 0xdc else 4
+        count, pos = int.from_bytes(first[pos + 1:pos + 1 + n], "big"), pos + 1 + n
+    else:
+        raise _NotPlain()
+    cursor = _Cursor(pieces, 0, pos)
+    take = cursor.take
+    batches = []
+    for _ in range(count):
+        n = _BINS.get(take(1)[0])
+        if n is None:
+            raise _NotPlain()
+        batches.append(take(int.from_bytes(take(n), "big")))
+    if not cursor.at_end() or not batches:
+        raise _NotPlain()
+    return [BATCHES, sid, epoch, batches]
+
+
+def decode_pieces(pieces) -> list:
+    """``decode`` of a message given as consecutive pieces (memoryviews of bytes, as
+    ``framing.Framer.next_pieces`` gives a message cut by a read's end): a ``B`` message's batches
+    are views of the pieces, and only a batch cut between two pieces is copied (joined); anything
+    else is joined and decoded as ``decode`` does."""
+    if not pieces:
+        return decode(b"")
+    if len(pieces[0]) >= 3 and pieces[0][:3] == b"\x94\xa1B":
+        try:
+            return _batches_in_pieces(pieces)
+        except (_NotPlain, IndexError):
+            pass
+    return decode(b"".join(pieces))
+
+
 def decode(data) -> list:
     """One message. A ``B`` message's batches are views of ``data`` (keep ``data`` unchanged
     while they are used); every other field, and an ``A`` message's batch, is its own object."""
