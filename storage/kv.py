@@ -40,6 +40,7 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
 
 import collections
 import functools
+import itertools
 
 import numpy
 from sortedcontainers import SortedList
@@ -183,31 +184,83 @@ class PackedRun:
     def __iter__(self):
         return iter(self.mapping())
 
+    def __len__(self):
+        return len(self.keys)
+
     def update_into(self, entries):
         entries.update(zip(self.keys, self.stored) if self._map is None else self._map)
+
+    def writes(self):
+        """(keys, stored values) in write order (a key may come twice: the later write wins)."""
+        return self.keys, self.stored
 
 
 class _Memtable:
     """Writes not yet merged into LMDB, on the reactor thread: ``entries`` maps a user key to its
     LMDB stored value (``_lmdb_item``: ``b"\\x00" + value`` for a key up to KEY_KEEP bytes) or None
-    for a remove. A plain dict: a write costs one dict store (a SortedDict insert cost ~2 us per
-    key on the reactor); the key order scans need is built on the first scan (``sorted_keys``)
-    and kept up to date from then on (the keys a write adds go to ``unsorted``, folded in by the
-    next scan). Keys are never dropped from a memtable (a remove is a None), so that order only
-    grows."""
+    for a remove. A plain dict, made lazily: a landing run is only appended to ``landed`` (``land``),
+    and ``entries`` folds the runs landed since into the dict when something reads it (a GET, a
+    REMOVE's answer, a scan). A write burst nobody reads before its merge (the merge worker reads
+    the WAL, the row cache takes the runs: ``writes``) never builds the dict: its inserts (random
+    stores into a dict of up to ~160k keys, memory-bound) were ~12% of the reactor's time per SET
+    (docs/benchmarks.md, issue 19's tenth pass). The key order scans need is built on the first
+    scan (``sorted_keys``) and kept up to date from then on (the keys a fold adds go to
+    ``unsorted``, folded in by the next scan). Keys are never dropped from a memtable (a remove is
+    a None), so that order only grows. Reactor thread only, but for ``entries`` of a frozen
+    memtable folded before another thread reads it (``_Merge``)."""
 
-    __slots__ = ("entries", "nbytes", "sorted", "unsorted", "plain")
+    __slots__ = ("_dict", "landed", "nbytes", "sorted", "unsorted", "plain")
 
     def __init__(self):
-        self.entries = {}
+        self._dict = {}
+        self.landed = []  # runs (dict, or PackedRun) landed and not yet folded into _dict, in order
         self.nbytes = 0  # bytes counted against FLUSH_BYTES / HARD_BYTES (an overwrite counts again)
         self.sorted = None  # SortedList of the keys, once a scan asked for it
         self.unsorted = []  # keys added since ``sorted`` was brought up to date
         self.plain = True  # no remove and no key over KEY_KEEP bytes: the merge skips looking for them
 
+    @property
+    def entries(self):
+        """{key: stored value or None}, every landed run folded in (in landing order)."""
+        landed = self.landed
+        if landed:
+            self.landed = []
+            d = self._dict
+            unsorted = self.unsorted if self.sorted is not None else None
+            for run in landed:
+                if unsorted is not None:
+                    unsorted.extend([k for k in run if k not in d])
+                if run.__class__ is PackedRun:
+                    run.update_into(d)
+                else:
+                    d.update(run)
+        return self._dict
+
+    def land(self, run):
+        """A durable run (``{key: stored value or None}`` or a ``PackedRun``) enters: kept as it
+        is until something reads ``entries`` (the caller must not change it)."""
+        self.landed.append(run)
+
+    def empty(self) -> bool:
+        return not self.landed and not self._dict
+
+    def count(self) -> int:
+        """Entries, without folding: an upper bound (a key landed twice and not folded counts twice)."""
+        return len(self._dict) + sum(map(len, self.landed))
+
+    def writes(self):
+        """``(keys, stored values)``: two iterables of the memtable's writes, the folded dict's
+        first, then each landed run's in landing order (a key may come more than once: the last
+        wins), without folding (the row cache's update of a merged memtable)."""
+        parts = [(self._dict.keys(), self._dict.values())] if self._dict else []
+        parts += [run.writes() if run.__class__ is PackedRun else (run.keys(), run.values()) for run in self.landed]
+        return (itertools.chain.from_iterable([k for k, _ in parts]),
+                itertools.chain.from_iterable([v for _, v in parts]))
+
     def sorted_keys(self):
+        entries = self.entries  # (folds what landed: its new keys into unsorted)
         if self.sorted is None:
-            self.sorted = SortedList(self.entries)
+            self.sorted = SortedList(entries)
             self.unsorted = []
         elif self.unsorted:
             self.sorted.update(self.unsorted)
@@ -289,7 +342,7 @@ class KeyValue:
 
     def unmerged(self) -> bool:
         """A memtable holds something (a read must look there before LMDB and the row cache)."""
-        return bool(self._active.entries) or (self._flushing is not None and bool(self._flushing.entries))
+        return not self._active.empty() or (self._flushing is not None and not self._flushing.empty())
 
     def start_row_cache(self):
         """Reactor thread: the row cache (storage/kv_cache.py), made now if there is none, the
@@ -503,14 +556,8 @@ class KeyValue:
         if isinstance(result, Failure):
             return result
         active = self._active
-        entries = active.entries
-        was_empty = not entries
-        if active.sorted is not None:
-            active.unsorted.extend([k for k in run if k not in entries])
-        if run.__class__ is PackedRun:
-            run.update_into(entries)
-        else:
-            entries.update(run)
+        was_empty = active.empty()
+        active.land(run)  # folded into its dict when something reads it (_Memtable.entries)
         active.nbytes += nbytes
         if not plain:
             active.plain = False
@@ -563,7 +610,7 @@ class KeyValue:
 
     def memtable_keys(self) -> int:
         """Entries in the memtables (an upper bound of the keys they add to LMDB's count)."""
-        return len(self._active.entries) + (len(self._flushing.entries) if self._flushing is not None else 0)
+        return self._active.count() + (self._flushing.count() if self._flushing is not None else 0)
 
     def flush(self) -> defer.Deferred:
         """Merge the active memtable into LMDB (sorted, in the writer thread); fires once merged
@@ -588,7 +635,7 @@ class KeyValue:
             d = defer.Deferred()
             self._flush_waiters.append(d)
             return d
-        if not self._active.entries or self._core.closed or self._core.failed is not None:
+        if self._active.empty() or self._core.closed or self._core.failed is not None:
             return defer.succeed(None)
         self._cancel_idle_flush()
         frozen = self._flushing = self._active
@@ -638,7 +685,7 @@ class KeyValue:
         memtable, those delivered since the freeze (in the active memtable) or in flight now
         (the ones submitted later queue behind the merge's last operation and set the floor
         themselves); None when there are none."""
-        return floor_at_freeze if (self._active.entries or self._runs) else None
+        return floor_at_freeze if (not self._active.empty() or self._runs) else None
 
     def _merge_stuck(self, merge):
         """Reactor thread: the store refused the running merge part-way (the disk full: writes
@@ -660,14 +707,14 @@ class KeyValue:
             if self._core.closed:
                 self._drop_row_cache()
             else:
-                self.row_cache.merged(frozen.entries)
+                self.row_cache.merged(frozen.writes())
         self.flushes += 1
         waiters, self._flush_waiters = self._flush_waiters, []
         for w in waiters:
             w.callback(None)
         if self._active.nbytes >= FLUSH_BYTES:
             self.flush()
-        elif self._active.entries and self._idle_flush is None and not self._core.closed:
+        elif not self._active.empty() and self._idle_flush is None and not self._core.closed:
             self._arm_idle_flush()
 
 
@@ -676,7 +723,7 @@ class KeyValue:
     def _mem_sources(self, start, descending):
         sources = []
         for table in (self._active, self._flushing):
-            if table is not None and table.entries:
+            if table is not None and not table.empty():
                 order = table.sorted_keys()
                 if descending:
                     keys = order.irange(maximum=start, reverse=True)
@@ -750,9 +797,10 @@ class _Merge:
 
     __slots__ = ("kv", "frozen", "floor_at_freeze", "keys", "values", "at")
 
-    def __init__(self, kv, frozen, floor_at_freeze):
+    def __init__(self, kv, frozen, floor_at_freeze):  # reactor thread
         self.kv = kv
         self.frozen = frozen
+        frozen.entries  # folded here: the writer thread reads the dict (chunk), never folds it
         self.floor_at_freeze = floor_at_freeze
         self.keys = None  # sorted, by the writer thread in the first chunk
         self.values = None  # the frozen memtable's values in that order

@@ -114,11 +114,15 @@ class RowCache:
         self.bypass = hits < BYPASS_BELOW * (hits + misses)
 
     def merged(self, entries):
-        """Reactor thread: a memtable (``{key: stored value, or None for a remove}``) has landed in
-        LMDB: each of its keys gets the value it merged (or is removed). The cache is ``busy``
-        until that is done (at once in the inline mode)."""
-        if not entries:
-            return
+        """Reactor thread: a memtable has landed in LMDB: each of its keys gets the value it merged
+        (or is removed). ``entries``: ``{key: stored value, or None for a remove}``, or ``(keys,
+        stored values)``, two iterables of its writes in order (a key may come more than once: the
+        last wins, as the kernel's insert replaces a key's entry; ``kv._Memtable.writes``). The
+        cache is ``busy`` until that is done (at once in the inline mode)."""
+        if isinstance(entries, dict):
+            if not entries:
+                return
+            entries = (entries.keys(), entries.values())
         if self._call_from_thread is None:
             self._update(entries)
             return
@@ -162,11 +166,11 @@ class RowCache:
                 self.busy = False
 
     def _update(self, entries):
-        """Apply one merged memtable, UPDATE_SLICE keys per kernel call (the GIL released inside
+        """Apply one merged memtable (``(keys, stored values)``, ``merged``), UPDATE_SLICE keys per kernel call (the GIL released inside
         it): the Python between the calls (listing, measuring and joining the slice's keys and
         values, ~0.3 us per key) holds the GIL, in pieces of ~1-2 ms rather than one of tens of ms
         that would stall the reactor."""
-        keys, values = iter(entries), iter(entries.values())  # (a dict's keys and values iterate in one order)
+        keys, values = iter(entries[0]), iter(entries[1])
         while True:
             ks = list(islice(keys, UPDATE_SLICE))
             if not ks:
