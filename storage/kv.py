@@ -190,10 +190,6 @@ class PackedRun:
     def update_into(self, entries):
         entries.update(zip(self.keys, self.stored) if self._map is None else self._map)
 
-    def writes(self):
-        """(keys, stored values) in write order (a key may come twice: the later write wins)."""
-        return self.keys, self.stored
-
 
 class _Memtable:
     """Writes not yet merged into LMDB, on the reactor thread: ``entries`` maps a user key to its
@@ -252,10 +248,9 @@ class _Memtable:
         """``(keys, stored values)``: two iterables of the memtable's writes, the folded dict's
         first, then each landed run's in landing order (a key may come more than once: the last
         wins), without folding (the row cache's update of a merged memtable)."""
-        parts = [(self._dict.keys(), self._dict.values())] if self._dict else []
-        parts += [run.writes() if run.__class__ is PackedRun else (run.keys(), run.values()) for run in self.landed]
-        return (itertools.chain.from_iterable([k for k, _ in parts]),
-                itertools.chain.from_iterable([v for _, v in parts]))
+        d, landed = self._dict, self.landed  # iterated lazily, by the consumer's thread
+        return (itertools.chain(d.keys(), itertools.chain.from_iterable(map(_run_keys, landed))),
+                itertools.chain(d.values(), itertools.chain.from_iterable(map(_run_values, landed))))
 
     def sorted_keys(self):
         entries = self.entries  # (folds what landed: its new keys into unsorted)
@@ -266,6 +261,14 @@ class _Memtable:
             self.sorted.update(self.unsorted)
             self.unsorted = []
         return self.sorted
+
+
+def _run_keys(run):
+    return run.keys if run.__class__ is PackedRun else run.keys()
+
+
+def _run_values(run):
+    return run.stored if run.__class__ is PackedRun else run.values()
 
 
 def _stored_value(stored):
