@@ -42,6 +42,7 @@ import collections
 import functools
 import itertools
 
+import msgpack
 import numpy
 from sortedcontainers import SortedList
 from twisted.internet import defer
@@ -159,16 +160,46 @@ def _only_bytes(items):
 
 class PackedRun:
     """A run of puts as the key-value server's compiled SET pass makes it (``write_packed``): its
-    keys and stored values as two lists, and ``{key: stored value}`` (each key's last put) made
-    only when something looks a key up in it (a REMOVE's answer, a GET of the connection's own
-    pending write): the memtable takes the lists as they are (``update_into``)."""
+    WAL op (``op``, a ``PackedOp``: exactly ``msgpack.packb([OP_PUTS, KV_DB, keys, stored])``) and
+    how many puts it holds; its keys and stored values (two lists) made from ``op`` by one
+    ``msgpack.unpackb`` only when something reads them (``keys``, ``stored``), and ``{key: stored
+    value}`` (each key's last put) only when something looks a key up in it (a REMOVE's answer, a
+    GET of the connection's own pending write, the memtable's fold). A run nobody reads before its
+    merge never makes a Python object per key: the merge worker reads its op back from the WAL and
+    the row cache's update parses it in a kernel (``_Memtable.writes``). ``PackedRun(keys, stored)``:
+    one made from the lists (``op`` None)."""
 
-    __slots__ = ("keys", "stored", "_map")
+    __slots__ = ("op", "count", "_keys", "_stored", "_map")
 
     def __init__(self, keys, stored):
-        self.keys = keys
-        self.stored = stored
+        self.op = None
+        self.count = len(keys)
+        self._keys = keys
+        self._stored = stored
         self._map = None
+
+    @classmethod
+    def of_op(cls, op, count):
+        run = cls.__new__(cls)
+        run.op = op
+        run.count = count
+        run._keys = run._stored = run._map = None
+        return run
+
+    def _unpack(self):
+        _code, _db, self._keys, self._stored = msgpack.unpackb(self.op)
+
+    @property
+    def keys(self):
+        if self._keys is None:
+            self._unpack()
+        return self._keys
+
+    @property
+    def stored(self):
+        if self._stored is None:
+            self._unpack()
+        return self._stored
 
     def mapping(self):
         if self._map is None:
@@ -185,7 +216,11 @@ class PackedRun:
         return iter(self.mapping())
 
     def __len__(self):
-        return len(self.keys)
+        return self.count
+
+    def __getitem__(self, i):
+        """The ``i``-th stored value (the server's run reads its values through this)."""
+        return self.stored[i]
 
     def update_into(self, entries):
         entries.update(zip(self.keys, self.stored) if self._map is None else self._map)
@@ -245,12 +280,27 @@ class _Memtable:
         return len(self._dict) + sum(map(len, self.landed))
 
     def writes(self):
-        """``(keys, stored values)``: two iterables of the memtable's writes, the folded dict's
-        first, then each landed run's in landing order (a key may come more than once: the last
-        wins), without folding (the row cache's update of a merged memtable)."""
-        d, landed = self._dict, self.landed  # iterated lazily, by the consumer's thread
-        return (itertools.chain(d.keys(), itertools.chain.from_iterable(map(_run_keys, landed))),
-                itertools.chain(d.values(), itertools.chain.from_iterable(map(_run_values, landed))))
+        """The memtable's writes in order, without folding (the row cache's update of a merged
+        memtable, storage/kv_cache.py): a list of parts, each ``(keys, stored values)`` (two
+        iterables; the folded dict's first) or a packed run's op bytes (``PackedOp``: parsed by the
+        cache's kernel, no Python object per key). A key may come more than once: the last wins."""
+        parts = [(self._dict.keys(), self._dict.values())] if self._dict else []
+        ks = vs = None  # the lists behind the last part of runs without an op (chained lazily)
+        for run in self.landed:
+            if run.__class__ is PackedRun:
+                if run.op is not None and run._keys is None:
+                    parts.append(run.op)
+                    ks = None
+                    continue
+                keys, values = run.keys, run.stored
+            else:
+                keys, values = run.keys(), run.values()
+            if ks is None:
+                ks, vs = [], []
+                parts.append((itertools.chain.from_iterable(ks), itertools.chain.from_iterable(vs)))
+            ks.append(keys)
+            vs.append(values)
+        return parts
 
     def sorted_keys(self):
         entries = self.entries  # (folds what landed: its new keys into unsorted)
@@ -261,14 +311,6 @@ class _Memtable:
             self.sorted.update(self.unsorted)
             self.unsorted = []
         return self.sorted
-
-
-def _run_keys(run):
-    return run.keys if run.__class__ is PackedRun else run.keys()
-
-
-def _run_values(run):
-    return run.stored if run.__class__ is PackedRun else run.values()
 
 
 def _stored_value(stored):

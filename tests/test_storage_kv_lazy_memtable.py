@@ -1,12 +1,18 @@
 """The memtable's lazily built dict (storage/kv.py ``_Memtable``): landed runs are kept as they are
 and folded into the dict when something reads ``entries``; ``writes`` hands the row cache the runs
-in order without folding; ``sorted_keys`` stays the key order of everything landed. Checked against a
-plain dict model with hypothesis: runs of puts and removes (plain dicts, as ``write_many`` lands them,
-and ``PackedRun``s, as the compiled SET pass does), reads, scans and ``writes`` interleaved."""
+in order without folding (a packed run as its op bytes); ``sorted_keys`` stays the key order of
+everything landed. Checked against a plain dict model with hypothesis: runs of puts and removes
+(plain dicts, as ``write_many`` lands them, and ``PackedRun``s, from lists or from their op as the
+compiled SET pass makes them), reads, scans and ``writes`` interleaved; and the row cache's update
+from those parts (its kernel ``update_ops`` parsing the ops) against the same model."""
 
+import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from storage import kv_cache
+from storage.index import KV, OP_PUTS
 from storage.kv import PackedRun, _Memtable
 
 keys = st.binary(min_size=1, max_size=3)
@@ -16,18 +22,29 @@ packed_run = st.lists(st.tuples(keys, st.binary(max_size=4).map(lambda v: b"\x00
 step = st.one_of(
     st.tuples(st.just("dict"), dict_run),
     st.tuples(st.just("packed"), packed_run),
+    st.tuples(st.just("op"), packed_run),
     st.tuples(st.just("read"), st.none()),
     st.tuples(st.just("scan"), st.none()),
     st.tuples(st.just("writes"), st.none()),
 )
 
 
-def _last_writes(writes):
-    ks, vs = writes
+def _last_writes(parts):
     out = {}
-    for k, v in zip(list(ks), list(vs)):
-        out[k] = v
+    for part in parts:
+        if part.__class__ is tuple:
+            ks, vs = part
+        else:
+            code, db, ks, vs = msgpack.unpackb(part)
+            assert (code, db) == (OP_PUTS, KV)
+        for k, v in zip(list(ks), list(vs)):
+            out[k] = v
     return out
+
+
+def _packed(pairs):
+    keys, stored = [k for k, _ in pairs], [v for _, v in pairs]
+    return PackedRun.of_op(msgpack.packb([OP_PUTS, KV, keys, stored], use_bin_type=True), len(keys))
 
 
 @settings(max_examples=300, deadline=None)
@@ -48,6 +65,13 @@ def test_lazy_memtable_against_a_dict(steps):
             table.land(run)
             model.update(arg)
             landed += len(arg)
+        elif kind == "op":
+            run = _packed(arg)
+            if landed % 3 == 1:
+                run.get(arg[0][0])  # unpacked already (a GET of a pending write)
+            table.land(run)
+            model.update(arg)
+            landed += len(arg)
         elif kind == "read":
             assert table.entries == model
         elif kind == "scan":
@@ -60,3 +84,40 @@ def test_lazy_memtable_against_a_dict(steps):
     assert table.entries == model
     assert list(table.sorted_keys()) == sorted(model)
     assert table.count() == len(model)  # folded: exact
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    from storage.jit import import_compiled
+
+    mod, why = import_compiled(kv_cache.KERNELS)
+    if mod is None:
+        pytest.skip("no numba: %s" % why)
+    return mod
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("dict"), dict_run), st.tuples(st.just("op"), packed_run)), min_size=1,
+                max_size=40))
+def test_row_cache_takes_the_parts_in_order(kernel, runs):
+    """A merged memtable's parts (runs of puts and removes, packed ops among them) leave the row
+    cache with each key's last write: its value, or no entry for a remove."""
+    table = _Memtable()
+    model = {}
+    for kind, arg in runs:
+        table.land(dict(arg) if kind == "dict" else _packed(arg))
+        model.update(arg)
+    cache = kv_cache.RowCache(1 << 20, kernel)
+    old = kv_cache.UPDATE_OPS
+    kv_cache.UPDATE_OPS = 3  # several kernel calls per merge
+    try:
+        cache.merged(table.writes())
+    finally:
+        kv_cache.UPDATE_OPS = old
+    for key, stored in model.items():
+        e = kernel.find(cache.slots, cache.arena, cache.meta, key)
+        if stored is None:
+            assert e < 0
+        else:
+            n = kernel.value_len(cache.arena, e)
+            assert e >= 0 and bytes(cache.arena[e + 6 + len(key): e + 6 + len(key) + n]) == stored[1:]
