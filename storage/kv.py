@@ -568,7 +568,7 @@ class KeyValue:
         store keeps it as the memtable's run: the caller may read it, never change it);
         ``nbytes`` the keys' and the values' lengths summed. Fires as ``write_sets`` does (one
         True per put); the writer thread logs ``op`` without packing it (commit ``pack_ops``)."""
-        count = len(run.keys)
+        count = len(run)
         nbytes += ENTRY_OVERHEAD * count
         try:
             self._check_room(nbytes)
