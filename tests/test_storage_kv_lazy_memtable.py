@@ -6,6 +6,8 @@ everything landed. Checked against a plain dict model with hypothesis: runs of p
 compiled SET pass makes them), reads, scans and ``writes`` interleaved; and the row cache's update
 from those parts (its kernel ``update_ops`` parsing the ops) against the same model."""
 
+import os
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -121,3 +123,40 @@ def test_row_cache_takes_the_parts_in_order(kernel, runs):
         else:
             n = kernel.value_len(cache.arena, e)
             assert e >= 0 and bytes(cache.arena[e + 6 + len(key): e + 6 + len(key) + n]) == stored[1:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.binary(min_size=2, max_size=2), st.one_of(st.none(), st.binary(max_size=40))), min_size=1,
+                max_size=300), st.integers(1, 7), st.integers(1, 200))
+def test_the_workers_merge_through_the_order_writes_what_the_sorted_lists_do(tmp_path_factory, writes, chunk_keys,
+                                                                             chunk_bytes):
+    """The merge worker's ``merge_into`` through ``last_write_order`` (no sorted lists; the chunks'
+    cuts from cumulative sizes) leaves LMDB as the sorted lists of ``last_writes`` do, chunk for
+    chunk: the same pairs and the same number of transactions."""
+    from storage import index, kv_merge
+
+    keys = [k for k, _ in writes]
+    values = [None if v is None else b"\x00" + v for _, v in writes]
+    old = kv_merge._NUMPY_FROM
+    kv_merge._NUMPY_FROM = 1
+    try:
+        take = kv_merge.last_write_order(keys)
+    finally:
+        kv_merge._NUMPY_FROM = old
+    assert take is not None
+    got = []
+    for how in ("lists", "order"):
+        env, dbs = index.open_env(str(tmp_path_factory.mktemp(how)), sync=False)
+        db = dbs[index.KV]
+        with env.begin(write=True) as txn:  # something to delete and to overwrite
+            for k in set(keys[::2]):
+                txn.put(k, b"\x00old", db=db)
+        if how == "lists":
+            ks, vs = kv_merge.last_writes(keys, values)
+            txns = kv_merge.merge_into(env, db, ks, vs, chunk_keys, chunk_bytes, os.getppid())
+        else:
+            txns = kv_merge.merge_into(env, db, keys, values, chunk_keys, chunk_bytes, os.getppid(), take)
+        with env.begin() as txn:
+            got.append((txns, list(txn.cursor(db=db))))
+        env.close()
+    assert got[0] == got[1]
