@@ -76,6 +76,11 @@ MAX_WORKER_FAILURES = 3
 # deliveries, in a run of GETs, one snapshot would pin every page the worker's chunks free: the
 # LMDB file grew by ~100 MiB at 1M keys)
 SNAPSHOT_RENEW_S = 0.02
+# An unread backlog of landed runs (the lazy memtable dict, _Memtable.entries) is folded in slices
+# of FOLD_SLICE runs once writes pause for FOLD_PAUSE_S, when it passed FOLD_BACKLOG runs
+FOLD_BACKLOG = 1024
+FOLD_PAUSE_S = 0.02
+FOLD_SLICE = 256
 _MISSING = object()
 
 
@@ -253,9 +258,17 @@ class _Memtable:
     @property
     def entries(self):
         """{key: stored value or None}, every landed run folded in (in landing order)."""
+        if self.landed:
+            self.fold(len(self.landed))
+        return self._dict
+
+    def fold(self, count):
+        """Fold the first ``count`` landed runs into the dict (``entries`` folds them all; the
+        store folds a backlog in slices while writes pause, ``KeyValue._fold_idle``)."""
         landed = self.landed
-        if landed:
-            self.landed = []
+        if count:
+            self.landed = landed[count:]
+            landed = landed[:count]
             d = self._dict
             unsorted = self.unsorted if self.sorted is not None else None
             for run in landed:
@@ -265,7 +278,6 @@ class _Memtable:
                     run.update_into(d)
                 else:
                     d.update(run)
-        return self._dict
 
     def land(self, run):
         """A durable run (``{key: stored value or None}`` or a ``PackedRun``) enters: kept as it
@@ -338,6 +350,7 @@ class KeyValue:
         # A merge the store refused part-way (the disk full, or read-only after a disk error): its
         # frozen memtable stays in _flushing, read before LMDB, until a flush() can run it again.
         self._stuck = None
+        self._folding = None  # the pending _fold_idle call
         self.flushes = 0  # merges landed (observability, tests)
         self.merge_txns = 0  # LMDB transactions those merges took (MERGE_CHUNK_KEYS each at most)
         self.worker_merges = 0  # merges the worker process did (the rest: the writer thread)
@@ -350,6 +363,7 @@ class KeyValue:
         self.row_cache = None
         self.row_cache_bytes = kv_cache.DEFAULT_BYTES
         core.on_close.insert(0, self._cancel_idle_flush)
+        core.on_close.insert(0, self._cancel_folding)
         core.on_close.append(self._drop_row_cache)
         core.on_close.append(self._stop_worker)
 
@@ -607,6 +621,8 @@ class KeyValue:
         if not plain:
             active.plain = False
         self._landed_runs += 1
+        if len(active.landed) >= FOLD_BACKLOG and self._folding is None and not self._core.closed:
+            self._folding = self._core.reactor.callLater(FOLD_PAUSE_S, self._fold_idle, self._landed_runs)
         if active.nbytes >= FLUSH_BYTES:
             self.flush()
         elif was_empty and self._idle_flush is None and not self._core.closed:
@@ -614,6 +630,25 @@ class KeyValue:
             if self._worker is None and MERGE_WORKER and not self._inline:
                 self.merge_worker().start()  # the first key-value write: the worker starts now
         return result
+
+    def _fold_idle(self, runs):
+        """FOLD_PAUSE_S after the unread backlog passed FOLD_BACKLOG runs: if writes go on, look
+        again later (a burst nobody reads is never folded: the point of the lazy dict); if they
+        paused, fold FOLD_SLICE runs (the merging memtable's first) and go on at the next turn,
+        so that a read coming after the pause does not pay the whole backlog at once (~1 us per
+        key: ~0.3 s for two full memtables)."""
+        self._folding = None
+        core = self._core
+        if core.closed:
+            return
+        if self._landed_runs != runs:
+            self._folding = core.reactor.callLater(FOLD_PAUSE_S, self._fold_idle, self._landed_runs)
+            return
+        for table in (self._flushing, self._active):
+            if table is not None and table.landed:
+                table.fold(min(FOLD_SLICE, len(table.landed)))
+                self._folding = core.reactor.callLater(0, self._fold_idle, runs)
+                return
 
     # -- merging into LMDB --------------------------------------------------------------------
 
@@ -636,6 +671,11 @@ class KeyValue:
             self._idle_flush = reactor.callLater(FLUSH_IDLE_S, self._flush_idle)
             return
         self.flush()
+
+    def _cancel_folding(self):
+        if self._folding is not None and self._folding.active():
+            self._folding.cancel()
+        self._folding = None
 
     def _cancel_idle_flush(self):
         if self._idle_flush is not None and self._idle_flush.active():

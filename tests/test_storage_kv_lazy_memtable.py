@@ -10,8 +10,10 @@ import os
 
 import msgpack
 import pytest
+import pytest_twisted
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twisted.internet import defer
 
 from storage import kv_cache
 from storage.index import KV, OP_PUTS
@@ -28,6 +30,7 @@ step = st.one_of(
     st.tuples(st.just("read"), st.none()),
     st.tuples(st.just("scan"), st.none()),
     st.tuples(st.just("writes"), st.none()),
+    st.tuples(st.just("fold"), st.integers(0, 4)),
 )
 
 
@@ -76,6 +79,8 @@ def test_lazy_memtable_against_a_dict(steps):
             landed += len(arg)
         elif kind == "read":
             assert table.entries == model
+        elif kind == "fold":
+            table.fold(min(arg, len(table.landed)))  # a slice, as the store folds a backlog
         elif kind == "scan":
             assert list(table.sorted_keys()) == sorted(model)
         else:
@@ -160,3 +165,24 @@ def test_the_workers_merge_through_the_order_writes_what_the_sorted_lists_do(tmp
             got.append((txns, list(txn.cursor(db=db))))
         env.close()
     assert got[0] == got[1]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_unread_backlog_is_folded_in_slices_once_writes_pause(tmp_path, monkeypatch):
+    """A burst nobody reads stays unfolded while it goes on; once writes pause, the store folds
+    the backlog in slices (``KeyValue._fold_idle``), so a later read does not pay it at once."""
+    from twisted.internet import reactor
+
+    from storage import FsyncPolicy, Store, kv
+    from tests.waiting import reactor_until
+
+    monkeypatch.setattr(kv, "FOLD_BACKLOG", 8)
+    monkeypatch.setattr(kv, "FOLD_SLICE", 3)
+    st = Store.open(str(tmp_path), fsync=FsyncPolicy.parse("interval:1000"), reactor=reactor, node_id=7)
+    await defer.DeferredList([st.kv.write_many([(b"k%d" % i, b"v%d" % i)]) for i in range(40)])
+    active = st.kv._active
+    assert active.landed  # nothing read it
+    await reactor_until(lambda: not st.kv._active.landed, timeout=10, what="the backlog folded")
+    assert active._dict == {b"k%d" % i: b"\x00v%d" % i for i in range(40)}
+    assert [st.kv.get(b"k%d" % i) for i in range(40)] == [b"v%d" % i for i in range(40)]
+    await st.close()
