@@ -24,6 +24,7 @@ Keys are 8 bytes, a bijective scramble of the index, so they spread over all 8 p
 
 import argparse
 import os
+import re
 import resource
 import shutil
 import socket
@@ -108,6 +109,31 @@ def own_cpu():
     return r.ru_utime + r.ru_stime
 
 
+def machine_cpu():
+    """(busy, total) jiffies of the whole machine so far (/proc/stat's cpu line): over a phase,
+    busy / total is how much of the 2 cores anything (the node, the generator, the others) used."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def thread_switches(pid):
+    """{thread: (voluntary, involuntary) context switches so far} of ``pid``'s threads (each
+    voluntary one is a sleep: a wait for work, for the GIL, for a lock)."""
+    out = {}
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, tid)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        v = int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", text, re.M).group(1))
+        i = int(re.search(r"^nonvoluntary_ctxt_switches:\s+(\d+)", text, re.M).group(1))
+        out["reactor" if int(tid) == pid else "thread " + tid] = (v, i)
+    return out
+
+
 def thread_cpu(pid):
     """{thread: CPU seconds so far} of process ``pid``'s threads ("reactor" for the main thread,
     the others by thread id: Python's thread names are not the OS's)."""
@@ -137,21 +163,30 @@ class Profiler:
         self.phase = phase
         self.proc = None
         self.threads0 = thread_cpu(pid)
+        self.switches0 = thread_switches(pid)
+        self.machine0 = machine_cpu()
         if outdir:
             os.makedirs(outdir, exist_ok=True)
             self.proc = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--threads", *self.extra,
+                ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--threads", "--subprocesses", *self.extra,
                  "--output", os.path.join(outdir, phase + ".txt")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # py-spy attaches before the load starts
 
     def stop(self, n):
         threads = thread_cpu(self.pid)
+        switches = thread_switches(self.pid)
+        busy, total = (b - a for a, b in zip(self.machine0, machine_cpu()))
         if self.proc is not None:
             self.proc.send_signal(2)
             self.proc.wait(60)
         per = sorted(((v - self.threads0.get(k, 0.0)) * 1e6 / n, k) for k, v in threads.items())
         print("  %s per thread: %s" % (self.phase, ", ".join("%s %.2f us/op" % (k, v) for v, k in reversed(per) if v >= 0.01)))
+        sw = sorted(((a[0] - self.switches0.get(k, (0, 0))[0], a[1] - self.switches0.get(k, (0, 0))[1], k)
+                     for k, a in switches.items()), reverse=True)
+        print("  %s machine busy %.0f%% of its %d cores; context switches per 1000 ops (voluntary/involuntary): %s"
+              % (self.phase, 100.0 * busy / max(1, total), os.cpu_count(),
+                 ", ".join("%s %.0f/%.0f" % (k, v * 1e3 / n, i * 1e3 / n) for v, i, k in sw[:4])))
 
 
 class CpuMeter:
@@ -446,7 +481,13 @@ def pair_keys(n):
 
 
 def fmt_lat(samples):
-    return "p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms" % tuple(percentile(samples, q) * 1000 for q in (0.5, 0.99, 0.999))
+    """Percentiles, then the weighted mean and the share of the summed latency spent in groups
+    that took over 1 ms (stalls: at a fixed depth the rate is depth / mean latency)."""
+    total = sum(w for _, w in samples) or 1
+    lat_sum = sum(lat * w for lat, w in samples) or 1e-12
+    slow = sum(lat * w for lat, w in samples if lat > 0.001)
+    return "p50 %.2f ms  p99 %.2f ms  p99.9 %.2f ms  mean %.3f ms (%.0f%% of it in groups over 1 ms)" % (
+        tuple(percentile(samples, q) * 1000 for q in (0.5, 0.99, 0.999)) + (lat_sum / total * 1000, 100.0 * slow / lat_sum))
 
 
 def main(argv=None):

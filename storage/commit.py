@@ -350,6 +350,14 @@ def _daemon_thread(*args, **kwargs):
 # -- the core ---------------------------------------------------------------------------------------
 
 
+# The reactor writes a kv memtable run itself when nothing is ahead of it (``_submit_direct``)
+KV_DIRECT = os.environ.get("SBPNODE_KV_DIRECT", "1") != "0"
+
+
+def _never():
+    return False
+
+
 class CommitCore:
     """The writer thread, group commit and the read side's snapshot and pool, over an open LMDB
     environment, WAL and chunk packs (``recover`` has run). Built by ``store.Store.open``."""
@@ -363,6 +371,9 @@ class CommitCore:
         self.wal = wal  # writer thread (appends); readers pread from any thread
         self.packs = packs  # writer thread (appends); readers pread from any thread
         self.policy = policy
+        # a kv run may be written by the reactor itself (``_submit_direct``): not under ``always``,
+        # where every group waits for an fsync
+        self._direct_ok = KV_DIRECT and not policy.always
         self.reactor = reactor
         self.closed = False  # reactor thread
         self.failed = None  # why the store is read-only (a disk error in the writer); never cleared
@@ -396,6 +407,13 @@ class CommitCore:
         self._queue = collections.deque()  # appended by the reactor, taken by the writer
         self._cond = threading.Condition()
         self._writer_idle = False
+        # Held by the writer from taking a group until it has queued the group's delivery, and by
+        # the reactor while it writes a kv run itself (``_submit_direct``): WAL writes in order
+        self._group_lock = threading.Lock()
+        self._groups_sent = 0  # writer thread: groups whose delivery it queued
+        self._groups_delivered = 0  # reactor thread: of those, delivered whole
+        self._in_direct = False  # reactor thread: inside a direct write and its delivery
+        self.direct_runs = 0  # kv runs the reactor wrote itself (observability, tests)
         self._wakes_held = 0  # reactor thread: hold_wakeups() depth
         self._wake_pending = False  # reactor thread: a submit found the writer idle while held
         self._writer = None
@@ -436,6 +454,10 @@ class CommitCore:
 
     def submit(self, op: Operation) -> defer.Deferred:
         """Queue ``op`` for the next group; its Deferred. The caller ran ``check_writable``."""
+        if op.__class__ is Direct and op.memtable and self._direct_ok and not self._queue:
+            done = self._submit_direct(op)
+            if done is not None:
+                return done
         self._queued_bytes += op.nbytes
         self._queue.append(op)  # deque.append is atomic; the lock is taken only to wake the writer
         if self._writer_idle:
@@ -443,6 +465,44 @@ class CommitCore:
                 self._wake_pending = True
             else:
                 self._wake_writer()
+        return op.done
+
+    def _submit_direct(self, op):
+        """Reactor thread, under ``interval`` or ``never`` (no sync per group): a kv memtable run
+        whose group would be a WAL write alone is written and delivered here, at once, when
+        nothing is ahead of it: the queue empty, the writer not inside a group (its lock), every
+        group it wrote delivered (so runs land in WAL order), the checkpoint not moving (no LMDB
+        transaction: the merge worker may hold LMDB's writer lock). Saves the hand-off to the
+        writer and back (two thread wake-ups and GIL hand-offs per group, ~60% of a SET's time in
+        flight under load: docs/benchmarks.md, issue 19's tenth pass). None: queue it."""
+        if self._in_direct or self._groups_sent != self._groups_delivered or self.closed \
+                or self.failed is not None or self.full is not None:
+            return None
+        floor = self.kv_floor
+        wal = self.wal
+        if floor is None or self._checkpoint != min(wal.end, floor):
+            return None
+        if wal.active is None or wal.end - wal.active + op.nbytes + 4096 > wal.segment_bytes:
+            return None  # a new segment (a file created, the directory synced): the writer's
+        if not self._group_lock.acquire(False):
+            return None
+        self._in_direct = True
+        try:
+            if self._queue or self._groups_sent != self._groups_delivered:
+                return None
+            was_dirty = self.unsynced()
+            self._queued_bytes += op.nbytes
+            group = [op]
+            self._write(group, _never)
+            self.direct_runs += 1
+            if not was_dirty:
+                # the writer times the interval's sync from its next look (asleep or not: it
+                # may have found the WAL clean just before this write)
+                self._wake_writer()
+            self._deliver(group, self.wal.end)
+        finally:
+            self._in_direct = False
+            self._group_lock.release()
         return op.done
 
     def _wake_writer(self):
@@ -528,6 +588,7 @@ class CommitCore:
                 os.eventfd_read(self._wake_fd)
             except BlockingIOError:
                 pass
+        self._group_lock.acquire()  # released by _writer_loop once the group's delivery is queued
         with self._cond:
             group, size = [], 0
             q = self._queue
@@ -570,11 +631,16 @@ class CommitCore:
             if interval is not None and self.unsynced():
                 timeout = sync_wait()
             group = self._take(timeout)
-            synced, stopping = self._write(group, sync_due)
-            if synced:
-                last_sync = time.monotonic()
+            try:
+                synced, stopping = self._write(group, sync_due)
+                if synced:
+                    last_sync = time.monotonic()
+                if group:
+                    self._groups_sent += 1
+                    self.reactor.callFromThread(self._deliver_sent, group, self.wal.end)
+            finally:
+                self._group_lock.release()
             if group:
-                self.reactor.callFromThread(self._deliver, group, self.wal.end)
                 self.wal.drop_behind_synced()  # (after the hand-off: off the group's latency)
 
     def _write(self, group, sync_due) -> (bool, bool):
@@ -834,6 +900,13 @@ class CommitCore:
                     self.logger.error("post-commit step failed: {error}", error=e)
 
     # -- completion (reactor thread) --------------------------------------------------------------
+
+    def _deliver_sent(self, group, wal_end):
+        """A group the writer wrote; counted delivered once every callback of it has run."""
+        try:
+            self._deliver(group, wal_end)
+        finally:
+            self._groups_delivered += 1
 
     def _deliver(self, group, wal_end):
         self._drop_snapshot()

@@ -40,7 +40,9 @@ partitions and of RocksDB), so a SET does not pay a random LMDB page write:
 
 import collections
 import functools
+import itertools
 
+import msgpack
 import numpy
 from sortedcontainers import SortedList
 from twisted.internet import defer
@@ -74,6 +76,11 @@ MAX_WORKER_FAILURES = 3
 # deliveries, in a run of GETs, one snapshot would pin every page the worker's chunks free: the
 # LMDB file grew by ~100 MiB at 1M keys)
 SNAPSHOT_RENEW_S = 0.02
+# An unread backlog of landed runs (the lazy memtable dict, _Memtable.entries) is folded in slices
+# of FOLD_SLICE runs once writes pause for FOLD_PAUSE_S, when it passed FOLD_BACKLOG runs
+FOLD_BACKLOG = 1024
+FOLD_PAUSE_S = 0.02
+FOLD_SLICE = 256
 _MISSING = object()
 
 
@@ -158,16 +165,46 @@ def _only_bytes(items):
 
 class PackedRun:
     """A run of puts as the key-value server's compiled SET pass makes it (``write_packed``): its
-    keys and stored values as two lists, and ``{key: stored value}`` (each key's last put) made
-    only when something looks a key up in it (a REMOVE's answer, a GET of the connection's own
-    pending write): the memtable takes the lists as they are (``update_into``)."""
+    WAL op (``op``, a ``PackedOp``: exactly ``msgpack.packb([OP_PUTS, KV_DB, keys, stored])``) and
+    how many puts it holds; its keys and stored values (two lists) made from ``op`` by one
+    ``msgpack.unpackb`` only when something reads them (``keys``, ``stored``), and ``{key: stored
+    value}`` (each key's last put) only when something looks a key up in it (a REMOVE's answer, a
+    GET of the connection's own pending write, the memtable's fold). A run nobody reads before its
+    merge never makes a Python object per key: the merge worker reads its op back from the WAL and
+    the row cache's update parses it in a kernel (``_Memtable.writes``). ``PackedRun(keys, stored)``:
+    one made from the lists (``op`` None)."""
 
-    __slots__ = ("keys", "stored", "_map")
+    __slots__ = ("op", "count", "_keys", "_stored", "_map")
 
     def __init__(self, keys, stored):
-        self.keys = keys
-        self.stored = stored
+        self.op = None
+        self.count = len(keys)
+        self._keys = keys
+        self._stored = stored
         self._map = None
+
+    @classmethod
+    def of_op(cls, op, count):
+        run = cls.__new__(cls)
+        run.op = op
+        run.count = count
+        run._keys = run._stored = run._map = None
+        return run
+
+    def _unpack(self):
+        _code, _db, self._keys, self._stored = msgpack.unpackb(self.op)
+
+    @property
+    def keys(self):
+        if self._keys is None:
+            self._unpack()
+        return self._keys
+
+    @property
+    def stored(self):
+        if self._stored is None:
+            self._unpack()
+        return self._stored
 
     def mapping(self):
         if self._map is None:
@@ -183,6 +220,13 @@ class PackedRun:
     def __iter__(self):
         return iter(self.mapping())
 
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        """The ``i``-th stored value (the server's run reads its values through this)."""
+        return self.stored[i]
+
     def update_into(self, entries):
         entries.update(zip(self.keys, self.stored) if self._map is None else self._map)
 
@@ -190,24 +234,90 @@ class PackedRun:
 class _Memtable:
     """Writes not yet merged into LMDB, on the reactor thread: ``entries`` maps a user key to its
     LMDB stored value (``_lmdb_item``: ``b"\\x00" + value`` for a key up to KEY_KEEP bytes) or None
-    for a remove. A plain dict: a write costs one dict store (a SortedDict insert cost ~2 us per
-    key on the reactor); the key order scans need is built on the first scan (``sorted_keys``)
-    and kept up to date from then on (the keys a write adds go to ``unsorted``, folded in by the
-    next scan). Keys are never dropped from a memtable (a remove is a None), so that order only
-    grows."""
+    for a remove. A plain dict, made lazily: a landing run is only appended to ``landed`` (``land``),
+    and ``entries`` folds the runs landed since into the dict when something reads it (a GET, a
+    REMOVE's answer, a scan). A write burst nobody reads before its merge (the merge worker reads
+    the WAL, the row cache takes the runs: ``writes``) never builds the dict: its inserts (random
+    stores into a dict of up to ~160k keys, memory-bound) were ~12% of the reactor's time per SET
+    (docs/benchmarks.md, issue 19's tenth pass). The key order scans need is built on the first
+    scan (``sorted_keys``) and kept up to date from then on (the keys a fold adds go to
+    ``unsorted``, folded in by the next scan). Keys are never dropped from a memtable (a remove is
+    a None), so that order only grows. Reactor thread only, but for ``entries`` of a frozen
+    memtable folded before another thread reads it (``_Merge``)."""
 
-    __slots__ = ("entries", "nbytes", "sorted", "unsorted", "plain")
+    __slots__ = ("_dict", "landed", "nbytes", "sorted", "unsorted", "plain")
 
     def __init__(self):
-        self.entries = {}
+        self._dict = {}
+        self.landed = []  # runs (dict, or PackedRun) landed and not yet folded into _dict, in order
         self.nbytes = 0  # bytes counted against FLUSH_BYTES / HARD_BYTES (an overwrite counts again)
         self.sorted = None  # SortedList of the keys, once a scan asked for it
         self.unsorted = []  # keys added since ``sorted`` was brought up to date
         self.plain = True  # no remove and no key over KEY_KEEP bytes: the merge skips looking for them
 
+    @property
+    def entries(self):
+        """{key: stored value or None}, every landed run folded in (in landing order)."""
+        if self.landed:
+            self.fold(len(self.landed))
+        return self._dict
+
+    def fold(self, count):
+        """Fold the first ``count`` landed runs into the dict (``entries`` folds them all; the
+        store folds a backlog in slices while writes pause, ``KeyValue._fold_idle``)."""
+        landed = self.landed
+        if count:
+            self.landed = landed[count:]
+            landed = landed[:count]
+            d = self._dict
+            unsorted = self.unsorted if self.sorted is not None else None
+            for run in landed:
+                if unsorted is not None:
+                    unsorted.extend([k for k in run if k not in d])
+                if run.__class__ is PackedRun:
+                    run.update_into(d)
+                else:
+                    d.update(run)
+
+    def land(self, run):
+        """A durable run (``{key: stored value or None}`` or a ``PackedRun``) enters: kept as it
+        is until something reads ``entries`` (the caller must not change it)."""
+        self.landed.append(run)
+
+    def empty(self) -> bool:
+        return not self.landed and not self._dict
+
+    def count(self) -> int:
+        """Entries, without folding: an upper bound (a key landed twice and not folded counts twice)."""
+        return len(self._dict) + sum(map(len, self.landed))
+
+    def writes(self):
+        """The memtable's writes in order, without folding (the row cache's update of a merged
+        memtable, storage/kv_cache.py): a list of parts, each ``(keys, stored values)`` (two
+        iterables; the folded dict's first) or a packed run's op bytes (``PackedOp``: parsed by the
+        cache's kernel, no Python object per key). A key may come more than once: the last wins."""
+        parts = [(self._dict.keys(), self._dict.values())] if self._dict else []
+        ks = vs = None  # the lists behind the last part of runs without an op (chained lazily)
+        for run in self.landed:
+            if run.__class__ is PackedRun:
+                if run.op is not None and run._keys is None:
+                    parts.append(run.op)
+                    ks = None
+                    continue
+                keys, values = run.keys, run.stored
+            else:
+                keys, values = run.keys(), run.values()
+            if ks is None:
+                ks, vs = [], []
+                parts.append((itertools.chain.from_iterable(ks), itertools.chain.from_iterable(vs)))
+            ks.append(keys)
+            vs.append(values)
+        return parts
+
     def sorted_keys(self):
+        entries = self.entries  # (folds what landed: its new keys into unsorted)
         if self.sorted is None:
-            self.sorted = SortedList(self.entries)
+            self.sorted = SortedList(entries)
             self.unsorted = []
         elif self.unsorted:
             self.sorted.update(self.unsorted)
@@ -240,6 +350,7 @@ class KeyValue:
         # A merge the store refused part-way (the disk full, or read-only after a disk error): its
         # frozen memtable stays in _flushing, read before LMDB, until a flush() can run it again.
         self._stuck = None
+        self._folding = None  # the pending _fold_idle call
         self.flushes = 0  # merges landed (observability, tests)
         self.merge_txns = 0  # LMDB transactions those merges took (MERGE_CHUNK_KEYS each at most)
         self.worker_merges = 0  # merges the worker process did (the rest: the writer thread)
@@ -252,6 +363,7 @@ class KeyValue:
         self.row_cache = None
         self.row_cache_bytes = kv_cache.DEFAULT_BYTES
         core.on_close.insert(0, self._cancel_idle_flush)
+        core.on_close.insert(0, self._cancel_folding)
         core.on_close.append(self._drop_row_cache)
         core.on_close.append(self._stop_worker)
 
@@ -289,7 +401,7 @@ class KeyValue:
 
     def unmerged(self) -> bool:
         """A memtable holds something (a read must look there before LMDB and the row cache)."""
-        return bool(self._active.entries) or (self._flushing is not None and bool(self._flushing.entries))
+        return not self._active.empty() or (self._flushing is not None and not self._flushing.empty())
 
     def start_row_cache(self):
         """Reactor thread: the row cache (storage/kv_cache.py), made now if there is none, the
@@ -470,7 +582,7 @@ class KeyValue:
         store keeps it as the memtable's run: the caller may read it, never change it);
         ``nbytes`` the keys' and the values' lengths summed. Fires as ``write_sets`` does (one
         True per put); the writer thread logs ``op`` without packing it (commit ``pack_ops``)."""
-        count = len(run.keys)
+        count = len(run)
         nbytes += ENTRY_OVERHEAD * count
         try:
             self._check_room(nbytes)
@@ -503,18 +615,14 @@ class KeyValue:
         if isinstance(result, Failure):
             return result
         active = self._active
-        entries = active.entries
-        was_empty = not entries
-        if active.sorted is not None:
-            active.unsorted.extend([k for k in run if k not in entries])
-        if run.__class__ is PackedRun:
-            run.update_into(entries)
-        else:
-            entries.update(run)
+        was_empty = active.empty()
+        active.land(run)  # folded into its dict when something reads it (_Memtable.entries)
         active.nbytes += nbytes
         if not plain:
             active.plain = False
         self._landed_runs += 1
+        if len(active.landed) >= FOLD_BACKLOG and self._folding is None and not self._core.closed:
+            self._folding = self._core.reactor.callLater(FOLD_PAUSE_S, self._fold_idle, self._landed_runs)
         if active.nbytes >= FLUSH_BYTES:
             self.flush()
         elif was_empty and self._idle_flush is None and not self._core.closed:
@@ -522,6 +630,25 @@ class KeyValue:
             if self._worker is None and MERGE_WORKER and not self._inline:
                 self.merge_worker().start()  # the first key-value write: the worker starts now
         return result
+
+    def _fold_idle(self, runs):
+        """FOLD_PAUSE_S after the unread backlog passed FOLD_BACKLOG runs: if writes go on, look
+        again later (a burst nobody reads is never folded: the point of the lazy dict); if they
+        paused, fold FOLD_SLICE runs (the merging memtable's first) and go on at the next turn,
+        so that a read coming after the pause does not pay the whole backlog at once (~1 us per
+        key: ~0.3 s for two full memtables)."""
+        self._folding = None
+        core = self._core
+        if core.closed:
+            return
+        if self._landed_runs != runs:
+            self._folding = core.reactor.callLater(FOLD_PAUSE_S, self._fold_idle, self._landed_runs)
+            return
+        for table in (self._flushing, self._active):
+            if table is not None and table.landed:
+                table.fold(min(FOLD_SLICE, len(table.landed)))
+                self._folding = core.reactor.callLater(0, self._fold_idle, runs)
+                return
 
     # -- merging into LMDB --------------------------------------------------------------------
 
@@ -545,6 +672,11 @@ class KeyValue:
             return
         self.flush()
 
+    def _cancel_folding(self):
+        if self._folding is not None and self._folding.active():
+            self._folding.cancel()
+        self._folding = None
+
     def _cancel_idle_flush(self):
         if self._idle_flush is not None and self._idle_flush.active():
             self._idle_flush.cancel()
@@ -563,7 +695,7 @@ class KeyValue:
 
     def memtable_keys(self) -> int:
         """Entries in the memtables (an upper bound of the keys they add to LMDB's count)."""
-        return len(self._active.entries) + (len(self._flushing.entries) if self._flushing is not None else 0)
+        return self._active.count() + (self._flushing.count() if self._flushing is not None else 0)
 
     def flush(self) -> defer.Deferred:
         """Merge the active memtable into LMDB (sorted, in the writer thread); fires once merged
@@ -588,7 +720,7 @@ class KeyValue:
             d = defer.Deferred()
             self._flush_waiters.append(d)
             return d
-        if not self._active.entries or self._core.closed or self._core.failed is not None:
+        if self._active.empty() or self._core.closed or self._core.failed is not None:
             return defer.succeed(None)
         self._cancel_idle_flush()
         frozen = self._flushing = self._active
@@ -638,7 +770,7 @@ class KeyValue:
         memtable, those delivered since the freeze (in the active memtable) or in flight now
         (the ones submitted later queue behind the merge's last operation and set the floor
         themselves); None when there are none."""
-        return floor_at_freeze if (self._active.entries or self._runs) else None
+        return floor_at_freeze if (not self._active.empty() or self._runs) else None
 
     def _merge_stuck(self, merge):
         """Reactor thread: the store refused the running merge part-way (the disk full: writes
@@ -660,14 +792,14 @@ class KeyValue:
             if self._core.closed:
                 self._drop_row_cache()
             else:
-                self.row_cache.merged(frozen.entries)
+                self.row_cache.merged(frozen.writes())
         self.flushes += 1
         waiters, self._flush_waiters = self._flush_waiters, []
         for w in waiters:
             w.callback(None)
         if self._active.nbytes >= FLUSH_BYTES:
             self.flush()
-        elif self._active.entries and self._idle_flush is None and not self._core.closed:
+        elif not self._active.empty() and self._idle_flush is None and not self._core.closed:
             self._arm_idle_flush()
 
 
@@ -676,7 +808,7 @@ class KeyValue:
     def _mem_sources(self, start, descending):
         sources = []
         for table in (self._active, self._flushing):
-            if table is not None and table.entries:
+            if table is not None and not table.empty():
                 order = table.sorted_keys()
                 if descending:
                     keys = order.irange(maximum=start, reverse=True)
@@ -750,9 +882,10 @@ class _Merge:
 
     __slots__ = ("kv", "frozen", "floor_at_freeze", "keys", "values", "at")
 
-    def __init__(self, kv, frozen, floor_at_freeze):
+    def __init__(self, kv, frozen, floor_at_freeze):  # reactor thread
         self.kv = kv
         self.frozen = frozen
+        frozen.entries  # folded here: the writer thread reads the dict (chunk), never folds it
         self.floor_at_freeze = floor_at_freeze
         self.keys = None  # sorted, by the writer thread in the first chunk
         self.values = None  # the frozen memtable's values in that order

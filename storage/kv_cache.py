@@ -34,10 +34,11 @@ import sys
 import threading
 from itertools import islice
 
+import msgpack
 import numpy as np
 from twisted.logger import Logger
 
-from storage.index import KEY_KEEP
+from storage.index import KEY_KEEP, KV, OP_PUTS
 
 KERNELS = "storage.kv_cache_kernel"
 DEFAULT_BYTES = 256 << 20  # --kv-cache-mb's default (docs/operations.md)
@@ -45,6 +46,7 @@ MIN_BYTES = 4096
 SLOT_SHARE = 8  # a generation's slots take 1/SLOT_SHARE of its bytes; its arena the rest
 LOAD_LIMIT = 0.7  # a generation is full at this share of its slots used
 UPDATE_SLICE = 4096  # keys of a merged memtable per kernel call of its update
+UPDATE_OPS = 256  # packed runs (of 16 SETs from a read of the bench's generator) per kernel call
 # A GET the cache misses costs more than one straight to LMDB (the probe and the insert, ~0.7-1 us
 # at 1M keys: docs/benchmarks.md). When, over WINDOW GETs read through it, fewer than BYPASS_BELOW
 # were hits (a working set past the cache, or no key read twice), the server sends only one read
@@ -114,11 +116,16 @@ class RowCache:
         self.bypass = hits < BYPASS_BELOW * (hits + misses)
 
     def merged(self, entries):
-        """Reactor thread: a memtable (``{key: stored value, or None for a remove}``) has landed in
-        LMDB: each of its keys gets the value it merged (or is removed). The cache is ``busy``
-        until that is done (at once in the inline mode)."""
-        if not entries:
-            return
+        """Reactor thread: a memtable has landed in LMDB: each of its keys gets the value it merged
+        (or is removed). ``entries``: ``{key: stored value, or None for a remove}``, or its writes
+        in order as ``kv._Memtable.writes`` lists them (parts: ``(keys, stored values)``, two
+        iterables, or a run's packed ``OP_PUTS`` op; a key may come more than once: the last wins,
+        as the kernel's insert replaces a key's entry). The cache is ``busy`` until that is done
+        (at once in the inline mode)."""
+        if isinstance(entries, dict):
+            if not entries:
+                return
+            entries = [(entries.keys(), entries.values())]
         if self._call_from_thread is None:
             self._update(entries)
             return
@@ -161,20 +168,45 @@ class RowCache:
             if not self._pending and not self.failed:
                 self.busy = False
 
-    def _update(self, entries):
-        """Apply one merged memtable, UPDATE_SLICE keys per kernel call (the GIL released inside
-        it): the Python between the calls (listing, measuring and joining the slice's keys and
-        values, ~0.3 us per key) holds the GIL, in pieces of ~1-2 ms rather than one of tens of ms
-        that would stall the reactor."""
-        keys, values = iter(entries), iter(entries.values())  # (a dict's keys and values iterate in one order)
-        while True:
-            ks = list(islice(keys, UPDATE_SLICE))
-            if not ks:
-                break
-            klens = np.fromiter(map(len, ks), np.int64, len(ks))
-            joined, vlens = joined_values(list(islice(values, len(ks))))
-            self.k.update(self.slots, self.arena, self.meta, b"".join(ks), klens, joined, vlens, KEY_KEEP)
+    def _update(self, parts):
+        """Apply one merged memtable (its parts, ``merged``): pairs of iterables UPDATE_SLICE keys
+        per kernel call (the GIL released inside it; the Python between the calls, listing,
+        measuring and joining the slice's keys and values, ~0.3 us per key, holds the GIL in
+        pieces of ~1-2 ms rather than one of tens of ms that would stall the reactor); packed ops
+        UPDATE_OPS at a time, joined, parsed by the kernel (``update_ops``): no Python per key."""
+        ops = []
+        for part in parts:
+            if part.__class__ is not tuple:
+                ops.append(part)
+                if len(ops) >= UPDATE_OPS:
+                    self._update_ops(ops)
+                    ops = []
+                continue
+            if ops:
+                self._update_ops(ops)
+                ops = []
+            keys, values = iter(part[0]), iter(part[1])
+            while True:
+                ks = list(islice(keys, UPDATE_SLICE))
+                if not ks:
+                    break
+                klens = np.fromiter(map(len, ks), np.int64, len(ks))
+                joined, vlens = joined_values(list(islice(values, len(ks))))
+                self.k.update(self.slots, self.arena, self.meta, b"".join(ks), klens, joined, vlens, KEY_KEEP)
+        if ops:
+            self._update_ops(ops)
         self.updates += 1
+
+    def _update_ops(self, ops):
+        starts = np.zeros(len(ops) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, ops), np.int64, len(ops)), out=starts[1:])
+        done = self.k.update_ops(self.slots, self.arena, self.meta, b"".join(ops), starts, OP_PUTS, KV, KEY_KEEP)
+        if done < 0:  # not the ops the SET pass makes (never, as built): the rest through msgpack
+            for op in ops[-done - 1:]:
+                _code, _db, keys, stored = msgpack.unpackb(op)
+                klens = np.fromiter(map(len, keys), np.int64, len(keys))
+                joined, vlens = joined_values(stored)
+                self.k.update(self.slots, self.arena, self.meta, b"".join(keys), klens, joined, vlens, KEY_KEEP)
 
     def clear(self):
         """Reactor thread, not ``busy``: forget every entry (the slots zeroed; the arena reused

@@ -234,3 +234,80 @@ def update(slots, arena, meta, keys, klens, values, vlens, keep):
         if vn > 0:
             v += vn
     return cached
+
+
+@njit(**JIT)
+def _msgpack_len(buf, p, end, array):
+    """``(count or length, position after the header)`` of the msgpack array header (``array``) or
+    bin header at ``p``, as msgpack packs them; ``(-1, p)`` if another type or past ``end``."""
+    if p >= end:
+        return np.int64(-1), p
+    t = np.int64(buf[np.uint64(p)])
+    if array:
+        if 0x90 <= t <= 0x9F:
+            return t & 0x0F, p + 1
+        if t == 0xDC or t == 0xDD:
+            w = 2 if t == 0xDC else 4
+            if p + 1 + w > end:
+                return np.int64(-1), p
+            n = np.int64(0)
+            for k in range(w):
+                n = (n << 8) | np.int64(buf[np.uint64(p + 1 + k)])
+            return n, p + 1 + w
+        return np.int64(-1), p
+    w = 1 if t == 0xC4 else (2 if t == 0xC5 else (4 if t == 0xC6 else 0))
+    if w == 0 or p + 1 + w > end:
+        return np.int64(-1), p
+    n = np.int64(0)
+    for k in range(w):
+        n = (n << 8) | np.int64(buf[np.uint64(p + 1 + k)])
+    if p + 1 + w + n > end:
+        return np.int64(-1), p
+    return n, p + 1 + w
+
+
+@njit(**JIT)
+def update_ops(slots, arena, meta, buf, starts, op_code, db, keep):
+    """``update`` of runs of puts given as their WAL ops, one after another in ``buf`` (op ``j`` is
+    ``buf[starts[j] : starts[j + 1]]``), each exactly ``msgpack.packb([op_code, db, [key, ...],
+    [stored value, ...]])`` (the compiled SET pass's ``OP_PUTS``, storage/kv.py ``PackedRun``), in
+    order: each key gets its value (the stored value without its first byte); keys over ``keep``
+    bytes are skipped. Returns how many were cached, or ``-(j + 1)`` at the first op ``j`` that is
+    not such an op (the ops before it applied; the caller takes the rest another way)."""
+    cached = 0
+    for j in range(len(starts) - 1):
+        p = starts[j]
+        end = starts[j + 1]
+        if end - p < 5 or buf[np.uint64(p)] != 0x94 or buf[np.uint64(p + 1)] != op_code \
+                or buf[np.uint64(p + 2)] != db:
+            return -(j + 1)
+        n, kp = _msgpack_len(buf, p + 3, end, True)
+        if n < 0:
+            return -(j + 1)
+        q = kp
+        for i in range(n):  # find the values' array: after the keys
+            kn, q2 = _msgpack_len(buf, q, end, False)
+            if kn < 0:
+                return -(j + 1)
+            q = q2 + kn
+        n2, vp = _msgpack_len(buf, q, end, True)
+        if n2 != n:
+            return -(j + 1)
+        # check every value's header before changing anything for this op
+        q = vp
+        for i in range(n):
+            vn, q2 = _msgpack_len(buf, q, end, False)
+            if vn < 1:
+                return -(j + 1)
+            q = q2 + vn
+        if q != end:
+            return -(j + 1)
+        for i in range(n):
+            kn, kp = _msgpack_len(buf, kp, end, False)
+            vn, vp = _msgpack_len(buf, vp, end, False)
+            if kn <= keep:
+                insert(slots, arena, meta, buf, kp, kn, buf, vp + 1, vn - 1, key_hash(buf, kp, kn))
+                cached += 1
+            kp += kn
+            vp += vn
+    return cached

@@ -126,31 +126,41 @@ def _take_kv_ops(keys, values, ops, kv):
             raise MergeError("unexpected key-value operation %r in the WAL" % (code,))
 
 
+def last_write_order(keys):
+    """The positions in ``keys`` of each key's last write, in ascending key order (a numpy int64
+    array), for keys of one length (at most SORT_FIXED_MAX bytes, at least _NUMPY_FROM of them):
+    one stable numpy argsort over the keys joined into one buffer (big-endian unsigned integers or
+    fixed-width byte strings: memcmp order), the last of each run of equal keys. None otherwise."""
+    n = len(keys)
+    if n < _NUMPY_FROM:
+        return None
+    first = len(keys[0])
+    if first > SORT_FIXED_MAX or len(set(map(len, keys))) != 1:
+        return None
+    import numpy
+
+    arr = numpy.frombuffer(b"".join(keys), dtype=_SORT_DTYPES.get(first, "S%d" % first))
+    order = numpy.argsort(arr, kind="stable")
+    ordered = arr[order]
+    last = numpy.empty(n, dtype=bool)
+    last[-1] = True
+    numpy.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+    return order[last]
+
+
 def last_writes(keys, values):
     """(keys, values) in ascending key order, each key once with its last value in the lists'
-    order. Keys of one length (at most SORT_FIXED_MAX bytes, at least _NUMPY_FROM of them): one
-    stable numpy argsort over the keys joined into one buffer (big-endian unsigned integers or
-    fixed-width byte strings: memcmp order), the last of each run of equal keys, and one C-level
-    gather (``itemgetter``) each; ~0.95 against ~1.35 us per key for a dict of the last writes
-    then an argsort and object-array gathers (330k 8-byte keys, 2026-11-27). Else: a dict, then
-    sorted()."""
-    n = len(keys)
-    if n >= _NUMPY_FROM:
-        first = len(keys[0])
-        if first <= SORT_FIXED_MAX and len(set(map(len, keys))) == 1:
-            import numpy
-
-            arr = numpy.frombuffer(b"".join(keys), dtype=_SORT_DTYPES.get(first, "S%d" % first))
-            order = numpy.argsort(arr, kind="stable")
-            ordered = arr[order]
-            last = numpy.empty(n, dtype=bool)
-            last[-1] = True
-            numpy.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
-            take = order[last].tolist()
-            if len(take) == 1:
-                return [keys[take[0]]], [values[take[0]]]
-            gather = operator.itemgetter(*take)
-            return list(gather(keys)), list(gather(values))
+    order: ``last_write_order`` and one C-level gather (``itemgetter``) each, ~0.95 against ~1.35
+    us per key for a dict of the last writes then an argsort and object-array gathers (330k 8-byte
+    keys, 2026-11-27); else a dict, then sorted(). (The worker merges through the order itself,
+    ``merge_into``'s ``take``, without these lists.)"""
+    take = last_write_order(keys)
+    if take is not None:
+        take = take.tolist()
+        if len(take) == 1:
+            return [keys[take[0]]], [values[take[0]]]
+        gather = operator.itemgetter(*take)
+        return list(gather(keys)), list(gather(values))
     writes = dict(zip(keys, values))
     ordered = sorted(writes)
     return ordered, list(map(writes.__getitem__, ordered))
@@ -167,10 +177,13 @@ def chunk_cut(stored, chunk_bytes):
     return min(len(stored), bisect.bisect_left(list(sizes), chunk_bytes) + 1)
 
 
-def merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent):
+def merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent, take=None):
     """Write the sorted ``keys``/``values`` (None: delete) into LMDB, one transaction per chunk of
     at most ``chunk_keys`` keys and about ``chunk_bytes`` of values; returns the transactions.
-    Before each commit, holding LMDB's writer lock, the parent must still be ``parent``."""
+    Before each commit, holding LMDB's writer lock, the parent must still be ``parent``.
+    ``take`` (``last_write_order``): write ``keys[i], values[i]`` for ``i`` in ``take`` instead."""
+    if take is not None:
+        return _merge_order(env, db, keys, values, take, chunk_keys, chunk_bytes, parent)
     at, txns, n = 0, 0, len(keys)
     while at < n:
         stored = values[at: at + chunk_keys]
@@ -187,6 +200,54 @@ def merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent):
                         puts.append((key, value))
             else:
                 puts = zip(chunk, stored)
+            txn.cursor(db=db).putmulti(puts)
+            if os.getppid() != parent:  # the node is gone: a restarted one may be replaying
+                txn.abort()
+                os._exit(3)
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
+        txns += 1
+        at += cut
+    return txns
+
+
+def _merge_order(env, db, keys, values, take, chunk_keys, chunk_bytes, parent):
+    """``merge_into`` through the positions ``take`` (ascending key order) of the lists in WAL order:
+    each object is touched once, by the put that writes it. The lists hold the objects in the order
+    ``msgpack`` made them, near one another in memory; in key order they are scattered, and every
+    pass over them there (the gathers into sorted lists, each chunk's slices, its ``None`` and size
+    scans: ~25% of the worker's samples at 1M keys) cost a cache miss per object. The values' sizes
+    and whether any is a delete are taken once, in WAL order; the chunks' cuts (as ``chunk_cut``)
+    from their cumulative sums."""
+    import numpy
+
+    deletes = None in values
+    lens = numpy.fromiter(map(len, values) if not deletes else (0 if v is None else len(v) for v in values),
+                          numpy.int64, len(values))
+    cum = numpy.cumsum(lens[take])
+    at, txns, n = 0, 0, len(take)
+    order = take.tolist()
+    kget, vget = keys.__getitem__, values.__getitem__
+    while at < n:
+        stop = min(n, at + chunk_keys)
+        base = cum[at - 1] if at else 0
+        # up to and including the value whose running sum reaches chunk_bytes (chunk_cut)
+        cut = min(stop - at, int(numpy.searchsorted(cum[at:stop], base + chunk_bytes, "left")) + 1)
+        idx = order[at: at + cut]
+        txn = env.begin(write=True)
+        try:
+            if deletes:
+                puts = []
+                for i in idx:
+                    value = values[i]
+                    if value is None:
+                        txn.delete(keys[i], db=db)
+                    else:
+                        puts.append((keys[i], value))
+            else:
+                puts = zip(map(kget, idx), map(vget, idx))
             txn.cursor(db=db).putmulti(puts)
             if os.getppid() != parent:  # the node is gone: a restarted one may be replaying
                 txn.abort()
@@ -247,12 +308,14 @@ def main(argv=None):
             t0 = time.process_time()
             keys, values = read_kv_writes(wal_dir, start, end)
             t1 = time.process_time()
-            keys, values = last_writes(keys, values)
+            take = last_write_order(keys)
+            if take is None:
+                keys, values = last_writes(keys, values)
             t2 = time.process_time()
-            txns = merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent)
+            txns = merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent, take)
             t3 = time.process_time()
-            n = len(keys)
-            del keys, values
+            n = len(keys) if take is None else len(take)
+            del keys, values, take
             _trim()  # give the merge's memory back to the system: the worker idles between merges
             # keys, transactions, then CPU seconds reading the WAL, sorting, writing LMDB
             out.write("ok %d %d %.6f %.6f %.6f\n" % (n, txns, t1 - t0, t2 - t1, t3 - t2))

@@ -81,6 +81,13 @@ def _probe_cache(mod, probe):
 
     cache = kv_cache.RowCache(kv_cache.MIN_BYTES, kv_cache.kernels())
     cache.merged({b"j": b"\x00w", b"i": None})
+    import msgpack
+
+    from storage.index import KV, OP_PUTS
+
+    cache.merged([msgpack.packb([OP_PUTS, KV, [b"h"], [b"\x00x"]], use_bin_type=True)])  # a packed run's op
+    if cache.k.find(cache.slots, cache.arena, cache.meta, b"h") < 0:
+        raise AssertionError("the row cache's update from a packed op did not take it")
     where, missed, out = np.empty(4, np.int64), np.empty(4, np.int64), np.empty(64, np.uint8)
     args = (cache.slots, cache.arena, cache.meta)
     if mod.cached_replies(probe, *args, KEY_KEEP, where, missed, out)[3:] != (1, 0):

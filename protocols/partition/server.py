@@ -539,10 +539,10 @@ class KvServerProtocol(Protocol):
         (sets_compiled): one compiled pass finds the run's frames (SETs, and GETs of keys the run
         set: ``SET k; GET k`` pipelined) and writes the SETs' WAL op (a ``PackedOp``) and the
         replies of all, in order (a GET's answered from the read, as ``_write_run``'s ``batch``
-        answers it, and held behind the SETs' until the run is durable), one ``msgpack.unpackb``
-        of that op makes the keys and stored values (each one object: no ``b"\\x00" +`` copy),
-        and the two lists are the run's pending table and the store's run at once
-        (``kv.PackedRun``, ``kv.write_packed``). Only where the result is exactly
+        answers it, and held behind the SETs' until the run is durable); the op is the run's
+        pending table and the store's run at once (``kv.PackedRun.of_op``, ``kv.write_packed``),
+        unpacked into keys and stored values only if something reads them. Only where the
+        result is exactly
         ``_write_run``'s: the run must end the read's whole frames (or stop at the budget), else
         0 (nothing done: the Python loop takes the read, GETs of other keys, REMOVEs and refusals
         among the writes). Returns the position after the run."""
@@ -569,14 +569,14 @@ class KvServerProtocol(Protocol):
             self._sets_skip = SETS_SKIP_READS
             return 0
         op = PackedOp(memoryview(payload)[:plen])
-        _c, _db, keys, stored = _unpackb(op)
         run = self._run = _Run()
-        run.keys = keys
-        run.values = stored
+        # the pending table: the store's run itself, its keys and stored values unpacked from the
+        # op only if something reads them (a GET looking in it, the memtable's fold: kv.PackedRun)
+        run.pending = table = PackedRun.of_op(op, count)
+        run.keys = None  # (a packed run is unpacked before more writes join it: _unpack_run)
+        run.values = table  # its len() and stored values
         run.nbytes = vbytes
         run.packed = (op, kbytes + vbytes)
-        # the pending table: the store's run itself (its dict made only if a GET looks in it)
-        run.pending = table = PackedRun(keys, stored)
         self._pending.append(table)
         slot = [None, items]
         self._slots.append(slot)
@@ -593,14 +593,16 @@ class KvServerProtocol(Protocol):
         """Make a packed run (``_sets_compiled``) a plain one, values and pending table as
         ``_write_run`` has them, so more writes can join it (none does now: such a run ends its
         read's whole frames)."""
-        plain = {key: stored[1:] for key, stored in run.pending.items()}
+        packed = run.pending
+        plain = {key: stored[1:] for key, stored in packed.items()}
         pending = self._pending
         for i, table in enumerate(pending):
-            if table is run.pending:
+            if table is packed:
                 pending[i] = plain
                 break
         run.pending = plain
-        run.values = [stored[1:] for stored in run.values]
+        run.keys = list(packed.keys)
+        run.values = [stored[1:] for stored in packed.stored]
         run.packed = None
 
     def _gets_from_read(self, data):
