@@ -189,28 +189,35 @@ def merge_into(env, db, keys, values, chunk_keys, chunk_bytes, parent, take=None
         stored = values[at: at + chunk_keys]
         cut = chunk_cut(stored, chunk_bytes)
         chunk, stored = keys[at: at + cut], stored[:cut]
-        txn = env.begin(write=True)
-        try:
-            if None in stored:
-                puts = []
-                for key, value in zip(chunk, stored):
-                    if value is None:
-                        txn.delete(key, db=db)
-                    else:
-                        puts.append((key, value))
-            else:
-                puts = zip(chunk, stored)
-            txn.cursor(db=db).putmulti(puts)
-            if os.getppid() != parent:  # the node is gone: a restarted one may be replaying
-                txn.abort()
-                os._exit(3)
-            txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
+        _write_chunk(env, db, zip(chunk, stored), None in stored, parent)
         txns += 1
         at += cut
     return txns
+
+
+def _write_chunk(env, db, pairs, deletes, parent):
+    """One merge transaction: ``pairs`` (key, stored value or None: delete) into ``db``; a
+    ``deletes`` False promises no None among them (one ``putmulti`` of the pairs as they come).
+    Before the commit, holding LMDB's writer lock, the parent must still be ``parent``."""
+    txn = env.begin(write=True)
+    try:
+        if deletes:
+            puts = []
+            for key, value in pairs:
+                if value is None:
+                    txn.delete(key, db=db)
+                else:
+                    puts.append((key, value))
+        else:
+            puts = pairs
+        txn.cursor(db=db).putmulti(puts)
+        if os.getppid() != parent:  # the node is gone: a restarted one may be replaying
+            txn.abort()
+            os._exit(3)
+        txn.commit()
+    except BaseException:
+        txn.abort()
+        raise
 
 
 def _merge_order(env, db, keys, values, take, chunk_keys, chunk_bytes, parent):
@@ -236,26 +243,7 @@ def _merge_order(env, db, keys, values, take, chunk_keys, chunk_bytes, parent):
         # up to and including the value whose running sum reaches chunk_bytes (chunk_cut)
         cut = min(stop - at, int(numpy.searchsorted(cum[at:stop], base + chunk_bytes, "left")) + 1)
         idx = order[at: at + cut]
-        txn = env.begin(write=True)
-        try:
-            if deletes:
-                puts = []
-                for i in idx:
-                    value = values[i]
-                    if value is None:
-                        txn.delete(keys[i], db=db)
-                    else:
-                        puts.append((keys[i], value))
-            else:
-                puts = zip(map(kget, idx), map(vget, idx))
-            txn.cursor(db=db).putmulti(puts)
-            if os.getppid() != parent:  # the node is gone: a restarted one may be replaying
-                txn.abort()
-                os._exit(3)
-            txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
+        _write_chunk(env, db, zip(map(kget, idx), map(vget, idx)), deletes, parent)
         txns += 1
         at += cut
     return txns
