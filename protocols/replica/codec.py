@@ -123,20 +123,25 @@ def _int_at(view, pos):
     return int.from_bytes(view[pos + 1:end], "big", signed=size[1]), end
 
 
-def _batches_in_place(view) -> list:
-    """A ``B`` message as ``decode`` returns it, its batches views of ``view`` (not copied: a
-    replica stores them as they lie in the received bytes). Raises _NotPlain for anything but the
-    plain form ``encode_batches`` writes."""
+def _b_head(view):
+    """``(stream_id, epoch, batch count, position of the first batch)`` of a ``B`` message's head
+    in its plain form (``encode_batches``); _NotPlain for anything else."""
     sid, pos = _int_at(view, 3)
     epoch, pos = _int_at(view, pos)
     t = view[pos]
     if 0x91 <= t <= 0x9f:
-        count, pos = t & 0x0f, pos + 1
-    elif t == 0xdc or t == 0xdd:
+        return sid, epoch, t & 0x0f, pos + 1
+    if t == 0xdc or t == 0xdd:
         n = 2 if t == 0xdc else 4
-        count, pos = int.from_bytes(view[pos + 1:pos + 1 + n], "big"), pos + 1 + n
-    else:
-        raise _NotPlain()
+        return sid, epoch, int.from_bytes(view[pos + 1:pos + 1 + n], "big"), pos + 1 + n
+    raise _NotPlain()
+
+
+def _batches_in_place(view) -> list:
+    """A ``B`` message as ``decode`` returns it, its batches views of ``view`` (not copied: a
+    replica stores them as they lie in the received bytes). Raises _NotPlain for anything but the
+    plain form ``encode_batches`` writes."""
+    sid, epoch, count, pos = _b_head(view)
     size = len(view)
     batches = []
     for _ in range(count):
@@ -207,16 +212,7 @@ def _batches_in_pieces(pieces) -> list:
     first = pieces[0]
     if len(first) < _B_HEAD_MAX:
         raise _NotPlain()
-    sid, pos = _int_at(first, 3)
-    epoch, pos = _int_at(first, pos)
-    t = first[pos]
-    if 0x91 <= t <= 0x9f:
-        count, pos = t & 0x0f, pos + 1
-    elif t == 0xdc or t == 0xdd:
-        n = 2 if t == 0xdc else 4
-        count, pos = int.from_bytes(first[pos + 1:pos + 1 + n], "big"), pos + 1 + n
-    else:
-        raise _NotPlain()
+    sid, epoch, count, pos = _b_head(first)
     cursor = _Cursor(pieces, 0, pos)
     take = cursor.take
     batches = []
