@@ -14,7 +14,11 @@ pipelined load generator on one connection (``--depth`` requests in flight):
   SETGET  ``SET k; GET k`` pairs pipelined on one connection (``--pairs`` new keys; issue 19's
         stall): pairs/s and latency percentiles per pair
 
-and prints both sides and the ratios (sbpnode / Redis). ``--durable`` runs the node with
+and prints both sides and the ratios (sbpnode / Redis). Between phases it waits for the server's
+background work to end (``settle``: the node's memtable merge of the SETs, which starts once no write
+landed for 1-2 s, and Redis's AOF work; the same wait on both sides, printed), so one phase's
+background work is not measured as part of the next; the CPU of the wait after SET counts as SET's.
+``--no-settle`` starts each phase at once, as the runs before 2026-11-27 21:40 UTC did. ``--durable`` runs the node with
 ``--fsync always`` and Redis with ``appendonly yes, appendfsync always``; ``--redis-fsync
 everysec`` with ``--fsync interval:1000`` is the "interval vs everysec" comparison. ``--metrics off`` starts
 the node without its metrics (with ``--only kv``: the A/B of their cost).
@@ -203,6 +207,28 @@ class CpuMeter:
         now = family_cpu(self.pid)
         server = sum(v - self.server0.get(p, 0.0) for p, v in now.items())
         return (server * 1e6 / n, (own_cpu() - self.client0) * 1e6 / n)
+
+
+def settle(pid, what, idle_share=0.1, span=2.5, step=0.1, timeout=30.0):
+    """Wait until ``pid`` and its children have used less than ``idle_share`` of one core over the
+    last ``span`` seconds (the node's background memtable merge, Redis's AOF rewrite), at most
+    ``timeout`` s, so that one phase's background work does not land in the next phase's figures
+    (as db_bench's ``--wait_for_compaction``). ``span`` is past the node's FLUSH_IDLE_S (1 s): a
+    memtable is merged once no write landed for that long. Prints and returns how long it waited."""
+    t0 = time.perf_counter()
+    samples = [(t0, sum(family_cpu(pid).values()))]
+    while time.perf_counter() - t0 < timeout:
+        time.sleep(step)
+        now = time.perf_counter()
+        samples.append((now, sum(family_cpu(pid).values())))
+        old = [x for x in samples if now - x[0] >= span - 1e-3]
+        if old:
+            t_old, c_old = old[-1]
+            if (samples[-1][1] - c_old) / (now - t_old) < idle_share:
+                break
+    waited = time.perf_counter() - t0
+    print("  (%s: waited %.2f s for the server to go idle)" % (what, waited))
+    return waited
 
 
 def fmt_cpu(cpu):
@@ -507,6 +533,9 @@ def main(argv=None):
     ap.add_argument("--metrics", choices=["on", "off"], default="on", help="the node's --metrics (A/B of their cost, docs/benchmarks.md)")
     ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
     ap.add_argument("--threads", action="store_true", help="also print the node's CPU per op by thread")
+    ap.add_argument("--no-settle", dest="settle", action="store_false",
+                    help="start each phase at once instead of waiting for the server's background work of the "
+                         "phase before (the node's memtable merge, Redis's AOF rewrite) to end")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
                     help="record each node phase with py-spy into DIR/<phase>.txt (implies --threads)")
     args = ap.parse_args(argv)
@@ -543,6 +572,8 @@ def main(argv=None):
             prof = Profiler(args.py_spy, pid, "set") if profiling else None
             cpu = CpuMeter(pid)
             el, lat, tail = pipelined(sock, sets, codec.HEADER_LEN, args.depth)
+            if args.settle:
+                settle(pid, "after SET; its merge's CPU counts as SET's")
             cpu = cpu.us_per(args.keys)
             if prof:
                 prof.stop(args.keys)
@@ -556,6 +587,8 @@ def main(argv=None):
             cpu = CpuMeter(pid)
             el, lat, tail = pipelined(sock, gets, reply_len, args.depth)
             cpu = cpu.us_per(args.keys)
+            if args.settle:
+                settle(pid, "after GET")
             if prof:
                 prof.stop(args.keys)
             assert tail == codec.encode_get_reply(len(keys) - 1, keys[-1], value), tail
@@ -584,6 +617,8 @@ def main(argv=None):
             print("sbpnode SCAN %10.0f keys/s (%d keys, %d GET_FF pages, %d with the jump bit, %.2f s)  %s"
                   % (n / el, n, pages, jumps, el, fmt_cpu(cpu).replace("/op", "/key")))
             if args.pairs:
+                if args.settle:
+                    settle(pid, "after SCAN")
                 enc_set, enc_get = codec.encode_set, codec.encode_get
                 pairs = [enc_set(2 * i, k, value) + enc_get(2 * i + 1, k) for i, k in enumerate(pkeys)]
                 sock = connect(port)
@@ -607,6 +642,8 @@ def main(argv=None):
             sock = connect(rport)
             cpu = CpuMeter(pid)
             el, lat, tail = pipelined(sock, sets, 5, args.depth)
+            if args.settle:
+                settle(pid, "after SET; its AOF work's CPU counts as SET's")
             cpu = cpu.us_per(args.keys)
             assert tail == b"+OK\r\n"
             del sets
@@ -616,6 +653,8 @@ def main(argv=None):
             cpu = CpuMeter(pid)
             el, lat, tail = pipelined(sock, gets, len(b"$%d\r\n" % args.value_size) + args.value_size + 2, args.depth)
             cpu = cpu.us_per(args.keys)
+            if args.settle:
+                settle(pid, "after GET")
             assert tail.endswith(value + b"\r\n")
             del gets
             sock.close()
@@ -631,6 +670,8 @@ def main(argv=None):
             print("redis   SCAN %10.0f keys/s (%d keys, %d SCAN+MGET pages, %.2f s)  %s"
                   % (n / el, n, pages, el, fmt_cpu(cpu).replace("/op", "/key")))
             if args.pairs:
+                if args.settle:
+                    settle(pid, "after SCAN")
                 pairs = [resp(b"SET", k, value) + resp(b"GET", k) for k in pkeys]
                 sock = connect(rport)
                 cpu = CpuMeter(pid)
