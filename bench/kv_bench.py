@@ -18,10 +18,11 @@ and prints both sides and the ratios (sbpnode / Redis). Between phases it waits 
 background work to end (``settle``: the node's memtable merge of the SETs, which starts once no write
 landed for 1-2 s, and Redis's AOF work; the same wait on both sides, printed), so one phase's
 background work is not measured as part of the next; the CPU of the wait after SET counts as SET's.
-``--no-settle`` starts each phase at once, as the runs before 2026-11-27 21:40 UTC did. ``--durable`` runs the node with
-``--fsync always`` and Redis with ``appendonly yes, appendfsync always``; ``--redis-fsync
-everysec`` with ``--fsync interval:1000`` is the "interval vs everysec" comparison. ``--metrics off`` starts
-the node without its metrics (with ``--only kv``: the A/B of their cost).
+``--no-settle`` starts each phase at once, as the runs before 2026-11-27 21:40 UTC did.
+``--durable`` runs the node with ``--fsync always`` and Redis with ``appendonly yes, appendfsync
+always``; ``--redis-fsync everysec`` with ``--fsync interval:1000`` is the "interval vs everysec"
+comparison. ``--metrics off`` starts the node without its metrics (with ``--only kv``: the A/B of
+their cost).
 
 Keys are 8 bytes, a bijective scramble of the index, so they spread over all 8 partitions.
 """
