@@ -156,16 +156,8 @@ class Framer:
         size = self._frame_size(self._peek(self._head_size), 0, self._peek)
         if size is None or have < size:
             return None
-        pieces = [memoryview(buf)[pos:]]
-        need = size - avail
-        more = self._more
-        while True:
-            piece = more.popleft()
-            self._more_len -= len(piece)
-            if len(piece) >= need:
-                break
-            pieces.append(memoryview(piece))
-            need -= len(piece)
+        whole, piece, need = self._take_more(size - avail)
+        pieces = [memoryview(buf)[pos:]] + [memoryview(p) for p in whole]
         pieces.append(memoryview(piece)[:need])
         self._buf, self._pos = piece, need
         return None, pieces, size
@@ -200,15 +192,8 @@ class Framer:
         need = size - avail
         if have - avail < need:
             return None
-        parts = [memoryview(self._buf)[self._pos:]]
-        more = self._more
-        while True:
-            piece = more.popleft()
-            self._more_len -= len(piece)
-            if len(piece) >= need:
-                break
-            parts.append(piece)
-            need -= len(piece)
+        whole, piece, need = self._take_more(need)
+        parts = [memoryview(self._buf)[self._pos:]] + whole
         if len(piece) - need <= JOIN_REST_MAX:
             # a small rest of the read is joined too: the frames after the cut one then lie in
             # the same buffer (a reader of runs goes on in place), at the cost of copying it once
@@ -221,6 +206,19 @@ class Framer:
         self._buf, self._pos = piece, need
         frame = b"".join(parts)
         return frame, 0, len(frame)
+
+    def _take_more(self, need):
+        """Take the reads after the current one until one holds the last of ``need`` bytes (they
+        are all in): ``(the reads wholly inside, that last read, the bytes of it needed)``."""
+        whole = []
+        more = self._more
+        while True:
+            piece = more.popleft()
+            self._more_len -= len(piece)
+            if len(piece) >= need:
+                return whole, piece, need
+            whole.append(piece)
+            need -= len(piece)
 
     def _peek(self, n) -> bytes:
         """Up to ``n`` buffered bytes from the framing position (n small), across reads."""
