@@ -12,12 +12,19 @@ pipelined load generator on one connection (``--depth`` requests in flight):
   MEM   the server's resident size (VmRSS, and its anonymous and file-backed parts) with every key
         loaded (measured after GET)
   SETGET  ``SET k; GET k`` pairs pipelined on one connection (``--pairs`` new keys; issue 19's
-        stall): pairs/s and latency percentiles per pair
+        stall): pairs/s and latency percentiles per pair, both servers up, in ``--setget-rounds``
+        rounds that alternate the two sides (node first in the even rounds, Redis in the odd)
 
-and prints both sides and the ratios (sbpnode / Redis). Between phases it waits for the server's
-background work to end (``settle``: the node's memtable merge of the SETs, which starts once no write
-landed for 1-2 s, and Redis's AOF work; the same wait on both sides, printed), so one phase's
-background work is not measured as part of the next; the CPU of the wait after SET counts as SET's.
+and prints both sides and the ratios (sbpnode / Redis). The SETGET phase alternates because this
+machine's fsync and wake-up times drift over minutes (0.11 to 0.27 ms per fdatasync within an
+hour; Redis's own SETGET rate 51k to 109k pairs/s in rounds seconds apart): run one side's phase
+after the other's and the ratio measures the drift as much as the servers. Each side's figure is
+its pairs over its summed time in the rounds; the rounds' own ratios are printed too, and each
+server's CPU during the other's rounds (``--setget-rounds 1``: one round each, back to back).
+Between phases it waits for the server's background work to end (``settle``: the node's memtable
+merge of the SETs, which starts once no write landed for 1-2 s, and Redis's AOF work; the same
+wait on both sides, printed), so one phase's background work is not measured as part of the
+next; the CPU of the wait after SET counts as SET's.
 ``--no-settle`` starts each phase at once, as the runs before 2026-11-27 21:40 UTC did.
 ``--durable`` runs the node with ``--fsync always`` and Redis with ``appendonly yes, appendfsync
 always``; ``--redis-fsync everysec`` with ``--fsync interval:1000`` is the "interval vs everysec"
@@ -167,9 +174,13 @@ class Profiler:
         self.pid = pid
         self.phase = phase
         self.proc = None
-        self.threads0 = thread_cpu(pid)
-        self.switches0 = thread_switches(pid)
-        self.machine0 = machine_cpu()
+        # what the measured spans added up to (``pause``/``resume``: the SETGET rounds are this
+        # node's spans, with Redis's rounds between them)
+        self.threads = {}
+        self.switches = {}
+        self.machine = [0, 0]
+        self.running = False
+        self.resume()
         if outdir:
             os.makedirs(outdir, exist_ok=True)
             self.proc = subprocess.Popen(
@@ -178,17 +189,36 @@ class Profiler:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # py-spy attaches before the load starts
 
+    def resume(self):
+        """Measure from now (until ``pause`` or ``stop``)."""
+        self.threads0 = thread_cpu(self.pid)
+        self.switches0 = thread_switches(self.pid)
+        self.machine0 = machine_cpu()
+        self.running = True
+
+    def pause(self):
+        """Add what was measured since ``resume`` to the phase's sums."""
+        if not self.running:
+            return
+        self.running = False
+        for k, v in thread_cpu(self.pid).items():
+            self.threads[k] = self.threads.get(k, 0.0) + v - self.threads0.get(k, 0.0)
+        for k, (v, i) in thread_switches(self.pid).items():
+            v0, i0 = self.switches0.get(k, (0, 0))
+            a, b = self.switches.get(k, (0, 0))
+            self.switches[k] = (a + v - v0, b + i - i0)
+        for j, (a, b) in enumerate(zip(self.machine0, machine_cpu())):
+            self.machine[j] += b - a
+
     def stop(self, n):
-        threads = thread_cpu(self.pid)
-        switches = thread_switches(self.pid)
-        busy, total = (b - a for a, b in zip(self.machine0, machine_cpu()))
+        self.pause()
+        busy, total = self.machine
         if self.proc is not None:
             self.proc.send_signal(2)
             self.proc.wait(60)
-        per = sorted(((v - self.threads0.get(k, 0.0)) * 1e6 / n, k) for k, v in threads.items())
+        per = sorted((v * 1e6 / n, k) for k, v in self.threads.items())
         print("  %s per thread: %s" % (self.phase, ", ".join("%s %.2f us/op" % (k, v) for v, k in reversed(per) if v >= 0.01)))
-        sw = sorted(((a[0] - self.switches0.get(k, (0, 0))[0], a[1] - self.switches0.get(k, (0, 0))[1], k)
-                     for k, a in switches.items()), reverse=True)
+        sw = sorted(((a[0], a[1], k) for k, a in self.switches.items()), reverse=True)
         print("  %s machine busy %.0f%% of its %d cores; context switches per 1000 ops (voluntary/involuntary): %s"
               % (self.phase, 100.0 * busy / max(1, total), os.cpu_count(),
                  ", ".join("%s %.0f/%.0f" % (k, v * 1e3 / n, i * 1e3 / n) for v, i, k in sw[:4])))
@@ -517,6 +547,81 @@ def fmt_lat(samples):
         tuple(percentile(samples, q) * 1000 for q in (0.5, 0.99, 0.999)) + (lat_sum / total * 1000, 100.0 * slow / lat_sum))
 
 
+class SetGetSide:
+    """One side of the SETGET phase: its connection, its requests, what its rounds added up to."""
+
+    def __init__(self, name, port, pid, requests, reply_len, last_reply):
+        self.name = name
+        self.sock = connect(port)
+        self.pid = pid
+        self.requests = requests
+        self.reply_len = reply_len
+        self.last_reply = last_reply  # (index of a pair) -> the bytes its replies end with
+        self.elapsed = 0.0
+        self.samples = []
+        self.server_cpu = self.client_cpu = 0.0
+        self.rates = []
+        self.idle_cpu = 0.0  # its server's CPU seconds during the other side's rounds
+
+    def run(self, lo, hi, depth):
+        cpu = CpuMeter(self.pid)
+        el, lat, tail = pipelined(self.sock, self.requests[lo:hi], self.reply_len, depth, chunk=8)
+        server, client = cpu.us_per(1)
+        assert tail.endswith(self.last_reply(hi - 1)), (self.name, tail)
+        self.elapsed += el
+        self.samples.extend(lat)
+        self.server_cpu += server / 1e6  # seconds
+        self.client_cpu += client / 1e6
+        self.rates.append((hi - lo) / el)
+
+
+def setget(args, results, pkeys, value, node, redis, profiling):
+    """The SETGET phase: ``--pairs`` pairs per side, in ``--setget-rounds`` slices that alternate the
+    sides (``node``, ``redis``: (port, pid) of each side that runs, or None). Each side's rate is
+    its pairs over its summed time; its latency samples and CPU are those of its rounds only."""
+    depth = max(1, args.depth // 2)
+    sides = []
+    if node:
+        enc_set, enc_get = codec.encode_set, codec.encode_get
+        pairs = [enc_set(2 * i, k, value) + enc_get(2 * i + 1, k) for i, k in enumerate(pkeys)]
+        reply_len = codec.HEADER_LEN * 2 + 6 + 9 + args.value_size  # a SET's and a GET's reply; pair keys are 9 bytes
+        sides.append(SetGetSide("sbpnode", node[0], node[1], pairs, reply_len,
+                                lambda i: codec.encode_get_reply(2 * i + 1, pkeys[i], value)))
+    if redis:
+        pairs = [resp(b"SET", k, value) + resp(b"GET", k) for k in pkeys]
+        sides.append(SetGetSide("redis", redis[0], redis[1], pairs, 5 + len(b"$%d\r\n" % args.value_size) + args.value_size + 2,
+                                lambda i: value + b"\r\n"))
+    rounds = max(1, min(args.setget_rounds, args.pairs))
+    bounds = [args.pairs * r // rounds for r in range(rounds + 1)]
+    prof = Profiler(args.py_spy, node[1], "setget") if profiling and node else None
+    for r in range(rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            if prof is not None:
+                (prof.resume if side.name == "sbpnode" else prof.pause)()
+            others = [(o, sum(family_cpu(o.pid).values())) for o in sides if o is not side]
+            side.run(bounds[r], bounds[r + 1], depth)
+            for o, c0 in others:
+                o.idle_cpu += sum(family_cpu(o.pid).values()) - c0
+        if prof is not None:
+            prof.pause()
+    if prof is not None:
+        prof.stop(args.pairs)
+    for side in sides:
+        side.sock.close()
+        side.samples.sort()
+        rate = args.pairs / side.elapsed
+        cpu = (side.server_cpu * 1e6 / args.pairs, side.client_cpu * 1e6 / args.pairs)
+        results[("kv" if side.name == "sbpnode" else "redis", "setget")] = (rate, cpu)
+        print("%-7s SETGET %8.0f pairs/s  %s  %s" % (side.name, rate, fmt_lat(side.samples), fmt_cpu(cpu).replace("/op", "/pair")))
+    if len(sides) == 2:
+        print("  SETGET rounds (%d pairs each side, alternating), sbpnode/redis: %s" % (
+            args.pairs // rounds, " ".join("%.2fx" % (a / b) for a, b in zip(sides[0].rates, sides[1].rates))))
+        print("  each server's CPU during the other's rounds (its background work): sbpnode %.1f ms, redis %.1f ms" % (
+            sides[0].idle_cpu * 1e3, sides[1].idle_cpu * 1e3))
+    for side in sides:
+        side.requests = None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=1_000_000)
@@ -528,6 +633,8 @@ def main(argv=None):
     ap.add_argument("--redis-fsync", choices=["none", "everysec", "always"], default=None,
                     help="redis persistence (default: always with --durable, else none)")
     ap.add_argument("--pairs", type=int, default=100_000, help="SET k; GET k pairs of the SETGET phase (0: skip)")
+    ap.add_argument("--setget-rounds", type=int, default=6,
+                    help="the SETGET phase in this many rounds per side, the sides alternating")
     ap.add_argument("--kv-cache-mb", type=int, default=None,
                     help="the node's --kv-cache-mb (its row cache; default: the node's default)")
     ap.add_argument("--only", choices=["kv", "redis"], default=None, help="run one side only")
@@ -556,11 +663,10 @@ def main(argv=None):
     except OSError:
         pass
     pkeys = pair_keys(args.pairs)
-    set_reply = codec.HEADER_LEN
-    get_reply = codec.HEADER_LEN + 6 + 9 + args.value_size  # pair keys are 9 bytes
     results = {}
     tmp = tempfile.mkdtemp(prefix="kv-bench-")
     node = redis = None
+    node_pid = redis_pid = None
     try:
         if args.only != "redis":
             cache = {} if args.kv_cache_mb is None else {"kv_cache_mb": args.kv_cache_mb}
@@ -617,25 +723,9 @@ def main(argv=None):
             results[("kv", "scan")] = (n / el, cpu)
             print("sbpnode SCAN %10.0f keys/s (%d keys, %d GET_FF pages, %d with the jump bit, %.2f s)  %s"
                   % (n / el, n, pages, jumps, el, fmt_cpu(cpu).replace("/op", "/key")))
-            if args.pairs:
-                if args.settle:
-                    settle(pid, "after SCAN")
-                enc_set, enc_get = codec.encode_set, codec.encode_get
-                pairs = [enc_set(2 * i, k, value) + enc_get(2 * i + 1, k) for i, k in enumerate(pkeys)]
-                sock = connect(port)
-                prof = Profiler(args.py_spy, pid, "setget") if profiling else None
-                cpu = CpuMeter(pid)
-                el, lat, tail = pipelined(sock, pairs, set_reply + get_reply, max(1, args.depth // 2), chunk=8)
-                cpu = cpu.us_per(args.pairs)
-                if prof:
-                    prof.stop(args.pairs)
-                assert tail.endswith(codec.encode_get_reply(2 * args.pairs - 1, pkeys[-1], value)), tail
-                del pairs
-                sock.close()
-                results[("kv", "setget")] = (args.pairs / el, cpu)
-                print("sbpnode SETGET %8.0f pairs/s  %s  %s" % (args.pairs / el, fmt_lat(lat), fmt_cpu(cpu).replace("/op", "/pair")))
-            node.terminate()
-            node = None
+            node_pid = pid
+            if args.pairs and args.settle:
+                settle(pid, "after SCAN")
         if args.only != "kv":
             redis, rport = start_redis(tmp, redis_fsync)
             pid = redis.pid
@@ -670,20 +760,12 @@ def main(argv=None):
             results[("redis", "scan")] = (n / el, cpu)
             print("redis   SCAN %10.0f keys/s (%d keys, %d SCAN+MGET pages, %.2f s)  %s"
                   % (n / el, n, pages, el, fmt_cpu(cpu).replace("/op", "/key")))
-            if args.pairs:
-                if args.settle:
-                    settle(pid, "after SCAN")
-                pairs = [resp(b"SET", k, value) + resp(b"GET", k) for k in pkeys]
-                sock = connect(rport)
-                cpu = CpuMeter(pid)
-                rlen = 5 + len(b"$%d\r\n" % args.value_size) + args.value_size + 2
-                el, lat, tail = pipelined(sock, pairs, rlen, max(1, args.depth // 2), chunk=8)
-                cpu = cpu.us_per(args.pairs)
-                assert tail.endswith(value + b"\r\n")
-                del pairs
-                sock.close()
-                results[("redis", "setget")] = (args.pairs / el, cpu)
-                print("redis   SETGET %8.0f pairs/s  %s  %s" % (args.pairs / el, fmt_lat(lat), fmt_cpu(cpu).replace("/op", "/pair")))
+            redis_pid = pid
+            if args.pairs and args.settle:
+                settle(pid, "after SCAN")
+        if args.pairs:
+            setget(args, results, pkeys, value, node and (node.ports["kv"], node_pid), redis and (rport, redis_pid),
+                   profiling)
     finally:
         if node is not None:
             node.kill9()
