@@ -85,7 +85,8 @@ class NodeMetrics:
         registry.register(self.request_seconds)
         self.fsync_seconds = Histogram(
             "sbpnode_store_fsync_duration_seconds",
-            "One fdatasync of the store's write-ahead log.",
+            "One sync of the store's write-ahead log: an fdatasync, or a group's write that syncs its "
+            "bytes itself (RWF_DSYNC, under --fsync always).",
             buckets=FSYNC_BUCKETS, registry=registry,
         )
         self.etcd_seconds = Histogram(

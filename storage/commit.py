@@ -85,7 +85,7 @@ from storage import errors, index
 from storage.index import INDEX_KEY, INDEX_VAL, U64, PackedOp, RawTxn, apply_ops, pack_ops
 from storage.presync import PreSync
 from storage.record_batch import HEADER_SIZE
-from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS
+from storage.wal import ENTRY_SIZE, T_BATCH, T_OPS, WriteSyncFailed
 
 BATCH_PREFIX = struct.Struct(">QQ")  # a T_BATCH entry's payload starts: stream_id, append_ms
 _BASE = struct.Struct(">q")
@@ -858,12 +858,19 @@ class CommitCore:
                 wal.add(T_OPS, pack_ops(merged) if packed else (msgpack.packb(merged, use_bin_type=True),))
             if self.packs.dirty and durable:
                 _synced("the chunk packs", self.packs.sync)  # chunk bytes are durable before the WAL entry naming them
-            wal.flush()
             # Under --fsync always every group's WAL bytes are synced before the LMDB commit names
             # them: batch bytes live only in the WAL, and LMDB's commit (metasync=False) syncs its
             # data pages but not its meta page, so after a power cut it may fall back to the
             # previous commit. Recovery then replays this group from the synced WAL. A group of
             # metadata/kv/chunk-index changes alone is not durable through the commit by itself.
+            # The group's write syncs its bytes itself (RWF_DSYNC): between a write and a separate
+            # fdatasync this thread took the GIL back, and waited for it up to ~150 us while the
+            # reactor ran (docs/benchmarks.md, issue 19's twelfth pass). ``wal.sync`` then syncs
+            # what else is unsynced (an earlier segment of the group's), usually nothing.
+            try:
+                wal.flush(dsync=durable)
+            except WriteSyncFailed as e:
+                raise SyncFailed("the WAL", e.error) from e.error
             if durable:
                 _synced("the WAL", wal.sync)
                 if early is not None:

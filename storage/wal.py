@@ -58,6 +58,20 @@ DROP_BEHIND_BYTES = None
 DROP_STEP_BYTES = 8 << 20
 
 
+# ``flush(dsync=True)`` writes and syncs in one call where the kernel can (RWF_DSYNC);
+# SBPNODE_WAL_DSYNC=0: a write, then an fdatasync (A/B runs, docs/benchmarks.md)
+WRITE_DSYNC = fileops.RWF_DSYNC is not None and os.environ.get("SBPNODE_WAL_DSYNC", "1") != "0"
+
+
+class WriteSyncFailed(Exception):
+    """A write made with its sync (``Wal.flush(dsync=True)``) failed after its bytes reached the
+    file: its sync failed, with ``error``."""
+
+    def __init__(self, error):
+        super().__init__("the write's sync failed: %s" % error)
+        self.error = error
+
+
 def entry_crc(base: int, etype: int, parts, crc32=crc32, tail_crc=None) -> int:
     """The entry CRC. The writer thread passes ``crc32=crc32_held`` (storage/crc.py).
     ``tail_crc``: the CRC-32 of the last part, known already (a record batch's checked
@@ -252,6 +266,7 @@ class Wal:
         self.drop_behind = DROP_BEHIND_BYTES
         self._dropped = self.end
         self.synced_end = self.end  # writer thread: the WAL end at the last sync
+        self.dsync = WRITE_DSYNC  # flush(dsync=True) may write and sync in one call
         # Every write, sync and cut of a segment goes through ``ops`` (storage/fileops.py: the
         # disk-fault seam; tests replace it).
         self.ops = fileops.from_environment()
@@ -363,15 +378,35 @@ class Wal:
         finally:
             os.close(dfd)
 
-    def flush(self):
+    def flush(self, dsync=False):
+        """Write the group's entries. ``dsync``: and sync them in the same system calls
+        (``FileOps.pwritev_dsync``: no fdatasync after, so the writer thread does not wait for the
+        GIL between the two) as ``sync`` would, when the segment held nothing unsynced before
+        them; a caller that then calls ``sync`` finds only other segments to sync (or none).
+        Raises ``WriteSyncFailed`` when such a call failed once bytes of it had reached the file
+        (its sync failed: never a full disk), the write's own OSError otherwise."""
         if self._buf:
             fd = self.fds[self.active]
             parts = self._buf
             off = self._buf_start - self.active
-            pwritev = self.ops.pwritev
+            dsync = dsync and self.dsync and self.active not in self._dirty
+            pwritev = self.ops.pwritev_dsync if dsync else self.ops.pwritev
+            on_sync = self.on_sync
             i = 0
             while i < len(parts):
-                n = pwritev(fd, parts[i:i + IOV_MAX], off)
+                if dsync:
+                    t0 = time.perf_counter()
+                    try:
+                        n = pwritev(fd, parts[i:i + IOV_MAX], off)
+                    except OSError as e:
+                        if not self._dsync_unsupported(fd, off, e):
+                            raise
+                        dsync, pwritev = False, self.ops.pwritev
+                        continue
+                    if on_sync is not None:
+                        on_sync(time.perf_counter() - t0)
+                else:
+                    n = pwritev(fd, parts[i:i + IOV_MAX], off)
                 if n <= 0:
                     raise OSError(errno.EIO, "pwritev wrote nothing")
                 off += n
@@ -383,10 +418,29 @@ class Wal:
                     else:
                         parts[i] = memoryview(parts[i])[n:]
                         n = 0
-            self._dirty.add(self.active)
+            if not dsync:
+                self._dirty.add(self.active)
             self._buf = []
             self.flushes += 1
         self._buf_start = self.end
+
+    def _dsync_unsupported(self, fd, off, error) -> bool:
+        """A write-and-sync call at segment offset ``off`` failed with ``error``. True: RWF_DSYNC
+        is not supported here (EOPNOTSUPP, EINVAL, refused before writing anything): plain writes
+        and fdatasync from now on, this one included. Else, if the file now reaches past ``off``
+        (its size was ``off`` before: the WAL only appends), the write happened and its sync
+        failed: raises ``WriteSyncFailed``; a file that cannot be looked at counts as such. False:
+        the write itself failed (its error stands: ENOSPC is a full disk)."""
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            size = None
+        if size == off and error.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            self.dsync = False
+            return True
+        if size is None or size > off:
+            raise WriteSyncFailed(error) from error
+        return False
 
     def discard(self):
         """Forget the unflushed group (its transaction was aborted)."""
