@@ -28,7 +28,8 @@ The path of a write:
    into the WAL as ``T_OPS`` entries; the WAL checkpoint is stored in the same transaction.
 3. Durability, in this order (LevelDB's habit: the log before the index that names it): chunk packs
    are synced before the WAL entry naming them; under ``--fsync always`` the group's WAL bytes are
-   fdatasync'ed before the LMDB commit; then LMDB commits. Under ``interval:MS`` the writer syncs
+   synced before the LMDB commit (written with RWF_DSYNC: the write syncs them itself,
+   ``Wal.flush(dsync=True)``); then LMDB commits. Under ``interval:MS`` the writer syncs
    packs, WAL and LMDB together at most every MS ms (``interval_sync_wait``; the ``PreSync``
    thread writes the WAL and packs back early so that sync is short). Under ``never`` only close
    syncs. Replica runs (``AppendRun.on_synced``) are announced to the reactor right after the WAL
