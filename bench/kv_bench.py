@@ -234,10 +234,14 @@ class CpuMeter:
         self.server0 = family_cpu(pid)  # the node's child processes (its merge worker) count as the node
         self.client0 = own_cpu()
 
-    def us_per(self, n):
+    def seconds(self):
+        """(server, generator) CPU seconds since this meter was made."""
         now = family_cpu(self.pid)
-        server = sum(v - self.server0.get(p, 0.0) for p, v in now.items())
-        return (server * 1e6 / n, (own_cpu() - self.client0) * 1e6 / n)
+        return sum(v - self.server0.get(p, 0.0) for p, v in now.items()), own_cpu() - self.client0
+
+    def us_per(self, n):
+        server, client = self.seconds()
+        return (server * 1e6 / n, client * 1e6 / n)
 
 
 def settle(pid, what, idle_share=0.1, span=2.5, step=0.1, timeout=30.0):
@@ -559,19 +563,19 @@ class SetGetSide:
         self.last_reply = last_reply  # (index of a pair) -> the bytes its replies end with
         self.elapsed = 0.0
         self.samples = []
-        self.server_cpu = self.client_cpu = 0.0
+        self.server_cpu = self.client_cpu = 0.0  # CPU seconds over its rounds
         self.rates = []
         self.idle_cpu = 0.0  # its server's CPU seconds during the other side's rounds
 
     def run(self, lo, hi, depth):
         cpu = CpuMeter(self.pid)
         el, lat, tail = pipelined(self.sock, self.requests[lo:hi], self.reply_len, depth, chunk=8)
-        server, client = cpu.us_per(1)
+        server, client = cpu.seconds()
         assert tail.endswith(self.last_reply(hi - 1)), (self.name, tail)
         self.elapsed += el
         self.samples.extend(lat)
-        self.server_cpu += server / 1e6  # seconds
-        self.client_cpu += client / 1e6
+        self.server_cpu += server
+        self.client_cpu += client
         self.rates.append((hi - lo) / el)
 
 
