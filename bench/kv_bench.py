@@ -602,10 +602,10 @@ def setget(args, results, pkeys, value, node, redis, profiling):
         for side in (sides if r % 2 == 0 else sides[::-1]):
             if prof is not None:
                 (prof.resume if side.name == "sbpnode" else prof.pause)()
-            others = [(o, sum(family_cpu(o.pid).values())) for o in sides if o is not side]
+            others = [(o, CpuMeter(o.pid)) for o in sides if o is not side]
             side.run(bounds[r], bounds[r + 1], depth)
-            for o, c0 in others:
-                o.idle_cpu += sum(family_cpu(o.pid).values()) - c0
+            for o, meter in others:
+                o.idle_cpu += meter.seconds()[0]
         if prof is not None:
             prof.pause()
     if prof is not None:
@@ -670,7 +670,6 @@ def main(argv=None):
     results = {}
     tmp = tempfile.mkdtemp(prefix="kv-bench-")
     node = redis = None
-    node_pid = redis_pid = None
     try:
         if args.only != "redis":
             cache = {} if args.kv_cache_mb is None else {"kv_cache_mb": args.kv_cache_mb}
@@ -727,7 +726,6 @@ def main(argv=None):
             results[("kv", "scan")] = (n / el, cpu)
             print("sbpnode SCAN %10.0f keys/s (%d keys, %d GET_FF pages, %d with the jump bit, %.2f s)  %s"
                   % (n / el, n, pages, jumps, el, fmt_cpu(cpu).replace("/op", "/key")))
-            node_pid = pid
             if args.pairs and args.settle:
                 settle(pid, "after SCAN")
         if args.only != "kv":
@@ -764,11 +762,10 @@ def main(argv=None):
             results[("redis", "scan")] = (n / el, cpu)
             print("redis   SCAN %10.0f keys/s (%d keys, %d SCAN+MGET pages, %.2f s)  %s"
                   % (n / el, n, pages, el, fmt_cpu(cpu).replace("/op", "/key")))
-            redis_pid = pid
             if args.pairs and args.settle:
                 settle(pid, "after SCAN")
         if args.pairs:
-            setget(args, results, pkeys, value, node and (node.ports["kv"], node_pid), redis and (rport, redis_pid),
+            setget(args, results, pkeys, value, node and (node.ports["kv"], node.proc.pid), redis and (rport, redis.pid),
                    profiling)
     finally:
         if node is not None:
